@@ -1,0 +1,38 @@
+# Set-up and the two README commands. Everything installs into ./.venv from scratch.
+# torch is pinned here (the CPU build); the package itself only asks for torch>=2.6.
+VENV   ?= .venv
+PYTHON ?= python3
+BIN     = $(VENV)/bin
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup test demo bench lint format clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[hf,plot,dev]"
+	touch $@
+
+setup: $(BIN)/.installed
+
+## Run the whole test suite (lint and format checks included).
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest -q
+
+## The main job: train a tiny ARMD on the Python docs, sample, evaluate, write a report.
+demo: setup
+	$(BIN)/anyorder demo
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) runs data_cache .pytest_cache .ruff_cache

@@ -1,0 +1,30 @@
+"""User-facing errors.
+
+Every error a user can cause by bad input is an :class:`AnyorderError`: the CLI prints
+its message as one line (no traceback) and exits with code 2. The message names the
+problem and the fix.
+"""
+
+from __future__ import annotations
+
+
+class AnyorderError(Exception):
+    """A bad input: printed as one line by the CLI, exit code 2."""
+
+    exit_code = 2
+
+
+class ConfigError(AnyorderError):
+    """Unknown, ill-typed or inconsistent configuration."""
+
+
+class DataError(AnyorderError):
+    """A data source, tokenizer or token shard that cannot be used."""
+
+
+class CheckpointError(AnyorderError):
+    """A missing, corrupt or mismatched checkpoint."""
+
+
+class SamplingError(AnyorderError):
+    """Bad sampling or infilling arguments."""

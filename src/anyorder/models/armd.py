@@ -1,0 +1,115 @@
+"""``armd``: the two-stream, strictly causal, permutation-equivariant ARMD (arXiv 2601.16971).
+
+Slot ``t`` of the permuted sequence holds ``x_o(t)`` at position ``o(t)`` (no shift).
+
+* Content stream ``h``: token embeddings, block-causal self-attention (a slot sees its own
+  block and earlier ones).
+* Query stream ``g``: starts from *prefix aggregation* (METHOD.md, our choice for the cut
+  Eq. 6): ``g0_t = MLP(sinusoid(o_t)) + mean(h0 over blocks before t)`` — an O(n) normalised
+  prefix sum, invariant to the order inside the prefix and strictly causal. Its queries
+  read the content stream's keys and values of **earlier blocks only**; the streams share
+  every weight (W_q, W_k, W_v, W_o, the MLP and the norms), as ARMD App. B.2 states.
+* ``l2s`` two-stream layers, then ``n_layer - l2s`` ordinary block-causal layers over ``g``;
+  the head reads ``g``. RoPE at the original positions in every attention.
+
+A composition of one strictly causal layer with causal ones is strictly causal, so the
+prediction at slot ``t`` depends on the tokens of blocks ``< B(t)`` only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from anyorder.config import ModelConfig
+from anyorder.layers import (
+    Block,
+    block_mask,
+    init_weights,
+    make_norm,
+    sinusoidal,
+    strict_causal_mask,
+)
+from anyorder.models.base import AnyOrderLM
+
+
+def prefix_mean(h0: Tensor, blocks: Tensor | None) -> Tensor:
+    """Mean of ``h0`` (B, n, d) over the slots of earlier blocks (zero where there are none).
+
+    ``blocks=None`` means token level: slot ``t`` averages slots ``< t``.
+    """
+    B, n, d = h0.shape
+    csum = torch.cat([h0.new_zeros(B, 1, d), h0.cumsum(dim=1)], dim=1)  # (B, n+1, d)
+    if blocks is None:
+        start = torch.arange(n, device=h0.device).expand(B, n)
+    else:  # first slot of each slot's block = number of slots in earlier blocks
+        start = torch.searchsorted(blocks.contiguous(), blocks.contiguous(), side="left")
+    total = csum.gather(1, start[..., None].expand(B, n, d))
+    return total / start.clamp(min=1)[..., None].to(h0.dtype)
+
+
+class ARMD(AnyOrderLM):
+    """Two-stream strictly causal stack, then ordinary layers over the query stream."""
+
+    kind = "armd"
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        d = cfg.d_model
+        self.l2s = cfg.two_stream_layers
+        self.tok_emb = nn.Embedding(cfg.vocab_size, d)
+        self.pos_emb = nn.Embedding(cfg.seq_len, d) if cfg.positional == "learned" else None
+        self.query_mlp = nn.Sequential(nn.Linear(d, d // 4), nn.GELU(), nn.Linear(d // 4, d))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = make_norm(cfg)
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        init_weights(self, cfg)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+
+    # -- pieces shared with the cached decoder --------------------------------------------
+
+    def embed_content(self, x: Tensor, pos: Tensor) -> Tensor:
+        """Content-stream input: token embeddings at their positions (B, T, d)."""
+        h = self.tok_emb(x)
+        return h + self.pos_emb(pos) if self.pos_emb is not None else h
+
+    def embed_query(self, target: Tensor, prefix: Tensor) -> Tensor:
+        """Query-stream input from the target positions and the prefix aggregate."""
+        return self.query_mlp(sinusoidal(target, self.cfg.d_model).to(prefix.dtype)) + prefix
+
+    def two_stream_layer(
+        self, block: Block, h: Tensor, g: Tensor, pos: Tensor, mask_c, mask_q, last: bool
+    ) -> tuple[Tensor, Tensor]:
+        """One shared-weight layer over both streams; ``last`` skips the unused content update."""
+        attn = block.attn
+        q, k, v = attn.project(block.norm1(h), pos)
+        qg = attn.project_q(block.norm1(g), pos)
+        g = g + attn.attend(qg, k, v, mask_q)
+        g = g + block.mlp(block.norm2(g))
+        if not last:
+            h = h + attn.attend(q, k, v, mask_c)
+            h = h + block.mlp(block.norm2(h))
+        return h, g
+
+    # -- the interface --------------------------------------------------------------------
+
+    def forward(
+        self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
+    ) -> Tensor:
+        self.check_tokens(tokens)
+        order = self.resolve_order(tokens, order)
+        n = tokens.shape[1]
+        x = tokens.gather(1, order)
+        h = self.embed_content(x, order)
+        g = self.embed_query(order, prefix_mean(h, blocks))
+        if blocks is None:
+            mask_c, mask_q = "causal", strict_causal_mask(n, tokens.device)
+        else:
+            mask_c, mask_q = block_mask(blocks, blocks, False), block_mask(blocks, blocks, True)
+        for i, block in enumerate(self.blocks):
+            if i < self.l2s:
+                h, g = self.two_stream_layer(block, h, g, order, mask_c, mask_q, i == self.l2s - 1)
+            else:
+                g = block(g, order, mask_c)
+        return self.head(self.norm_f(g))

@@ -1,0 +1,102 @@
+"""``gpt``: the left-to-right baseline, and the decoder trunk AO-GPT builds on.
+
+Slot inputs are ``[BOS, x_0, ..., x_(n-2)]``: slot ``t`` holds the previous token at its own
+position and predicts ``x_t``. BOS is a learned vector, not a vocabulary id (the id ``-1``
+stands for it in :meth:`GPT.embed`), and sits at position 0 for RoPE. AO-GPT uses the same
+layout over a permuted sequence, so both share :meth:`GPT.embed` and :meth:`GPT.trunk`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from anyorder.config import ModelConfig
+from anyorder.errors import ConfigError
+from anyorder.layers import Block, Mask, init_weights, make_norm
+from anyorder.models.base import AnyOrderLM
+
+BOS = -1  # slot-input id of the learned BOS vector
+
+
+class GPT(AnyOrderLM):
+    """A causal decoder over ``[BOS, x_0 .. x_(n-2)]``, left to right only."""
+
+    kind = "gpt"
+    cond_dim: int | None = None
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        d = cfg.d_model
+        self.tok_emb = nn.Embedding(cfg.vocab_size, d)
+        self.pos_emb = nn.Embedding(cfg.seq_len, d) if cfg.positional == "learned" else None
+        self.bos = nn.Parameter(torch.zeros(d))
+        self.blocks = nn.ModuleList(Block(cfg, self.cond_dim) for _ in range(cfg.n_layer))
+        self.norm_f = make_norm(cfg)
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.build_extra()
+        init_weights(self, cfg)
+        nn.init.normal_(self.bos, std=cfg.init_std)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+
+    def build_extra(self) -> None:
+        """Hook for subclasses' extra modules (initialised with the rest)."""
+
+    # -- shared pieces --------------------------------------------------------------------
+
+    def embed(self, x_in: Tensor, pos_in: Tensor) -> Tensor:
+        """Slot-input embeddings: token (``BOS`` = -1: the learned BOS) at position ``pos_in``."""
+        is_bos = (x_in == BOS)[..., None]
+        h = self.tok_emb(x_in.clamp(min=0))
+        if self.pos_emb is not None:
+            h = h + self.pos_emb(pos_in)
+        return torch.where(is_bos, self.bos.to(h.dtype), h)
+
+    def slot_inputs(self, tokens: Tensor, order: Tensor) -> tuple[Tensor, Tensor]:
+        """``([BOS, x_o0 .. x_o(n-2)], [0, o_0 .. o_(n-2)])`` for a permuted sequence."""
+        B = tokens.shape[0]
+        x = tokens.gather(1, order)
+        bos = torch.full((B, 1), BOS, dtype=x.dtype, device=x.device)
+        zero = torch.zeros((B, 1), dtype=order.dtype, device=order.device)
+        return torch.cat([bos, x[:, :-1]], dim=1), torch.cat([zero, order[:, :-1]], dim=1)
+
+    def condition(self, target: Tensor) -> Tensor | None:
+        """Per-slot condition from the target positions (none for the plain GPT)."""
+        return None
+
+    def inject(self, h: Tensor, target: Tensor) -> Tensor:
+        """Additive target injection (only AO-GPT's ``add`` ablation uses it)."""
+        return h
+
+    def trunk(self, h: Tensor, pos: Tensor, mask: Mask, cond: Tensor | None) -> Tensor:
+        """All blocks and the final norm: (B, T, d) -> (B, T, d)."""
+        for block in self.blocks:
+            h = block(h, pos, mask, cond)
+        return self.final_norm(h, cond)
+
+    def final_norm(self, h: Tensor, cond: Tensor | None) -> Tensor:
+        return self.norm_f(h)
+
+    def check_blocks(self, blocks: Tensor | None) -> None:
+        if blocks is not None and not bool((blocks.diff(dim=-1) > 0).all()):
+            raise ConfigError(
+                f"{self.kind} predicts one token per slot (block size 1); it gets blocks of "
+                "several tokens only through the sampler's parallel prediction mask"
+            )
+
+    # -- the interface --------------------------------------------------------------------
+
+    def forward(
+        self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
+    ) -> Tensor:
+        self.check_tokens(tokens)
+        if order is not None and not torch.equal(order, self.resolve_order(tokens, None)):
+            raise ConfigError("gpt is a left-to-right model; give order=None (or l2r)")
+        self.check_blocks(blocks)
+        return self._forward(tokens, self.resolve_order(tokens, order))
+
+    def _forward(self, tokens: Tensor, order: Tensor) -> Tensor:
+        x_in, pos_in = self.slot_inputs(tokens, order)
+        h = self.inject(self.embed(x_in, pos_in), order)
+        return self.head(self.trunk(h, pos_in, "causal", self.condition(order)))

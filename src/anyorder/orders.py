@@ -1,0 +1,228 @@
+"""Generation orders, shared by training and sampling.
+
+An :class:`Ordering` is a permutation ``order`` (B, n) — slot ``t`` generates the token at
+original position ``order[:, t]`` — and block ids ``blocks`` (B, n), non-decreasing along
+the slots: the prediction at slot ``t`` may condition on the tokens of blocks
+``< blocks[:, t]`` only. Token-level orders (every token its own block) set
+``token_level`` so that models can take the plain causal fast path.
+
+Design choices:
+
+* Every random order takes an explicit :class:`torch.Generator`; nothing reads the global
+  RNG, so training and sampling are reproducible from a seed.
+* ``progressive`` follows METHOD.md section 3 (our reading of ARMD): ``k`` tokens are taken
+  out of the left-to-right order and put back at uniformly random places; the remaining
+  ``n - k`` keep their relative order. ``k`` is 0 before ``i_ar``, then rises linearly from
+  1 to ``rho`` at ``i_perm``.
+* ``strided(S)`` is ARMD's SBP order: the ``S`` stream heads are generated one at a time,
+  then each group of same-offset tokens is one block of ``S``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from anyorder.config import OrderConfig
+from anyorder.errors import ConfigError
+
+ORDER_KINDS = ("l2r", "uniform", "mix", "fixed", "progressive", "strided", "sbp")
+
+
+class Ordering(NamedTuple):
+    """A batch of orders and their block structure."""
+
+    order: Tensor
+    """(B, n) permutation of positions: slot t generates position order[:, t]."""
+    blocks: Tensor
+    """(B, n) block id of each slot, non-decreasing along the slots."""
+    token_level: bool = True
+    """True when every slot is its own block (blocks == arange)."""
+
+    @property
+    def model_blocks(self) -> Tensor | None:
+        """The blocks to pass to a model: None for token-level orders (plain causal path)."""
+        return None if self.token_level else self.blocks
+
+
+def _arange_blocks(batch: int, n: int, device: torch.device | str | None) -> Tensor:
+    return torch.arange(n, device=device).expand(batch, n)
+
+
+def l2r(batch: int, n: int, device: torch.device | str | None = None) -> Ordering:
+    """The left-to-right order."""
+    o = _arange_blocks(batch, n, device)
+    return Ordering(o.clone(), o.clone())
+
+
+def uniform(
+    batch: int, n: int, generator: torch.Generator, device: torch.device | str | None = None
+) -> Ordering:
+    """A fresh uniformly random permutation per sequence."""
+    order = torch.rand(batch, n, generator=generator, device=generator.device).argsort(dim=-1)
+    return Ordering(order.to(device), _arange_blocks(batch, n, device).clone())
+
+
+def mix(
+    batch: int,
+    n: int,
+    p_l2r: float,
+    generator: torch.Generator,
+    device: torch.device | str | None = None,
+) -> Ordering:
+    """Left-to-right with probability ``p_l2r`` per sequence, else uniform (AO-GPT: 0.1)."""
+    if not 0.0 <= p_l2r <= 1.0:
+        raise ConfigError(f"order.p_l2r={p_l2r} must lie in [0, 1]")
+    rand = uniform(batch, n, generator, device).order
+    pick = torch.rand(batch, generator=generator, device=generator.device).to(rand.device) < p_l2r
+    order = torch.where(pick[:, None], torch.arange(n, device=rand.device), rand)
+    return Ordering(order, _arange_blocks(batch, n, device).clone())
+
+
+def fixed(batch: int, n: int, seed: int, device: torch.device | str | None = None) -> Ordering:
+    """One permutation, drawn from ``seed``, for every sequence and every step."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n, generator=g).to(device).expand(batch, n).clone()
+    return Ordering(order, _arange_blocks(batch, n, device).clone())
+
+
+def progressive_k(step: int, i_ar: int, i_perm: int, rho: int) -> int:
+    """Number of displaced tokens at a training step: 0 before ``i_ar``, 1..rho linearly up to
+    ``i_perm``, ``rho`` after."""
+    if step < i_ar:
+        return 0
+    span = max(1, i_perm - i_ar)
+    frac = min(1.0, (step - i_ar) / span)
+    return 1 + int(round((rho - 1) * frac))
+
+
+def displace(batch: int, n: int, k: int, generator: torch.Generator, device=None) -> Tensor:
+    """Left-to-right order with ``k`` random tokens moved to uniformly random places.
+
+    The ``n - k`` tokens left in place keep their order and get integer keys ``0..n-k-1``;
+    each moved token gets a key uniform in ``(-1, n-k)``, i.e. a uniformly random gap among
+    the ``n - k + 1`` places. Sorting the keys gives the order. Vectorised over the batch.
+    """
+    k = min(k, n)
+    if k == 0:
+        return l2r(batch, n, device).order
+    gd = generator.device
+    chosen = torch.rand(batch, n, generator=generator, device=gd).argsort(dim=-1)[:, :k]
+    moved = torch.zeros(batch, n, dtype=torch.bool, device=gd).scatter_(1, chosen, True)
+    rank = (~moved).cumsum(dim=-1).float() - 1
+    spot = (
+        torch.rand(batch, n, generator=generator, device=gd, dtype=torch.float64) * (n - k + 1) - 1
+    )
+    keys = torch.where(moved, spot, rank.double())
+    return keys.argsort(dim=-1).to(device)
+
+
+def progressive(
+    batch: int,
+    n: int,
+    step: int,
+    i_ar: int,
+    i_perm: int,
+    rho: int,
+    generator: torch.Generator,
+    device: torch.device | str | None = None,
+) -> Ordering:
+    """ARMD's progressive permutation schedule as a function of the training step."""
+    k = progressive_k(step, i_ar, i_perm, rho)
+    return Ordering(
+        displace(batch, n, k, generator, device), _arange_blocks(batch, n, device).clone()
+    )
+
+
+def strided(batch: int, n: int, streams: int, device: torch.device | str | None = None) -> Ordering:
+    """ARMD's strided block-parallel order with ``S = streams``.
+
+    The sequence is cut into ``S`` streams of length ``n/S``; the order interleaves them
+    (``n=8, S=2``: positions ``[0,4 | 1,5 | 2,6 | 3,7]``). The ``S`` heads are generated one
+    at a time (blocks ``0..S-1``); after that each group of ``S`` is one block.
+    """
+    if streams < 1 or n % streams:
+        raise ConfigError(
+            f"streams S={streams} does not divide the sequence length n={n}; "
+            f"pick S among the divisors of {n}"
+        )
+    length = n // streams
+    j = torch.arange(length, device=device)
+    s = torch.arange(streams, device=device)
+    order = (s[None, :] * length + j[:, None]).reshape(-1)  # group j: s*L + j for every s
+    group = j[:, None].expand(length, streams).reshape(-1)
+    blocks = torch.where(group == 0, torch.arange(n, device=device), group + streams - 1)
+    return Ordering(
+        order.expand(batch, n).clone(), blocks.expand(batch, n).clone(), token_level=streams == 1
+    )
+
+
+def sbp(
+    batch: int,
+    n: int,
+    generator: torch.Generator,
+    streams: Sequence[int] = (1, 2, 4),
+    device: torch.device | str | None = None,
+) -> Ordering:
+    """SBP fine-tuning: one ``S`` drawn uniformly from ``streams`` per call (per step)."""
+    i = int(torch.randint(len(streams), (1,), generator=generator, device=generator.device))
+    return strided(batch, n, int(streams[i]), device)
+
+
+class OrderSampler:
+    """The training order distribution named by an :class:`OrderConfig`.
+
+    ``sampler(batch, n, step, generator)`` returns an :class:`Ordering`.
+    """
+
+    def __init__(self, cfg: OrderConfig) -> None:
+        if cfg.kind not in ORDER_KINDS:
+            raise ConfigError(
+                f"order.kind={cfg.kind!r} is unknown; use one of {', '.join(ORDER_KINDS)}"
+            )
+        if cfg.kind == "progressive" and (cfg.rho < 1 or cfg.i_perm < cfg.i_ar):
+            raise ConfigError("order.progressive needs rho >= 1 and i_perm >= i_ar")
+        if cfg.kind == "sbp" and not cfg.sbp_streams:
+            raise ConfigError("order.sbp_streams must list at least one stream count")
+        self.cfg = cfg
+
+    @property
+    def is_left_to_right_only(self) -> bool:
+        return self.cfg.kind == "l2r" or (self.cfg.kind == "mix" and self.cfg.p_l2r >= 1.0)
+
+    def __call__(
+        self,
+        batch: int,
+        n: int,
+        step: int,
+        generator: torch.Generator,
+        device: torch.device | str | None = None,
+    ) -> Ordering:
+        c = self.cfg
+        if c.kind == "l2r":
+            return l2r(batch, n, device)
+        if c.kind == "uniform":
+            return uniform(batch, n, generator, device)
+        if c.kind == "mix":
+            return mix(batch, n, c.p_l2r, generator, device)
+        if c.kind == "fixed":
+            return fixed(batch, n, c.seed, device)
+        if c.kind == "progressive":
+            return progressive(batch, n, step, c.i_ar, c.i_perm, c.rho, generator, device)
+        if c.kind == "strided":
+            return strided(batch, n, c.streams, device)
+        return sbp(batch, n, generator, c.sbp_streams, device)
+
+
+def inverse(order: Tensor) -> Tensor:
+    """Slot of each position: ``inverse(order)[b, order[b, t]] == t``."""
+    return torch.argsort(order, dim=-1)
+
+
+def is_permutation(order: Tensor) -> bool:
+    """Whether every row of ``order`` is a permutation of ``0..n-1``."""
+    n = order.shape[-1]
+    return bool((order.sort(dim=-1).values == torch.arange(n, device=order.device)).all())
