@@ -48,7 +48,8 @@ class ModelConfig:
     mlp_ratio: float = 4.0
     """Hidden width of the gelu MLP over d_model (swiglu uses 2/3 of it)."""
     pos_emb: str = "auto"
-    """Positions: learned (absolute table), rope, or auto (rope for armd and mdm, learned else)."""
+    """Positions: learned (absolute table), rope, or auto (rope for armd as in the paper,
+    learned for the others: an encoder given only [MASK]s needs absolute positions)."""
     rope_base: float = 10000.0
     """RoPE frequency base."""
     qk_norm: bool = True
@@ -113,7 +114,7 @@ class ModelConfig:
         """The resolved positional encoding: ``learned`` or ``rope``."""
         if self.pos_emb != "auto":
             return self.pos_emb
-        return "rope" if self.kind in ("armd", "mdm") else "learned"
+        return "rope" if self.kind == "armd" else "learned"
 
     @property
     def two_stream_layers(self) -> int:

@@ -1,0 +1,77 @@
+"""Config loading (strict, layered) and the console script's basics."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from anyorder.config import ModelConfig, describe, field_docs, load_config, parse_override
+from anyorder.errors import ConfigError
+
+
+def test_layers_defaults_file_overrides(tmp_path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {preset: tiny, kind: armd, n_layer: 6}\ntrain: {steps: 7}\n")
+    cfg = load_config(f, ["train.steps=9", "model.l2s=2", "order.sbp_streams=[1,2]"])
+    assert cfg.model.kind == "armd" and cfg.model.n_layer == 6 and cfg.model.d_model == 256
+    assert cfg.train.steps == 9 and cfg.model.l2s == 2 and cfg.order.sbp_streams == (1, 2)
+    assert load_config(None).train.lr == 1e-3
+    assert load_config(None, ["train.lr=3"]).train.lr == 3.0  # int widened to float
+
+
+def test_unknown_and_ill_typed_keys_are_named(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="unknown config key 'train.stpes'; known keys in train"):
+        load_config(None, ["train.stpes=3"])
+    with pytest.raises(ConfigError, match="unknown config key 'modle'"):
+        load_config(None, ["modle.n_layer=3"])
+    with pytest.raises(ConfigError, match="config key 'train.steps' expects int, got 'many'"):
+        load_config(None, ["train.steps=many"])
+    with pytest.raises(ConfigError, match="config file '.*nope.yaml' does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="override 'steps' is not key=value"):
+        parse_override("steps")
+
+
+def test_help_comes_from_field_docstrings() -> None:
+    docs = field_docs(ModelConfig)
+    assert docs["target_dim"].startswith("aogpt: width of the target-position embedding")
+    keys = {k for k, _, _ in describe()}
+    assert {"model.kind", "train.lr", "order.rho", "data.source"} <= keys
+    assert all(h for _, _, h in describe())  # every field documented
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "anyorder.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_import_is_light_and_cpu_only() -> None:
+    code = (
+        "import sys, anyorder; "
+        "assert 'transformers' not in sys.modules and 'datasets' not in sys.modules; "
+        "print(anyorder.__version__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0.1.0"
+
+
+def test_help_lists_subcommands() -> None:
+    out = run_cli("--help")
+    assert out.returncode == 0
+    assert "info" in out.stdout
+
+
+def test_info_prints_parameter_counts() -> None:
+    out = run_cli("info", "--preset", "tiny")
+    assert out.returncode == 0, out.stderr
+    assert "tiny" in out.stdout and "M" in out.stdout
