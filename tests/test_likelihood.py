@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
 from torch.testing import assert_close
 
 from anyorder import orders
@@ -19,6 +18,8 @@ from anyorder.evaluate import (
     mdm_elbo,
     sequence_nll,
 )
+
+from conftest import tiny_model
 
 
 @pytest.mark.parametrize("n", [4, 5])

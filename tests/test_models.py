@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
 from torch.testing import assert_close
 
 from anyorder import build_model, orders, preset
 from anyorder.errors import ConfigError
 from anyorder.layers import apply_rope, rope_angles
 from anyorder.models.armd import prefix_mean
+
+from conftest import tiny_model
 
 
 def random_blocks(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -36,10 +37,7 @@ def test_strict_causality(kind: str, gen: torch.Generator) -> None:
     model = tiny_model(kind)
     tokens = torch.randint(0, 11, (B, n), generator=gen)
     for trial in range(3):
-        if kind == "gpt":
-            o = orders.l2r(B, n)
-        else:
-            o = orders.uniform(B, n, gen)
+        o = orders.l2r(B, n) if kind == "gpt" else orders.uniform(B, n, gen)
         order = o.order
         blocks = None
         if kind in ("armd", "mdm") and trial > 0:
@@ -100,7 +98,7 @@ def reference_armd(model, tokens: torch.Tensor, order: torch.Tensor, blocks: tor
         )
         g = model.embed_query(o[None], prefix[None])[0]
 
-        def attention(block, xq, xkv, visible):
+        def attention(block, xq, xkv, visible, o=o):
             attn = block.attn
             q, _, _ = attn.project(block.norm1(xq)[None], o[None])
             _, k, v = attn.project(block.norm1(xkv)[None], o[None])
@@ -117,14 +115,20 @@ def reference_armd(model, tokens: torch.Tensor, order: torch.Tensor, blocks: tor
             y = torch.stack(rows, dim=1).transpose(0, 1).reshape(n, H * D)
             return attn.proj(y)
 
+        def strict(i, j, bl=bl):
+            return bl[j] < bl[i]
+
+        def causal(i, j, bl=bl):
+            return bl[j] <= bl[i]
+
         for li, block in enumerate(model.blocks):
             if li < model.l2s:
-                g_new = g + attention(block, g, h, lambda i, j: bl[j] < bl[i])
-                h = h + attention(block, h, h, lambda i, j: bl[j] <= bl[i])
+                g_new = g + attention(block, g, h, strict)
+                h = h + attention(block, h, h, causal)
                 h = h + block.mlp(block.norm2(h))
                 g = g_new + block.mlp(block.norm2(g_new))
             else:
-                g = g + attention(block, g, g, lambda i, j: bl[j] <= bl[i])
+                g = g + attention(block, g, g, causal)
                 g = g + block.mlp(block.norm2(g))
         out.append(model.head(model.norm_f(g)))
     return torch.stack(out)

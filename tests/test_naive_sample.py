@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
 
 from anyorder.errors import SamplingError
 from anyorder.sample import filter_logits, naive_sample, prompt_order, sample_logits
+
+from conftest import tiny_model
 
 
 @pytest.mark.parametrize("kind", ["gpt", "aogpt", "armd", "mdm"])
