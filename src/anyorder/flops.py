@@ -1,0 +1,68 @@
+"""FLOP counts from the architecture, as ARMD App. B.2 counts them.
+
+A multiply-add is 2 FLOPs; attention scores and values cost ``4 * n_ctx * d`` per query
+token (``4 N^2 d`` per sequence, the causal half not subtracted, as in the paper). A
+training step is three forward passes' worth (forward + backward). Biases, norms,
+softmax and embeddings lookups are left out: they are small and the same on both sides
+of every ratio we report.
+"""
+
+from __future__ import annotations
+
+from anyorder.config import ModelConfig
+
+
+def _mlp_hidden(cfg: ModelConfig) -> tuple[int, int]:
+    """(hidden width, number of d x hidden matrices) of the MLP."""
+    if cfg.mlp == "swiglu":
+        hidden = int(cfg.mlp_ratio * cfg.d_model * 2 / 3)
+        return 64 * -(-hidden // 64), 3
+    return int(cfg.mlp_ratio * cfg.d_model), 2
+
+
+def layer_flops(cfg: ModelConfig, n_ctx: int) -> int:
+    """Forward FLOPs of one ordinary layer, per query token attending over ``n_ctx`` keys."""
+    d = cfg.d_model
+    hidden, mats = _mlp_hidden(cfg)
+    return 2 * 4 * d * d + 4 * n_ctx * d + 2 * mats * d * hidden
+
+
+def forward_flops_per_token(cfg: ModelConfig, n: int) -> int:
+    """Forward FLOPs per token of a length-``n`` training sequence, head included."""
+    d, L = cfg.d_model, cfg.n_layer
+    hidden, mats = _mlp_hidden(cfg)
+    head = 2 * d * cfg.vocab_size
+    base = L * layer_flops(cfg, n) + head
+    if cfg.kind == "aogpt":
+        if cfg.target_injection == "adaln":
+            base += L * 2 * cfg.target_dim * 6 * d + 2 * cfg.target_dim * 2 * d
+    elif cfg.kind == "armd":
+        l2s = cfg.two_stream_layers
+        # query stream per two-stream layer: its own Q and O projections, attention, MLP
+        query = 2 * 2 * d * d + 4 * n * d + 2 * mats * d * hidden
+        # the last two-stream layer needs only K and V of the content stream
+        skipped = 2 * d * d + 2 * d * d + 2 * n * d + 2 * mats * d * hidden
+        base += l2s * query - skipped
+        base += 2 * 2 * d * (d // 4)  # the query MLP of prefix aggregation
+    return base
+
+
+def train_flops_per_token(cfg: ModelConfig, n: int) -> int:
+    """Training FLOPs per token: forward + backward = 3 forwards."""
+    return 3 * forward_flops_per_token(cfg, n)
+
+
+def decode_flops_per_token(cfg: ModelConfig, n_ctx: int) -> int:
+    """FLOPs to decode one token with a KV cache holding ``n_ctx`` entries.
+
+    gpt/aogpt: one pass of one slot through all layers. armd: the query slot through all
+    layers plus the decided token's content slot through the two-stream layers.
+    """
+    d = cfg.d_model
+    per_layer = layer_flops(cfg, n_ctx)
+    head = 2 * d * cfg.vocab_size
+    if cfg.kind == "armd":
+        return (cfg.n_layer + cfg.two_stream_layers) * per_layer + head
+    if cfg.kind == "mdm":  # a full bidirectional pass over n_ctx tokens per step
+        return n_ctx * cfg.n_layer * per_layer + n_ctx * head
+    return cfg.n_layer * per_layer + head
