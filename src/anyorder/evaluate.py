@@ -1,12 +1,21 @@
 """Likelihoods: exact left-to-right and per-order NLL, Monte-Carlo any-order NLL, the
-encoder's ELBO, and the exact enumerations that settle Eq. 5 for tiny ``n``.
+encoder's ELBO, context-order ensembles (AO-GPT Eq. 7), corpus-level estimates, and the
+exact enumerations that settle Eq. 5 for tiny ``n``.
 
 Design choices:
 
 * Everything is in nats and per sequence (B,) or per token; callers convert to perplexity
-  or bits per byte with :func:`bits_per_byte`.
-* A Monte-Carlo estimate's standard error is over the *orders* (the corpus is fixed):
-  the mean NLL of the batch under each random order is one sample.
+  or bits per byte with :func:`bits_per_byte` / :func:`metric`.
+* A Monte-Carlo estimate's standard error is over the *orders* (the corpus is fixed).
+  Per batch (:func:`any_order_nll`): the mean NLL of the batch under each random order is
+  one sample. Per corpus (``corpus_*``): a block gets ``K`` replicates (orders, mask draws)
+  and the standard error pools the within-block variance, ``se = sqrt(sum_b s_b^2 / K) / N``
+  (``N (K - 1)`` degrees of freedom; ``K = 1`` gives nan).
+* Corpus randomness is drawn per block from a generator seeded by ``(seed, block, stream)``:
+  results do not depend on the batch size, and the ensemble's identity member is exactly
+  the plain any-order pass of the same seed.
+* Ensembles combine members in probability space: ``log p_ens = logsumexp_j log p_j - log M``.
+  See :func:`member_logprobs` for the exact batched scheme and its cost.
 * The enumerations are exact and exponential (``n!`` orders, ``2^n`` mask sets): they exist
   to test the method's identities, for ``n`` up to about 7.
 """
@@ -23,6 +32,7 @@ from torch import Tensor
 
 from anyorder import orders as orders_mod
 from anyorder.models.base import AnyOrderLM
+from anyorder.models.gpt import GPT
 from anyorder.models.mdm import MDM
 
 
@@ -130,3 +140,165 @@ def exact_mdm_elbo(model: MDM, tokens: Tensor) -> Tensor:
         [math.comb(n, int(k)) for k in size], dtype=torch.float64, device=tokens.device
     )
     return (term / count).view(B, S).sum(dim=1)
+
+
+# ----------------------------------------------------------------------------- ensembles
+
+
+def combine_members(logp: Tensor, m: int | None = None) -> Tensor:
+    """Ensemble log-probability from member log-probabilities (..., M), in probability space.
+
+    ``log p_ens = logsumexp(logp[..., :m]) - log m`` (float64): the mean of the members'
+    *probabilities*, not of their logs. Returns (...).
+    """
+    lp = logp[..., :m].double() if m else logp.double()
+    return torch.logsumexp(lp, dim=-1) - math.log(lp.shape[-1])
+
+
+def ensemble_cost(n: int, members: int, targets: int | None = None) -> float:
+    """Forward passes of ``n`` tokens per block that :func:`member_logprobs` costs.
+
+    ``1 + (M - 1) (n + 1) / 2`` when every target is scored (``n = 1024, M = 8``: 3588.5);
+    with ``targets`` random target slots per block, ``1 + (M - 1) targets (n + 1) / (2 n)``
+    in expectation. Chunk padding adds a little (the measured count is reported beside it).
+    """
+    t = n if targets is None else min(targets, n)
+    return 1.0 + (members - 1) * t * (n + 1) / (2.0 * n)
+
+
+def ensemble_orders(order: Tensor, keys: Tensor, slot: Tensor, length: int) -> Tensor:
+    """Member orders for targets ``slot``: the context sorted by each member's keys.
+
+    Args:
+        order: (P, n) the evaluated order sigma of each pair's sequence.
+        keys: (P, M-1, n) one random key per member and *position*.
+        slot: (P,) target slot i of each pair, ``i < length``.
+        length: slots to return (at least ``max(slot) + 1``).
+
+    Returns:
+        (P, M-1, length) orders ``(sigma_<i sorted by key, sigma_i, sigma_(i+1..length-1))``;
+        slot ``i`` of row ``j`` predicts ``x[sigma_i]`` from the context in member j's order.
+    """
+    P, Mm = keys.shape[:2]
+    sig = order[:, :length]  # (P, L)
+    k = keys.gather(2, sig[:, None, :].expand(P, Mm, length))  # (P, M-1, L) keys in [0, 1)
+    s = torch.arange(length, device=order.device, dtype=k.dtype)
+    i = slot[:, None, None].to(k.dtype)
+    # context (s < i) by key, then the target (2), then the unread filler in sigma order
+    k = torch.where(s < i, k, torch.where(s == i, 2.0, 3.0 + s))
+    return sig[:, None, :].expand(P, Mm, length).gather(2, k.argsort(dim=-1))
+
+
+def _slot_logprob(model: AnyOrderLM, tokens: Tensor, order: Tensor, slot: Tensor) -> Tensor:
+    """log p of ``tokens[order[r, slot[r]]]`` at slot ``slot[r]`` of each row r. (R,)"""
+    R = len(slot)
+    rows = torch.arange(R, device=tokens.device)
+    target = tokens.gather(1, order.gather(1, slot[:, None]))[:, 0]
+    if isinstance(model, GPT):  # causal trunk (aogpt): the head only at the slot read
+        model.check_tokens(tokens)
+        x_in, pos_in = model.slot_inputs(tokens, order)
+        h = model.inject(model.embed(x_in, pos_in), order)
+        h = model.trunk(h, pos_in, "causal", model.condition(order))
+        logits = model.head(h[rows, slot])
+    else:
+        logits = model(tokens, order)[rows, slot]
+    return logits.float().log_softmax(dim=-1).gather(1, target[:, None])[:, 0]
+
+
+@torch.no_grad()
+def member_logprobs(
+    model: AnyOrderLM,
+    tokens: Tensor,
+    order: Tensor,
+    keys: Tensor,
+    slots: Tensor | None = None,
+    *,
+    max_tokens: int = 1 << 15,
+) -> tuple[Tensor, int]:
+    """Log-probabilities of each target under each context-order ensemble member (Eq. 7).
+
+    Member 0 is the identity (the context in the order ``order`` itself); member ``j >= 1``
+    presents the context of target ``i`` sorted by ``keys[:, j-1]``: for every target a
+    uniformly random permutation of its context, independent across members (the paper's
+    draw), though correlated across targets of one member (which leaves each target's term
+    and so the expected total unchanged). Tokens keep their original positions.
+
+    Why this is the cheapest exact scheme we have: in a causal decoder (aogpt; armd's
+    strictly causal stack alike) slot ``s`` depends on the first ``s + 1`` entries of the
+    order only (its input and its target position). So the conditional of target ``i``
+    under context order ``rho`` is slot ``i`` of the sequence ``(rho, sigma_i)``, truncated
+    to ``i + 1`` slots. One sequence serves target ``i`` only when its first ``i`` entries
+    are a permutation of ``sigma_<i`` and entry ``i`` is ``sigma_i``; serving every target
+    at once forces the sequence to be ``sigma`` itself. So the identity costs one pass for
+    all targets, and every other (target, member) needs its own truncated sequence: ``n +
+    (M - 1) n (n + 1) / 2`` slot evaluations per block, i.e. :func:`ensemble_cost` =
+    ``1 + (M - 1)(n + 1)/2`` passes of ``n`` tokens, half of the ``(M - 1) n`` full passes
+    of reading one slot per pass. Truncated rows are batched by similar length (waste below
+    one chunk) and, for the GPT trunk, the head runs only at the slot read. Sharing prefixes
+    would save up to another half: key-sorted contexts of consecutive targets share the
+    prefix before the newly inserted position, ``n + #inversions ~ n^2/4`` distinct slots
+    per member; that needs tree attention masks and is not done here.
+
+    armd: with token-level blocks its conditionals depend on the context order across
+    blocks, so ensembles apply; with the whole context in one block they are invariant and
+    an ensemble changes nothing. mdm: conditionals depend on the context *set* only —
+    ensembles are a no-op (callers skip them).
+
+    Args:
+        model: a decoder that accepts orders shorter than ``n`` (aogpt, armd).
+        tokens: (B, n) sequences in original positions.
+        order: (B, n) the evaluated orders sigma.
+        keys: (B, M-1, n) member keys per position, uniform in [0, 1) (float64 is best).
+        slots: (B, S) target slots to score (default: all ``n``).
+        max_tokens: slot evaluations per forward call (memory bound).
+
+    Returns:
+        ``(logp, evaluated)``: logp (B, S, M) float32 with member 0 the identity, and the
+        number of slot evaluations run, padding and the identity pass included.
+    """
+    B, n = tokens.shape
+    M = keys.shape[1] + 1
+    keys = keys.to(tokens.device)
+    if slots is None:
+        slots = torch.arange(n, device=tokens.device).expand(B, n)
+    S = slots.shape[1]
+    out = torch.zeros(B, S, M, device=tokens.device)
+    out[..., 0] = -model.token_nll(tokens, order).gather(1, slots)
+    evaluated = B * n
+    if M == 1:
+        return out, evaluated
+    b_of = torch.arange(B, device=tokens.device).repeat_interleave(S)
+    col_of = torch.arange(S, device=tokens.device).repeat(B)
+    slot_of = slots.flatten()
+    by_slot = slot_of.argsort(stable=True)
+    b_of, col_of, slot_of = b_of[by_slot], col_of[by_slot], slot_of[by_slot]
+    budget = max_tokens
+    if not isinstance(model, GPT):  # full logits come back: keep them near the hidden size
+        d, V = model.cfg.d_model, model.cfg.vocab_size
+        budget = max(1, max_tokens * d // max(d, V))
+    sl = slot_of.tolist()
+    start = 0
+    while start < len(sl):
+        # Sorted by slot: a chunk's rows are as long as its last slot + 1. Chunks end at the
+        # budget or when that length would pad the first row by more than 1/8 (+4 slots).
+        stop, cap = start + 1, (sl[start] + 1) * 9 // 8 + 4
+        while (
+            stop < len(sl)
+            and sl[stop] < cap
+            and (stop + 1 - start) * (M - 1) * (sl[stop] + 1) <= budget
+        ):
+            stop += 1
+        length = sl[stop - 1] + 1
+        b, c, i = b_of[start:stop], col_of[start:stop], slot_of[start:stop]
+        rows = ensemble_orders(order[b], keys[b], i, length)  # (P, M-1, L)
+        P = len(b)
+        lp = _slot_logprob(
+            model,
+            tokens[b].repeat_interleave(M - 1, dim=0),
+            rows.reshape(P * (M - 1), length),
+            i.repeat_interleave(M - 1),
+        )
+        out[b, c, 1:] = lp.view(P, M - 1)
+        evaluated += P * (M - 1) * length
+        start = stop
+    return out, evaluated

@@ -99,7 +99,7 @@ class ARMD(AnyOrderLM):
     ) -> Tensor:
         self.check_tokens(tokens)
         order = self.resolve_order(tokens, order)
-        n = tokens.shape[1]
+        n = order.shape[1]  # an order prefix is fine: slots never see later slots
         x = tokens.gather(1, order)
         h = self.embed_content(x, order)
         g = self.embed_query(order, prefix_mean(h, blocks))
