@@ -19,6 +19,7 @@ Design choices:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from anyorder.config import ModelConfig
 
 Mask = Tensor | str | None
+KVHook = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # see anyorder.cache
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
@@ -145,20 +147,28 @@ class Attention(nn.Module):
         q = F.linear(x, self.qkv.weight[:d], bias)
         return self._rotate(self.q_norm(self._heads(q)), pos)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, empty: Tensor | bool | None = None
+    ) -> Tensor:
         """SDPA of (B, H, Tq, D) queries over (B, H, Tk, D) keys/values, merged and projected.
 
         ``mask`` is ``"causal"`` (square only), ``None`` (all visible) or a boolean
-        (B|1, 1, Tq, Tk) tensor; rows with no visible key give zeros.
+        (B|1, 1, Tq, Tk) tensor; rows with no visible key give zeros. ``empty`` spares the
+        host-device sync of looking for such rows (the KV-cache decoders know): ``False``
+        promises there are none, a (B, 1, Tq, 1) tensor names them; ``None`` checks.
         """
         p = self.dropout if self.training else 0.0
         if isinstance(mask, str):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-        elif mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        elif mask is None or empty is False:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         else:
-            empty = ~mask.any(dim=-1, keepdim=True)  # (B, 1, Tq, 1)
-            if empty.any():
+            if empty is None:
+                empty = ~mask.any(dim=-1, keepdim=True)  # (B, 1, Tq, 1)
+                fix = bool(empty.any())
+            else:
+                fix = True  # named by the caller: fix up without looking (no sync)
+            if fix:
                 first = torch.zeros_like(mask)
                 first[..., 0] = True
                 mask = mask | (empty & first)
@@ -169,8 +179,16 @@ class Attention(nn.Module):
         B, H, T, D = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
 
-    def forward(self, x: Tensor, pos: Tensor | None, mask: Mask) -> Tensor:
-        return self.attend(*self.project(x, pos), mask)
+    def forward(
+        self, x: Tensor, pos: Tensor | None, mask: Mask, kv: KVHook | None = None
+    ) -> Tensor:
+        """Self-attention; ``kv`` (a KV-cache hook) swaps the new keys/values for the cached
+        ones plus the new, and then every query must see at least itself in ``mask``."""
+        q, k, v = self.project(x, pos)
+        if kv is None:
+            return self.attend(q, k, v, mask)
+        k, v = kv(k, v)
+        return self.attend(q, k, v, mask, empty=False)
 
 
 class MLP(nn.Module):
@@ -239,13 +257,18 @@ class Block(nn.Module):
         self.ada = AdaLN(cond_dim, cfg.d_model, 6) if cond_dim else None
 
     def forward(
-        self, x: Tensor, pos: Tensor | None, mask: Mask, cond: Tensor | None = None
+        self,
+        x: Tensor,
+        pos: Tensor | None,
+        mask: Mask,
+        cond: Tensor | None = None,
+        kv: KVHook | None = None,
     ) -> Tensor:
         if self.ada is None:
-            x = x + self.attn(self.norm1(x), pos, mask)
+            x = x + self.attn(self.norm1(x), pos, mask, kv)
             return x + self.mlp(self.norm2(x))
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(cond)
-        x = x + (1 + gate1) * self.attn(modulate(self.norm1(x), shift1, scale1), pos, mask)
+        x = x + (1 + gate1) * self.attn(modulate(self.norm1(x), shift1, scale1), pos, mask, kv)
         return x + (1 + gate2) * self.mlp(modulate(self.norm2(x), shift2, scale2))
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from anyorder.cache import ARMDCache
 from anyorder.config import ModelConfig
 from anyorder.layers import (
     Block,
@@ -112,4 +113,80 @@ class ARMD(AnyOrderLM):
                 h, g = self.two_stream_layer(block, h, g, order, mask_c, mask_q, i == self.l2s - 1)
             else:
                 g = block(g, order, mask_c)
+        return self.head(self.norm_f(g))
+
+    # -- cached decoding (see anyorder.sample) ------------------------------------------
+
+    def new_cache(self, batch: int, capacity: int) -> ARMDCache:
+        """An empty cache for ``batch`` rows and up to ``capacity`` slots per stream."""
+        cfg = self.cfg
+        return ARMDCache.empty(self.l2s, cfg.n_layer, batch, capacity, cfg.d_model, self.device)
+
+    def decode(
+        self,
+        cache: ARMDCache,
+        content: Tensor,
+        content_pos: Tensor,
+        target: Tensor,
+        *,
+        content_mask: Tensor | None = None,
+        query_content_mask: Tensor | None = None,
+        query_mask: Tensor | None = None,
+        keep_content: Tensor | None = None,
+    ) -> Tensor:
+        """Logits (B, G, V) of ``G`` query-stream slots, after adding ``C`` decided tokens.
+
+        The training forward's computation, split at the cache: the new tokens run through
+        the content stream of the two-stream layers (their keys/values are cached and the
+        prefix aggregate grows by their embeddings); the query slots read all cached content
+        and the new content their mask allows, then the ordinary layers over the query
+        stream, whose keys/values are written at ``[cache.query.length, +G)``: the caller
+        keeps them with ``cache.query.advance`` or lets the next call overwrite them.
+
+        Args:
+            cache: what earlier calls kept.
+            content: (B, C) the newly decided tokens (C may be 0).
+            content_pos: (B, C) their positions.
+            target: (B, G) the positions the query slots predict.
+            content_mask: (B, 1, C, Lc + C) which content each new token's content slot sees
+                (``cache.content.mask``); None: all.
+            query_content_mask: (B, 1, G, Lc + C) which content each query slot sees; also
+                what its prefix aggregate averages. None: all.
+            query_mask: (B, 1, G, Lg + G) which query-stream slots each query slot sees in
+                the ordinary layers, at least itself; None: all.
+            keep_content: (B, C) False at padding tokens (not kept, not aggregated).
+        """
+        B, C = content.shape
+        Lc = cache.content.length
+        h0 = self.embed_content(content, content_pos)  # (B, C, d)
+        if query_content_mask is None:
+            vis = h0.new_ones(B, target.shape[1], C)
+            empty: Tensor | bool = False
+        else:
+            vis = query_content_mask[:, 0, :, Lc:].to(h0.dtype)  # (B, G, C)
+            empty = ~query_content_mask.any(dim=-1, keepdim=True)  # no sync: handed to attend
+        total = cache.prefix_sum[:, None].to(h0.dtype) + vis @ h0  # (B, G, d)
+        count = cache.prefix_count[:, None].to(h0.dtype) + vis.sum(dim=-1)  # (B, G)
+        g = self.embed_query(target, total / count.clamp(min=1)[..., None])
+        h = h0
+        for i, block in enumerate(self.blocks):
+            if i >= self.l2s:
+                g = block(g, target, query_mask, kv=cache.query.hook(i - self.l2s))
+                continue
+            attn = block.attn
+            q, k, v = attn.project(block.norm1(h), content_pos)
+            k, v = cache.content.write(i, k, v)  # (B, H, Lc + C, D)
+            if Lc + C > 0:  # else nothing to read: a zero attention output
+                qg = attn.project_q(block.norm1(g), target)
+                g = g + attn.attend(qg, k, v, query_content_mask, empty=empty)
+            g = g + block.mlp(block.norm2(g))
+            if C > 0 and i < self.l2s - 1:  # the last content update is never read
+                h = h + attn.attend(q, k, v, content_mask, empty=False)
+                h = h + block.mlp(block.norm2(h))
+        cache.content.advance(C, keep_content, content_pos)
+        kept = h0 if keep_content is None else h0 * keep_content[..., None].to(h0.dtype)
+        cache.prefix_sum += kept.sum(dim=1).to(cache.prefix_sum.dtype)
+        cache.prefix_count += (
+            C if keep_content is None else keep_content.sum(dim=1).to(cache.prefix_count.dtype)
+        )
         return self.head(self.norm_f(g))

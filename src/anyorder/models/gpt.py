@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from anyorder.cache import KVCache
 from anyorder.config import ModelConfig
 from anyorder.errors import ConfigError
 from anyorder.layers import Block, Mask, init_weights, make_norm
@@ -100,3 +101,31 @@ class GPT(AnyOrderLM):
         x_in, pos_in = self.slot_inputs(tokens, order)
         h = self.inject(self.embed(x_in, pos_in), order)
         return self.head(self.trunk(h, pos_in, "causal", self.condition(order)))
+
+    # -- cached decoding (see anyorder.sample) ------------------------------------------
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty KV cache for ``batch`` rows and up to ``capacity`` slots."""
+        return KVCache(self.cfg.n_layer, batch, capacity, self.device)
+
+    def decode(
+        self, cache: KVCache, x_in: Tensor, pos_in: Tensor, target: Tensor, mask: Tensor | None
+    ) -> Tensor:
+        """Logits (B, T, V) of ``T`` new slots that read the cache: the training forward's
+        computation for those slots, one slot-input each.
+
+        Args:
+            cache: the slots seen so far; the new slots' keys/values are written at
+                ``[cache.length, cache.length + T)`` of every layer, and the caller keeps
+                them with :meth:`KVCache.advance` (or lets the next call overwrite them).
+            x_in: (B, T) slot-input tokens (``BOS`` = -1 for the learned BOS).
+            pos_in: (B, T) their original positions (0 for BOS).
+            target: (B, T) the positions each slot predicts (AO-GPT's adaLN condition).
+            mask: (B, 1, T, cache.length + T) boolean from :meth:`KVCache.mask`, every row
+                seeing at least its own slot; ``None``: every slot sees everything.
+        """
+        h = self.inject(self.embed(x_in, pos_in), target)
+        cond = self.condition(target)
+        for i, block in enumerate(self.blocks):
+            h = block(h, pos_in, mask, cond, kv=cache.hook(i))
+        return self.head(self.final_norm(h, cond))

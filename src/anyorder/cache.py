@@ -1,0 +1,175 @@
+"""The KV cache: preallocated keys and values of the slots a decoder has already seen.
+
+Design choices:
+
+* One :class:`KVCache` holds a stack of attention layers: per layer a key and a value buffer
+  ``(B, H, capacity, D)``, allocated once at full capacity on the first write (with the dtype
+  of the first keys, so bf16 autocast gets bf16 buffers), and a fill ``length`` that is a
+  Python int shared by every row: moving it needs no host-device sync.
+* Keys are cached *after* RoPE, at explicit positions. Any-order decoding writes positions in
+  any order, so nothing here assumes ``arange``; ``pos`` (B, capacity) records them.
+* A call writes its new slots at ``[length, length + T)`` of every layer and attends over
+  ``[0, length + T)``; :meth:`KVCache.advance` then keeps a prefix of them. Slots written
+  past the kept prefix are scratch (e.g. the extra query slots of a parallel prediction) and
+  the next call overwrites them.
+* Rows of a batch may keep different slots (per-row reveal counts pad some rows): ``valid``
+  (B, capacity) marks the kept slots; ``dense`` says, on the host, that every slot below
+  ``length`` is valid, so that callers can drop masks altogether on the fast path.
+* :meth:`KVCache.fork` repeats every row ``r`` times (``repeat_interleave``): one prompt is
+  prefilled once and then decoded into many samples.
+* :class:`ARMDCache` is two such caches plus ARMD's prefix aggregate: the content stream's
+  keys/values of the two-stream layers, the query stream's keys/values of the ordinary
+  layers, and the running sum and count of the decided tokens' content embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+KVHook = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+class KVCache:
+    """Keys and values of ``n_layers`` attention layers for a batch of ``batch`` rows.
+
+    Args:
+        n_layers: attention layers in the stack.
+        batch: rows.
+        capacity: most slots ever held (kept slots plus the scratch of one call).
+        device: where the buffers live.
+    """
+
+    def __init__(
+        self, n_layers: int, batch: int, capacity: int, device: torch.device | str | None = None
+    ) -> None:
+        self.n_layers = n_layers
+        self.batch = batch
+        self.capacity = capacity
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.k: list[Tensor | None] = [None] * n_layers  # each (B, H, capacity, D)
+        self.v: list[Tensor | None] = [None] * n_layers
+        self.length = 0
+        self.dense = True
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=self.device)
+        self.pos = torch.zeros(batch, capacity, dtype=torch.long, device=self.device)
+
+    # -- writing ------------------------------------------------------------------------
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k``, ``v`` (B, H, T, D) at ``[length, length+T)``; return ``[0, length+T)``."""
+        T = k.shape[2]
+        end = self.length + T
+        if end > self.capacity:
+            raise RuntimeError(
+                f"KV cache overflow: {end} slots needed, capacity {self.capacity}"
+            )  # a sampler bug, not a user error
+        if self.k[layer] is None:
+            B, H, _, D = k.shape
+            self.k[layer] = k.new_empty(B, H, self.capacity, D)
+            self.v[layer] = v.new_empty(B, H, self.capacity, D)
+        kb, vb = self.k[layer], self.v[layer]
+        kb[:, :, self.length : end] = k
+        vb[:, :, self.length : end] = v
+        return kb[:, :, :end], vb[:, :, :end]
+
+    def hook(self, layer: int) -> KVHook:
+        """The cache hook of one layer, for :meth:`anyorder.layers.Attention.forward`."""
+
+        def kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+            return self.write(layer, k, v)
+
+        return kv
+
+    def advance(self, count: int, keep: Tensor | None = None, pos: Tensor | None = None) -> None:
+        """Keep the first ``count`` slots of the last write; later ones become scratch.
+
+        Args:
+            count: slots kept (a prefix of what the last call wrote).
+            keep: (B, count) boolean, False for padding slots of a row (they stay invisible);
+                None keeps them all.
+            pos: (B, >= count) positions of the written slots, recorded in ``pos``.
+        """
+        if count == 0:
+            return
+        end = self.length + count
+        if keep is None:
+            self.valid[:, self.length : end] = True
+        else:
+            self.valid[:, self.length : end] = keep
+            self.dense = False
+        if pos is not None:
+            self.pos[:, self.length : end] = pos[:, :count]
+        self.length = end
+
+    # -- reading ------------------------------------------------------------------------
+
+    def mask(self, new: Tensor) -> Tensor:
+        """Full attention mask (B, 1, Tq, length + Tn) from the mask among new slots
+        (B|1, Tq, Tn). Every new slot sees every valid cached slot.
+        """
+        B, (_, Tq, Tn) = self.batch, new.shape
+        cached = self.valid[:, None, : self.length].expand(B, Tq, self.length)
+        return torch.cat([cached, new.expand(B, Tq, Tn)], dim=-1)[:, None]
+
+    def fork(self, repeats: int) -> KVCache:
+        """A cache with every row repeated ``repeats`` times (rows ``b*r .. b*r+r-1``)."""
+        out = KVCache(self.n_layers, self.batch * repeats, self.capacity, self.device)
+        out.k = [None if t is None else t.repeat_interleave(repeats, dim=0) for t in self.k]
+        out.v = [None if t is None else t.repeat_interleave(repeats, dim=0) for t in self.v]
+        out.length, out.dense = self.length, self.dense
+        out.valid = self.valid.repeat_interleave(repeats, dim=0)
+        out.pos = self.pos.repeat_interleave(repeats, dim=0)
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes held by the key/value buffers."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+
+@dataclass
+class ARMDCache:
+    """What ARMD keeps between decoding calls."""
+
+    content: KVCache
+    """Content-stream keys/values of the decided tokens, one layer per two-stream layer."""
+    query: KVCache
+    """Query-stream keys/values, one layer per ordinary layer after the two-stream ones."""
+    prefix_sum: Tensor
+    """(B, d) sum of the content embeddings of the decided tokens (prefix aggregation)."""
+    prefix_count: Tensor
+    """(B,) how many decided tokens that sum holds (float, to divide by)."""
+
+    @classmethod
+    def empty(
+        cls,
+        l2s: int,
+        n_layer: int,
+        batch: int,
+        capacity: int,
+        d_model: int,
+        device: torch.device | str | None = None,
+    ) -> ARMDCache:
+        """An empty cache for ``l2s`` two-stream layers out of ``n_layer``."""
+        return cls(
+            KVCache(l2s, batch, capacity, device),
+            KVCache(n_layer - l2s, batch, capacity, device),
+            torch.zeros(batch, d_model, device=device),
+            torch.zeros(batch, device=device),
+        )
+
+    def fork(self, repeats: int) -> ARMDCache:
+        """Every row repeated ``repeats`` times."""
+        return ARMDCache(
+            self.content.fork(repeats),
+            self.query.fork(repeats),
+            self.prefix_sum.repeat_interleave(repeats, dim=0),
+            self.prefix_count.repeat_interleave(repeats, dim=0),
+        )
+
+    def nbytes(self) -> int:
+        """Bytes held by the key/value buffers."""
+        return self.content.nbytes() + self.query.nbytes()

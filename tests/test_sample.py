@@ -1,0 +1,521 @@
+"""The fast samplers against the oracles: cached vs uncached logits, the parallel prediction
+mask, strided blocks, Lemma 1's distribution by exact enumeration, infilling, controls."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+
+import pytest
+import torch
+
+from anyorder.data import load_tokenizer
+from anyorder.errors import SamplingError
+from anyorder.orders import strided
+from anyorder.sample import (
+    decode_text,
+    encoder_sample,
+    filter_logits,
+    infill,
+    lemma1_sample,
+    naive_sample,
+    parse_template,
+    reveal_counts,
+    reveal_probabilities,
+    sample,
+    sample_logits,
+    sequential_sample,
+    strided_sample,
+)
+
+from conftest import tiny_model
+
+N = 12
+
+
+def slot_oracle(model, tokens: torch.Tensor, order: torch.Tensor, step_of: torch.Tensor):
+    """Uncached logits (B, n, V) of every decided slot, predicted alone from the slots decided
+    in earlier steps: slot ``t`` decided in a step whose first slot is ``d`` is what the
+    model's forward gives at slot ``d`` of the order with ``t`` moved to ``d``."""
+    B, n = tokens.shape
+    step_slot = step_of.gather(1, order)
+    out = torch.zeros(B, n, model.cfg.vocab_size)
+    for b in range(B):
+        for t in range(n):
+            s = int(step_slot[b, t])
+            if s < 0:
+                continue
+            d = int((step_slot[b] == s).nonzero()[0])
+            o = order[b].clone()
+            o[d], o[t] = order[b, t], order[b, d]
+            out[b, t] = model(tokens[b : b + 1], o[None])[0, d]
+    return out
+
+
+# ----------------------------------------------------------------------------- sequential
+
+
+@pytest.mark.parametrize("kind", ["gpt", "aogpt", "armd"])
+def test_cached_sequential_equals_uncached_at_every_step(kind: str) -> None:
+    model = tiny_model(kind)
+    a = sequential_sample(
+        model, N, batch=3, generator=torch.Generator().manual_seed(0), keep_logits=True
+    )
+    if kind != "gpt":  # a different random order per row
+        assert len({tuple(r) for r in a.order.tolist()}) == 3
+    ref = model(a.tokens, None if kind == "gpt" else a.order)
+    torch.testing.assert_close(a.logits, ref, atol=1e-5, rtol=0)
+    assert a.forward_passes == N
+    # the same seed through the naive oracle draws the same order and the same tokens
+    b = naive_sample(model, N, batch=3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a.order, b.order) and torch.equal(a.tokens, b.tokens)
+
+
+@pytest.mark.parametrize("kind", ["aogpt", "armd"])
+@pytest.mark.parametrize("where", ["prefix", "suffix", "scattered"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_prompted_sequential_keeps_the_prompt_and_matches_the_oracle(
+    kind: str, where: str, shared: bool
+) -> None:
+    model = tiny_model(kind)
+    idx = {"prefix": [0, 1, 2], "suffix": [9, 10, 11], "scattered": [0, 5, 11]}[where]
+    known = torch.zeros(3, N, dtype=torch.bool)
+    known[:, idx] = True
+    prompt = torch.randint(0, 11, (1 if shared else 3, N), generator=torch.Generator())
+    prompt = prompt.expand(3, N)
+    out = sequential_sample(
+        model,
+        N,
+        prompt=prompt,
+        known=known,
+        generator=torch.Generator().manual_seed(1),
+        keep_logits=True,
+    )
+    assert torch.equal(out.tokens[known], prompt[known])
+    assert bool(known.gather(1, out.order[:, :3]).all())
+    ref = model(out.tokens, out.order)
+    torch.testing.assert_close(out.logits[:, 3:], ref[:, 3:], atol=1e-5, rtol=0)
+    # a shared prompt is prefilled once (one extra pass at batch 1), then forked
+    assert out.forward_passes == N - 3 + (1 if shared else 0)
+    assert bool((out.step_of[known] == -1).all()) and bool((out.step_of[~known] >= 0).all())
+
+
+def test_gpt_prefix_prompt_and_its_limits() -> None:
+    model = tiny_model("gpt")
+    known = torch.zeros(2, N, dtype=torch.bool)
+    known[:, :4] = True
+    prompt = torch.randint(0, 11, (2, N), generator=torch.Generator())
+    out = sequential_sample(
+        model, N, prompt=prompt, known=known, generator=torch.Generator(), keep_logits=True
+    )
+    assert torch.equal(out.tokens[:, :4], prompt[:, :4])
+    torch.testing.assert_close(out.logits[:, 4:], model(out.tokens)[:, 4:], atol=1e-5, rtol=0)
+    msg = "gpt generates left to right: give order l2r and a prefix prompt"
+    with pytest.raises(SamplingError, match=msg):
+        sequential_sample(model, N, order="random", generator=torch.Generator())
+    with pytest.raises(SamplingError, match=msg):
+        sequential_sample(model, N, prompt=prompt, known=known.flip(1), generator=None)
+    with pytest.raises(SamplingError, match="gpt cannot predict several positions per pass"):
+        lemma1_sample(model, N, 4)
+
+
+def test_cache_keeps_explicit_non_monotone_positions_and_forks() -> None:
+    model = tiny_model("aogpt")
+    order = torch.tensor([[7, 2, 9, 0, 11, 4, 1, 3, 5, 6, 8, 10]])
+    tokens = torch.randint(0, 11, (1, N), generator=torch.Generator())
+    cache = model.new_cache(1, N)
+    x_in, pos_in = model.slot_inputs(tokens, order)
+    mask = cache.mask(torch.ones(N, N).tril().bool()[None])
+    logits = model.decode(cache, x_in, pos_in, order, mask)
+    cache.advance(N, pos=pos_in)
+    torch.testing.assert_close(logits, model(tokens, order), atol=1e-5, rtol=0)
+    assert cache.pos[0].tolist() == [0, 7, 2, 9, 0, 11, 4, 1, 3, 5, 6, 8]
+    forked = cache.fork(3)
+    assert forked.length == N and forked.batch == 3
+    for layer in range(model.cfg.n_layer):
+        assert torch.equal(forked.k[layer][2], cache.k[layer][0])
+        assert torch.equal(forked.v[layer][1], cache.v[layer][0])
+
+
+# ----------------------------------------------------------------------------- parallel
+
+
+def _prefilled(model, tokens: torch.Tensor, order: torch.Tensor, k: int):
+    """A cache holding the first ``k`` slots of ``order`` exactly as training sees them."""
+    B = tokens.shape[0]
+    causal = torch.ones(k, k).tril().bool()[None].expand(B, k, k)
+    cache = model.new_cache(B, 2 * N)
+    if model.kind == "armd":
+        pos = order[:, :k]
+        model.decode(
+            cache,
+            tokens.gather(1, pos),
+            pos,
+            pos,
+            content_mask=cache.content.mask(causal),
+            query_content_mask=cache.content.mask(causal.tril(-1)),
+            query_mask=cache.query.mask(causal),
+        )
+        cache.query.advance(k)
+    else:
+        x_in, pos_in = model.slot_inputs(tokens, order)
+        model.decode(cache, x_in[:, :k], pos_in[:, :k], order[:, :k], cache.mask(causal))
+        cache.advance(k)
+    return cache
+
+
+def _queries(model, cache, tokens: torch.Tensor, order: torch.Tensor, k: int, targets, mask):
+    """Logits of query slots predicting ``targets`` (B, Q) from the cache of ``k`` slots."""
+    B, Q = targets.shape
+    if model.kind == "armd":
+        empty = torch.zeros(B, 0, dtype=torch.long)
+        qmask = None if mask is None else cache.query.mask(mask)
+        return model.decode(cache, empty, empty, targets, query_mask=qmask)
+    last = order[:, k - 1 : k].expand(B, Q)
+    x_in = tokens.gather(1, last)
+    return model.decode(cache, x_in, last, targets, None if mask is None else cache.mask(mask))
+
+
+@pytest.mark.parametrize("kind", ["aogpt", "armd"])
+def test_parallel_prediction_mask_equals_each_query_alone(kind: str) -> None:
+    model = tiny_model(kind)
+    g = torch.Generator().manual_seed(3)
+    B, k, Q = 2, 5, 4
+    tokens = torch.randint(0, 11, (B, N), generator=g)
+    order = torch.stack([torch.randperm(N, generator=g) for _ in range(B)])
+    cache = _prefilled(model, tokens, order, k)
+    targets = order[:, k : k + Q]
+    together = _queries(model, cache, tokens, order, k, targets, torch.eye(Q).bool()[None])
+    for j in range(Q):
+        alone = _queries(model, cache.fork(1), tokens, order, k, targets[:, j : j + 1], None)
+        torch.testing.assert_close(together[:, j : j + 1], alone, atol=1e-5, rtol=0)
+        # and alone = the uncached model with that target moved to slot k
+        o = order.clone()
+        o[:, k], o[:, k + j] = order[:, k + j], order[:, k]
+        torch.testing.assert_close(alone[:, 0], model(tokens, o)[:, k], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["aogpt", "armd"])
+def test_lemma1_logits_are_the_conditionals_given_earlier_steps(kind: str) -> None:
+    """Per-row reveal counts (padded passes), with and without a prompt."""
+    model = tiny_model(kind)
+    g = torch.Generator().manual_seed(4)
+    for steps in (3, 5):
+        out = lemma1_sample(model, N, steps, batch=3, generator=g, keep_logits=True)
+        assert len({tuple(r) for r in out.counts.T.tolist()}) > 1  # rows differ
+        ref = slot_oracle(model, out.tokens, out.order, out.step_of)
+        torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=0)
+    known = torch.zeros(3, N, dtype=torch.bool)
+    known[:, [1, 6, 10]] = True
+    prompt = torch.randint(0, 11, (3, N), generator=g)
+    out = lemma1_sample(
+        model, N, 4, prompt=prompt, known=known, schedule="cosine", generator=g, keep_logits=True
+    )
+    assert torch.equal(out.tokens[known], prompt[known])
+    ref = slot_oracle(model, out.tokens, out.order, out.step_of)
+    torch.testing.assert_close(out.logits[:, 3:], ref[:, 3:], atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- strided
+
+
+@pytest.mark.parametrize("streams", [1, 2, 3, 4])
+def test_strided_block_parallel_equals_the_blocked_forward(streams: int) -> None:
+    model = tiny_model("armd")
+    out = strided_sample(
+        model, N, streams, batch=2, generator=torch.Generator().manual_seed(5), keep_logits=True
+    )
+    o = strided(2, N, streams)
+    assert torch.equal(out.order, o.order)
+    torch.testing.assert_close(
+        out.logits, model(out.tokens, o.order, o.model_blocks), atol=1e-5, rtol=0
+    )
+    assert out.forward_passes == streams + N // streams - 1
+
+
+# ----------------------------------------------------------------------------- Lemma 1
+
+
+def _peaked(kind: str, seed: int):
+    """A tiny real model with large random weights: sharp, context-dependent conditionals
+    (at init they are nearly uniform, which would hide conditioning mistakes)."""
+    model = tiny_model(kind, vocab_size=3, seq_len=3, n_layer=2, d_model=16, n_head=2)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def _compositions(total: int, parts: int):
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(total + 1):
+        for rest in _compositions(total - first, parts - 1):
+            yield (first, *rest)
+
+
+@torch.no_grad()
+def _exact_reverse_process(model, n: int, steps: int):
+    """Exact law of (count trajectory, sample) of Lemma-1 sampling with a uniform order."""
+    V = model.cfg.vocab_size
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=n)))  # (V^n, n)
+    probs_p = reveal_probabilities(steps)
+    traj_p = {}
+    for c in _compositions(n, steps):
+        p, left = 1.0, n
+        for ci, pi in zip(c, probs_p):
+            p *= math.comb(left, ci) * pi**ci * (1 - pi) ** (left - ci)
+            left -= ci
+        if p > 0:
+            traj_p[c] = p
+    sample_p = torch.zeros(len(seqs), dtype=torch.float64)
+    perms = list(itertools.permutations(range(n)))
+    for sigma in perms:
+        # cond[(d, j)]: (V^n,) probability of x[sigma[d+j]] from slots < d (alone at slot d)
+        cond = {}
+        for d in range(n):
+            for j in range(n - d):
+                o = list(sigma)
+                o[d], o[d + j] = sigma[d + j], sigma[d]
+                order = torch.tensor(o).expand(len(seqs), n)
+                logp = model(seqs, order)[:, d].double().log_softmax(-1)
+                cond[d, j] = logp.gather(1, seqs[:, sigma[d + j], None])[:, 0].exp()
+        for c, pc in traj_p.items():
+            p, d = torch.ones(len(seqs), dtype=torch.float64), 0
+            for ci in c:
+                for j in range(ci):
+                    p = p * cond[d, j]
+                d += ci
+            sample_p += pc / len(perms) * p
+    return seqs, traj_p, sample_p
+
+
+def _chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson chi-square p-value, cells with expected count < 5 pooled into one."""
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum(0, keepdim=True)])
+    exp = torch.cat([expected[~small], expected[small].sum(0, keepdim=True)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(exp) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+@pytest.mark.parametrize("kind", ["aogpt", "armd"])
+def test_lemma1_matches_the_exact_reverse_process(kind: str) -> None:
+    """Counts per step and final samples against exact enumeration, on a fixed seed."""
+    model = _peaked(kind, seed=7)
+    n, steps, B = 3, 3, 20000
+    seqs, traj_p, sample_p = _exact_reverse_process(model, n, steps)
+    assert float(sample_p.sum()) == pytest.approx(1.0, abs=1e-9)
+    assert float(sample_p.max()) > 3 * float(sample_p.min())  # far from uniform
+    with torch.no_grad():
+        out = lemma1_sample(model, n, steps, batch=B, generator=torch.Generator().manual_seed(8))
+    # count trajectories
+    trajs = list(traj_p)
+    seen = [tuple(c) for c in out.counts.T.tolist()]
+    obs = torch.tensor([seen.count(c) for c in trajs], dtype=torch.float64)
+    assert sum(obs) == B
+    exp = torch.tensor([traj_p[c] for c in trajs], dtype=torch.float64) * B
+    assert _chi2_pvalue(obs, exp) > 1e-3
+    # final samples
+    index = (out.tokens * torch.tensor([9, 3, 1])).sum(1)
+    obs = torch.bincount(index, minlength=len(seqs)).double()
+    assert _chi2_pvalue(obs, sample_p * B) > 1e-3
+    # one pass per step in which some row revealed a token
+    assert out.forward_passes == int((out.counts.sum(1) > 0).sum()) <= min(steps, n)
+
+
+def test_lemma1_passes_are_the_nonempty_steps() -> None:
+    model = tiny_model("aogpt")
+    for seed in range(6):
+        for steps in (2, 5, 12, 40):
+            out = lemma1_sample(model, 8, steps, generator=torch.Generator().manual_seed(seed))
+            nonempty = int((out.counts[:, 0] > 0).sum())
+            assert out.forward_passes == nonempty <= min(steps, 8)
+            assert int(out.counts.sum()) == 8
+
+
+def test_reveal_counts_follow_the_schedule() -> None:
+    assert reveal_probabilities(4) == pytest.approx([0.25, 1 / 3, 0.5, 1.0])
+    c = reveal_counts(10, 4, 5000, "linear", torch.Generator().manual_seed(0)).double()
+    assert bool((c.sum(0) == 10).all())
+    # first step: Binomial(10, 1/4)
+    assert float(c[0].mean()) == pytest.approx(2.5, abs=0.06)
+    cos = reveal_probabilities(2, "cosine")
+    assert cos[0] == pytest.approx(1 - (1 - math.cos(math.pi / 4)))
+    with pytest.raises(SamplingError, match="schedule 'cubic' is unknown"):
+        reveal_probabilities(3, "cubic")
+
+
+# ----------------------------------------------------------------------------- encoder
+
+
+def test_encoder_sampler_conditionals_prompt_and_passes() -> None:
+    model = tiny_model("mdm")
+    known = torch.zeros(2, N, dtype=torch.bool)
+    known[:, [3, 8]] = True
+    prompt = torch.randint(0, 11, (2, N), generator=torch.Generator())
+    out = encoder_sample(
+        model,
+        N,
+        steps=5,
+        prompt=prompt,
+        known=known,
+        generator=torch.Generator().manual_seed(2),
+        keep_logits=True,
+    )
+    assert torch.equal(out.tokens[known], prompt[known])
+    assert out.forward_passes == int((out.counts.sum(1) > 0).sum())
+    for b in range(2):  # each token drawn from denoise(x with the earlier steps visible)
+        for pos in (~known[b]).nonzero()[:, 0].tolist():
+            s = int(out.step_of[b, pos])
+            vis = (out.step_of[b] < s) & (out.step_of[b] >= -1)
+            x_t = torch.where(vis, out.tokens[b], model.mask_id)
+            slot = int((out.order[b] == pos).nonzero())
+            want = model.denoise(x_t[None])[0, pos]
+            torch.testing.assert_close(out.logits[b, slot], want, atol=1e-5, rtol=0)
+    one = encoder_sample(model, N, generator=torch.Generator())
+    assert one.forward_passes == N
+
+
+# ----------------------------------------------------------------------------- controls
+
+
+@pytest.mark.parametrize("kind", ["aogpt", "armd", "mdm"])
+def test_same_seed_same_sample_and_supports_respected(kind: str) -> None:
+    model = tiny_model(kind)
+    kw = dict(batch=4, temperature=0.8, top_k=3, steps=6 if kind == "mdm" else None)
+    a = sample(model, N, generator=torch.Generator().manual_seed(9), keep_logits=True, **kw)
+    b = sample(model, N, generator=torch.Generator().manual_seed(9), **kw)
+    c = sample(model, N, generator=torch.Generator().manual_seed(10), **kw)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.order, b.order)
+    assert not torch.equal(a.tokens, c.tokens)
+    drawn = a.tokens.gather(1, a.order)
+    support = ~torch.isinf(filter_logits(a.logits.double() / 0.8, top_k=3))
+    assert bool(support.gather(2, drawn[..., None]).all())
+    assert int(support.sum(-1).max()) == 3
+    p = sample(model, N, top_p=0.5, generator=torch.Generator(), keep_logits=True, **kw)
+    support = ~torch.isinf(filter_logits(p.logits.double() / 0.8, top_k=3, top_p=0.5))
+    assert bool(support.gather(2, p.tokens.gather(1, p.order)[..., None]).all())
+
+
+@pytest.mark.parametrize("kind", ["aogpt", "armd"])
+def test_draws_are_sample_logits_float64_draws(kind: str) -> None:
+    """Replaying the recorded logits through ``sample_logits`` (float64) with the same
+    generator gives the same tokens: the sampler draws exactly that way."""
+    model = tiny_model(kind)
+    order = torch.stack(
+        [torch.randperm(N, generator=torch.Generator().manual_seed(i)) for i in (0, 1)]
+    )
+    out = sequential_sample(
+        model, N, order=order, temperature=1.3, top_p=0.9,
+        generator=torch.Generator().manual_seed(11), keep_logits=True,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(11)
+    for t in range(N):
+        tok = sample_logits(out.logits[:, t], g, temperature=1.3, top_p=0.9)
+        assert torch.equal(tok, out.tokens.gather(1, order[:, t : t + 1])[:, 0])
+
+
+def test_stop_at_eos_truncates_left_to_right() -> None:
+    model = tiny_model("gpt")
+    eos = 4
+    full = sequential_sample(model, N, batch=2, generator=torch.Generator().manual_seed(1))
+    first = [row.index(eos) for row in full.tokens.tolist()]
+    assert max(first) <= 7  # this seed: both rows draw EOS within 8 steps (checked every 8)
+    out = sequential_sample(
+        model, N, batch=2, generator=torch.Generator().manual_seed(1), stop_at_eos=eos
+    )
+    for b, f in enumerate(first):
+        assert torch.equal(out.tokens[b, : f + 1], full.tokens[b, : f + 1])
+        assert bool((out.tokens[b, f:] == eos).all())
+    assert out.forward_passes < N
+    assert bool((out.step_of[:, -1] == -2).all())  # never generated
+    with pytest.raises(SamplingError, match="stop at EOS needs a left-to-right order"):
+        sequential_sample(tiny_model("aogpt"), N, stop_at_eos=eos, generator=torch.Generator())
+
+
+def test_dispatch_errors() -> None:
+    armd, aogpt = tiny_model("armd"), tiny_model("aogpt")
+    with pytest.raises(SamplingError, match="give steps .* or streams .*, not both"):
+        sample(armd, N, steps=3, streams=2)
+    with pytest.raises(SamplingError, match="strided block-parallel decoding is ARMD's"):
+        sample(aogpt, N, streams=2)
+    with pytest.raises(SamplingError, match="streams S=5 does not divide the sequence length"):
+        sample(armd, N, streams=5)
+    with pytest.raises(SamplingError, match="the strided order needs a number of streams"):
+        sample(armd, N, order="strided")
+    with pytest.raises(SamplingError, match="length n=17 must lie in 1..16"):
+        sample(armd, 17)
+    with pytest.raises(SamplingError, match="steps=0 must be at least 1"):
+        sample(armd, N, steps=0)
+
+
+# ----------------------------------------------------------------------------- infilling
+
+BYTES = load_tokenizer("bytes")
+
+
+def test_parse_template_grammar() -> None:
+    tokens, known = parse_template("ab[MASK:3]c[MASK:1]", BYTES)
+    assert tokens.tolist() == [97, 98, 0, 0, 0, 99, 0]
+    assert known.tolist() == [True, True, False, False, False, True, False]
+    tokens, known = parse_template("[MASK:2] [x]", BYTES)
+    assert known.tolist() == [False, False, True, True, True, True]
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("no holes here", "the template has no hole; mark the text to fill with [MASK:n]"),
+        ("a [MASK:4", "unterminated hole at character 2 of the template; close it as [MASK:n]"),
+        ("a [MASK:0] b", "bad hole '[MASK:0]' at character 2; write [MASK:n] with a whole number"),
+        ("[MASK:x]", "bad hole '[MASK:x]' at character 0; write [MASK:n] with a whole number"),
+        ("[MASK] b", "bad hole '[MASK]' at character 0; write [MASK:n] with a whole number"),
+        ("abcdefgh [MASK:9]", "the template is 18 tokens, longer than the model's context (16)"),
+        ("[MASK:99]", "hole [MASK:99] is longer than the model's context (16 tokens)"),
+    ],
+)
+def test_parse_template_errors(template: str, message: str) -> None:
+    with pytest.raises(SamplingError, match=re.escape(message)):
+        parse_template(template, BYTES, max_len=16)
+
+
+@pytest.mark.parametrize("kind", ["aogpt", "armd", "mdm"])
+def test_infill_never_changes_the_known_text(kind: str) -> None:
+    model = tiny_model(kind, vocab_size=257, seq_len=64)
+    for template, steps in [
+        ("The [MASK:6] of Python", None),  # scattered: text on both sides
+        ("[MASK:5] end.", None),  # suffix known
+        ("Start: [MASK:7]", 3),  # prefix known, Lemma-1 / encoder steps
+    ]:
+        texts = infill(
+            model, BYTES, template, num_samples=3, steps=steps,
+            generator=torch.Generator().manual_seed(0),
+        )  # fmt: skip
+        assert len(texts) == 3
+        head, tail = template.split("[MASK:")[0], template.split("]")[-1]
+        for text in texts:
+            assert text.startswith(head) and text.endswith(tail)
+    tokens, known = parse_template("a[MASK:3]b[MASK:2]c", BYTES)
+    out = sample(model, len(tokens), prompt=tokens, known=known, batch=4, generator=None)
+    assert bool((out.tokens[:, known] == tokens[known]).all())
+
+
+def test_infill_with_gpt_fills_only_the_end() -> None:
+    model = tiny_model("gpt", vocab_size=257, seq_len=64)
+    (text,) = infill(model, BYTES, "Hello [MASK:5]", generator=torch.Generator())
+    assert text.startswith("Hello ")
+    with pytest.raises(SamplingError, match="gpt generates left to right"):
+        infill(model, BYTES, "[MASK:5] world", generator=torch.Generator())
+
+
+def test_decode_text_cuts_at_eos() -> None:
+    ids = torch.tensor([72, 105, 256, 65, 66])
+    assert decode_text(BYTES, ids) == "HiAB"
+    assert decode_text(BYTES, ids, eos_id=256) == "Hi"
