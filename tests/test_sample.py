@@ -519,3 +519,61 @@ def test_decode_text_cuts_at_eos() -> None:
     ids = torch.tensor([72, 105, 256, 65, 66])
     assert decode_text(BYTES, ids) == "HiAB"
     assert decode_text(BYTES, ids, eos_id=256) == "Hi"
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _save_run(run, kind: str) -> None:
+    from anyorder.checkpoint import save_checkpoint
+    from anyorder.config import RunConfig
+
+    model = tiny_model(kind, vocab_size=257, seq_len=32)
+    save_checkpoint(run, 1, model=model, config=RunConfig(model=model.cfg), tokenizer=BYTES)
+
+
+def test_cli_sample(tmp_path, capsys) -> None:
+    import json
+
+    from anyorder.cli import main
+
+    for kind in ("gpt", "aogpt", "armd"):
+        _save_run(tmp_path / kind, kind)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(["sample", *argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    # streamed left-to-right text = the text of the same sample in --json
+    code, streamed, err = run(str(tmp_path / "gpt"), "--prompt", "Hi", "--length", "16")
+    assert code == 0 and streamed.startswith("Hi") and "forward passes" in err
+    code, out, _ = run(str(tmp_path / "gpt"), "--prompt", "Hi", "--length", "16", "--json")
+    (s,) = json.loads(out)["samples"]
+    assert streamed == s["text"] + "\n" and s["tokens"][:2] == [72, 105]
+    # Lemma 1: one pass per non-empty step
+    code, out, _ = run(str(tmp_path / "aogpt"), "--steps", "5", "--length", "12", "--json")
+    res = json.loads(out)
+    (counts,) = res["counts"]
+    assert res["mode"] == "lemma1" and sum(counts) == 12
+    assert res["forward_passes"] == sum(c > 0 for c in counts)
+    # infilling keeps the template's text
+    code, out, _ = run(str(tmp_path / "armd"), "--infill", "a[MASK:4]b", "--json", "--seed", "2")
+    tokens = json.loads(out)["samples"][0]["tokens"]
+    assert tokens[0] == ord("a") and tokens[5] == ord("b") and len(tokens) == 6
+    # strided: S + n/S - 1 passes, several samples
+    argv = [str(tmp_path / "armd"), "--streams", "4", "--length", "16", "--num-samples", "2"]
+    code, out, _ = run(*argv, "--json")
+    res = json.loads(out)
+    assert res["forward_passes"] == 4 + 4 - 1 and len(res["samples"]) == 2
+    code, out, _ = run(*argv)
+    assert out.startswith("=== sample 1 ===\n") and "=== sample 2 ===" in out
+    # user errors: one line, exit code 2
+    code, _, err = run(str(tmp_path / "aogpt"), "--infill", "no holes")
+    assert code == 2 and err == (
+        "anyorder sample: error: the template has no hole; mark the text to fill with [MASK:n]\n"
+    )
+    code, _, err = run(str(tmp_path / "armd"), "--order", "strided")
+    assert code == 2 and err == "anyorder sample: error: --order strided needs --streams S\n"
+    code, _, err = run(str(tmp_path / "gpt"), "--steps", "4")
+    assert code == 2 and "gpt cannot predict several positions per pass" in err

@@ -209,6 +209,198 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- sample
+
+
+def add_sample(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="run folder (its latest checkpoint) or checkpoint folder")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--prompt", default=None, help="text the samples start with (a prefix)")
+    what.add_argument(
+        "--infill",
+        default=None,
+        metavar="TEMPLATE",
+        help="fill the holes of a template, e.g. 'The [MASK:20] of Python' (hole = [MASK:n], "
+        "n >= 1 tokens; everything else literal); its length is the template's",
+    )
+    p.add_argument(
+        "--order",
+        choices=("l2r", "random", "strided"),
+        default=None,
+        help="generation order (default: l2r for gpt, random otherwise; strided: armd)",
+    )
+    p.add_argument("--streams", type=int, default=None, help="strided: S streams (armd)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="masked-diffusion sampling in T reverse steps (Lemma 1 on aogpt/armd, the "
+        "encoder on mdm); default: one token per forward pass",
+    )
+    p.add_argument("--schedule", choices=("linear", "cosine"), default="linear")
+    p.add_argument(
+        "--length", type=int, default=None, help="tokens per sample, prompt included (default n)"
+    )
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
+    p.add_argument("--num-samples", type=int, default=1, help="samples (one batch)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random draw")
+    p.add_argument(
+        "--no-stop-at-eos",
+        action="store_true",
+        help="keep the text after the first EOS (default: cut there; l2r decoding stops)",
+    )
+    p.add_argument("--json", action="store_true", help="print tokens, orders and pass counts")
+    p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="default: ema")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on CUDA"
+    )
+
+
+class _Streamer:
+    """Prints a left-to-right sample as its tokens are decided (one row)."""
+
+    def __init__(self, tokenizer, eos_id: int | None) -> None:
+        self.tok, self.eos, self.ids, self.shown, self.ended = tokenizer, eos_id, [], "", False
+
+    def __call__(self, positions, tokens) -> None:
+        if self.ended:
+            return
+        for t in tokens[0].tolist():
+            if t == self.eos:
+                self.ended = True
+                break
+            self.ids.append(t)
+        self.flush(final=self.ended)
+
+    def flush(self, final: bool = False) -> None:
+        text = self.tok.decode(self.ids)
+        if not final:  # an incomplete UTF-8 character shows as U+FFFD until it completes
+            text = text.rstrip("\ufffd")
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            sys.stdout.write(text[len(self.shown) :])
+            sys.stdout.flush()
+            self.shown = text
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    import contextlib
+    import json
+    import time
+
+    import torch
+
+    from anyorder.checkpoint import load_model
+    from anyorder.errors import SamplingError
+    from anyorder.sample import decode_text, parse_template, sample
+    from anyorder.train import resolve_device
+
+    if args.num_samples < 1:
+        raise SamplingError(f"--num-samples={args.num_samples} must be at least 1")
+    if args.infill is not None and args.length is not None:
+        raise SamplingError("--infill takes its length from the template; leave out --length")
+    device = resolve_device(args.device)
+    ckpt = load_model(args.checkpoint, weights=args.weights, device=device)
+    model, tok = ckpt.model, ckpt.tokenizer
+    order = args.order or ("l2r" if model.kind == "gpt" else "random")
+    if order == "strided" and args.streams is None:
+        raise SamplingError("--order strided needs --streams S")
+    streams = args.streams
+    if streams is not None:
+        order = "strided"
+    n = args.length or model.cfg.seq_len
+    prompt = known = None
+    if args.infill is not None:
+        prompt, known = parse_template(args.infill, tok, model.cfg.seq_len)
+        n = len(prompt)
+    elif args.prompt:
+        ids = tok.encode(args.prompt)
+        if len(ids) >= n:
+            raise SamplingError(
+                f"the prompt is {len(ids)} tokens, not shorter than --length {n}; raise "
+                "--length or shorten the prompt"
+            )
+        prompt = torch.zeros(n, dtype=torch.long)
+        prompt[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+        known = torch.zeros(n, dtype=torch.bool)
+        known[: len(ids)] = True
+    sequential = args.steps is None and streams is None
+    cut = not args.no_stop_at_eos and args.infill is None
+    stop = tok.eos_id if cut and sequential and order == "l2r" and model.kind != "mdm" else None
+    stream = None
+    if sequential and order == "l2r" and args.num_samples == 1 and not args.json:
+        stream = _Streamer(tok, tok.eos_id if cut else None)
+        if prompt is not None:
+            stream.ids = prompt[known].tolist()
+            stream.flush()
+    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
+    ctx = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
+    gen = torch.Generator(device).manual_seed(args.seed)
+    start = time.perf_counter()
+    with ctx:
+        result = sample(
+            model,
+            n,
+            order=None if order == "strided" else order,
+            streams=streams,
+            steps=args.steps,
+            schedule=args.schedule,
+            batch=args.num_samples,
+            prompt=prompt,
+            known=known,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            generator=gen,
+            stop_at_eos=stop,
+            on_step=stream,
+        )
+    seconds = time.perf_counter() - start
+    tokens = result.tokens.cpu()
+    texts = [decode_text(tok, row, tok.eos_id if cut else None) for row in tokens]
+    generated = int((result.step_of >= 0).sum())
+    mode = "encoder" if model.kind == "mdm" else "strided" if streams else "lemma1"
+    mode = "sequential" if sequential and model.kind != "mdm" else mode
+    if args.json:
+        out = {
+            "checkpoint": str(ckpt.path),
+            "step": ckpt.step,
+            "kind": model.kind,
+            "mode": mode,
+            "order": order,
+            "n": n,
+            "steps": args.steps,
+            "streams": streams,
+            "forward_passes": result.forward_passes,
+            "generated_tokens": generated,
+            "seconds": round(seconds, 4),
+            "samples": [
+                {"text": text, "tokens": row.tolist(), "order": o.tolist(), "step_of": s.tolist()}
+                for text, row, o, s in zip(texts, tokens, result.order.cpu(), result.step_of.cpu())
+            ],
+        }
+        if result.counts is not None:
+            out["counts"] = result.counts.T.tolist()  # per sample, per step
+        print(json.dumps(out))
+        return 0
+    if stream is not None:
+        stream.flush(final=True)
+        print()
+    else:
+        for i, text in enumerate(texts):
+            if len(texts) > 1:
+                print(f"=== sample {i + 1} ===")
+            print(text)
+    print(
+        f"{model.kind} {mode}: {generated} tokens, {result.forward_passes} forward passes, "
+        f"{generated / max(seconds, 1e-9):,.0f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
 # ----------------------------------------------------------------------------- registry
 
 Command = tuple[
@@ -221,6 +413,7 @@ def commands() -> list[Command]:
     return [
         ("info", "parameter counts of the presets; config keys", add_info, run_info),
         ("eval", "likelihoods, zero-shot table, generative perplexity", add_eval, run_eval),
+        ("sample", "generate or infill text from a checkpoint", add_sample, run_sample),
     ]
 
 
