@@ -41,6 +41,106 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- train
+
+
+def add_train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML run config (see configs/)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=100")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="resume the run folder's latest checkpoint, allowing train.* and order.* changes "
+        "(without it, a run folder with checkpoints of the same config is resumed anyway)",
+    )
+    p.add_argument("--resume-from", default=None, metavar="PATH", help="resume this checkpoint")
+    p.add_argument("--fresh", action="store_true", help="never resume (error if checkpoints)")
+    p.add_argument(
+        "--dry-run", action="store_true", help="build everything, take one step, write nothing"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    import os
+
+    from anyorder.config import load_config
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    code = 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from anyorder.train import print0, train
+
+        resume: bool | str = args.resume_from or (True if args.resume else "auto")
+        if args.fresh:
+            resume = False
+        summary = train(cfg, resume=resume, dry_run=args.dry_run, progress=not args.no_progress)
+        if not summary["dry_run"]:
+            print0(f"done: step {summary['step']}, {summary['tokens_per_s']:,.0f} tokens/s")
+            print0(f"run folder: {summary['run_dir']}")
+    except AnyorderError as e:
+        if not distributed:
+            raise
+        print(f"anyorder train: error: {e}", file=sys.stderr)
+        code = e.exit_code
+    except BaseException:
+        if not distributed:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        if distributed:
+            # gloo can abort at interpreter exit (MACHINE-NOTES); leave without the teardown.
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def add_data(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML run config (its data and model.seq_len are used)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.source=FILE")
+
+
+def run_data(args: argparse.Namespace) -> int:
+    from anyorder.config import load_config
+    from anyorder.data import data_main
+
+    cfg = load_config(args.config, args.overrides)
+    data_main(cfg.data, cfg.model.seq_len)
+    return 0
+
+
+# ----------------------------------------------------------------------------- demo
+
+
+def add_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="runs/demo", help="run folder for the demo and its report")
+    p.add_argument(
+        "--minutes", type=float, default=None, help="training budget in minutes (default 5)"
+    )
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from anyorder.demo import DEFAULT_MINUTES, demo
+
+    minutes = DEFAULT_MINUTES if args.minutes is None else args.minutes
+    demo(args.out, minutes=minutes, threads=args.threads, progress=not args.no_progress)
+    return 0
+
+
 # ----------------------------------------------------------------------------- eval
 
 _ZERO_SHOT_SETS = "lambada,wikitext2,ptb,wikitext103,lm1b"
@@ -412,6 +512,9 @@ def commands() -> list[Command]:
     """Every subcommand: (name, help, add_arguments, run)."""
     return [
         ("info", "parameter counts of the presets; config keys", add_info, run_info),
+        ("train", "train a model from a YAML config (or under torchrun)", add_train, run_train),
+        ("data", "tokenize and pack a config's data; print its statistics", add_data, run_data),
+        ("demo", "train a tiny ARMD, sample, evaluate, write a report", add_demo, run_demo),
         ("eval", "likelihoods, zero-shot table, generative perplexity", add_eval, run_eval),
         ("sample", "generate or infill text from a checkpoint", add_sample, run_sample),
     ]
@@ -432,7 +535,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may follow the options (`train CONFIG --dry-run a.b=1`); argparse
+    # stops filling a positional list at the first option, so collect the rest here.
+    if extra and isinstance(getattr(args, "overrides", None), list):
+        unknown = [e for e in extra if e.startswith("-") or "=" not in e]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

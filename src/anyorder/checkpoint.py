@@ -1,0 +1,488 @@
+"""Training checkpoints: atomic folders with checksums, and :func:`load_model` for everyone else.
+
+A checkpoint is a folder ``RUN/checkpoints/step_0000100/`` holding
+
+* ``model.safetensors``: the raw weights; ``ema.safetensors``: the EMA weights (when on);
+* ``state.pt``: optimizer, schedule, step, RNG states and the data cursor (training only);
+* ``config.yaml``: the resolved :class:`~anyorder.config.RunConfig`;
+* ``tokenizer/``: the tokenizer's files (:meth:`Tokenizer.save`);
+* ``manifest.json``: step, and the size and SHA-256 of every other file.
+
+Design choices:
+
+* Atomic: everything is written into a temporary folder beside the target, every file is
+  fsynced, then the folder is renamed into place with :func:`os.replace`. A folder named
+  ``step_*`` with a ``manifest.json`` is complete; a killed writer leaves only a
+  ``.step_*.tmp-*`` folder, which the next save removes.
+* Tied weights (the head sharing the embedding) are written once: the safetensors file holds
+  no alias, and the loader fills the aliases from the model it builds. That keeps the files
+  readable by plain ``safetensors.torch.load_file``.
+* ``state.pt`` is read with ``torch.load(weights_only=True)``: it holds only tensors and
+  plain Python values (the numpy RNG state is stored as a tensor), never pickled objects.
+* Every read checks the files it reads against the manifest (size, then SHA-256), so a
+  truncated or altered file is a :class:`CheckpointError` naming the file, not a crash deep
+  inside torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from anyorder.config import RunConfig, load_config, to_dict
+from anyorder.errors import AnyorderError, CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from anyorder.data import Tokenizer
+    from anyorder.models.base import AnyOrderLM
+
+FORMAT_VERSION = 1
+CHECKPOINTS = "checkpoints"
+"""Sub-folder of a run that holds its checkpoints."""
+MODEL_FILE = "model.safetensors"
+EMA_FILE = "ema.safetensors"
+STATE_FILE = "state.pt"
+CONFIG_FILE = "config.yaml"
+TOKENIZER_DIR = "tokenizer"
+MANIFEST = "manifest.json"
+WEIGHTS = ("ema", "raw")
+
+_NAME = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder name of the checkpoint after ``step`` optimizer steps."""
+    return f"step_{step:07d}"
+
+
+# ----------------------------------------------------------------------------- finding
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run (folders with a manifest), oldest step first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _NAME.match(p.name)
+        if m and p.is_dir() and (p / MANIFEST).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The checkpoint of a run with the highest step, or None when it has none."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint folder (it has a manifest)."""
+    p = Path(path)
+    return p.is_dir() and (p / MANIFEST).is_file()
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder from a checkpoint folder or a run folder (its latest checkpoint).
+
+    Raises:
+        CheckpointError: the path does not exist, or holds no checkpoint.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(
+            f"checkpoint path {str(p)!r} does not exist; give a run folder or a checkpoint folder"
+        )
+    if is_checkpoint(p):
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise CheckpointError(
+            f"{str(p)!r} holds no checkpoint (no {CHECKPOINTS}/step_*/{MANIFEST}); train into it "
+            "first (anyorder train CONFIG train.out_dir=...) or give a checkpoint folder"
+        )
+    return latest
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(ckpt: str | Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder.
+
+    Raises:
+        CheckpointError: no manifest or an unreadable one.
+    """
+    path = Path(ckpt) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{path} is missing or unreadable ({type(e).__name__}); the checkpoint is "
+            "incomplete: delete it and use an earlier one"
+        ) from None
+    if manifest.get("format") != FORMAT_VERSION or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(
+            f"{path} has checkpoint format {manifest.get('format')!r}, this version reads "
+            f"{FORMAT_VERSION}; use the anyorder version that wrote it"
+        )
+    return manifest
+
+
+def verify(ckpt: str | Path, files: Iterable[str] | None = None) -> dict[str, Any]:
+    """Check files of a checkpoint (default: all) against the manifest's sizes and SHA-256.
+
+    Args:
+        ckpt: the checkpoint folder.
+        files: relative paths to check; a prefix ending in ``/`` checks a whole sub-folder.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointError: a file that is missing, truncated or altered.
+    """
+    ckpt = Path(ckpt)
+    manifest = read_manifest(ckpt)
+    listed: dict[str, dict[str, Any]] = manifest["files"]
+    if files is None:
+        names = list(listed)
+    else:
+        names = []
+        for want in files:
+            if want.endswith("/"):
+                names += [n for n in listed if n.startswith(want)]
+            elif want in listed:
+                names.append(want)
+    for name in names:
+        info = listed[name]
+        path = ckpt / name
+        fix = f"delete {ckpt} and use an earlier checkpoint"
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing; {fix}")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {path} is truncated or altered ({size} bytes, the manifest "
+                f"says {info['bytes']}); {fix}"
+            )
+        if _sha256(path) != info["sha256"]:
+            raise CheckpointError(f"checkpoint file {path} does not match its checksum; {fix}")
+    return manifest
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for parameters shared under several names (a tied head).
+
+    The canonical name is the first one ``named_parameters`` yields (``tok_emb.weight``).
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def save_weights(
+    state: Mapping[str, Tensor], path: str | Path, aliases: Mapping[str, str] | None = None
+) -> None:
+    """Write a state dict to safetensors, without the ``aliases`` (tied copies)."""
+    from safetensors.torch import save_file
+
+    aliases = dict(aliases or {})
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items() if k not in aliases}
+    save_file(tensors, str(path), metadata={"format": "pt", "tied": json.dumps(aliases)})
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Load a safetensors file written by :func:`save_weights` into ``model`` (strictly).
+
+    Raises:
+        CheckpointError: the file's tensors do not fit the model.
+    """
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    for alias, canonical in tied_aliases(model).items():
+        if alias not in state and canonical in state:
+            state[alias] = state[canonical]
+    want = model.state_dict()
+    missing = sorted(set(want) - set(state))
+    unexpected = sorted(set(state) - set(want))
+    wrong = sorted(k for k in set(want) & set(state) if want[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        detail = "; ".join(
+            f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+            for what, names in (("missing", missing), ("unexpected", unexpected), ("shape", wrong))
+            if names
+        )
+        raise CheckpointError(
+            f"weights in {path} do not fit the model its config.yaml describes ({detail}); "
+            "the checkpoint was altered or written by another version"
+        )
+    model.load_state_dict(state, strict=True)
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some platforms cannot open folders; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _finalize(folder: Path) -> dict[str, dict[str, Any]]:
+    """fsync every file under ``folder`` and return its sizes and checksums."""
+    files: dict[str, dict[str, Any]] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        rel = path.relative_to(folder).as_posix()
+        files[rel] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+    for sub in sorted({p.parent for p in folder.rglob("*")}):
+        _fsync_dir(sub)
+    return files
+
+
+def _remove_stale_temps(root: Path) -> None:
+    for p in root.glob(".step_*.tmp-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def prune(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints; returns the deleted folders."""
+    found = list_checkpoints(run_dir)
+    doomed = found[: max(0, len(found) - max(1, keep_last))]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    *,
+    model: nn.Module | Mapping[str, Tensor],
+    config: RunConfig,
+    tokenizer: Tokenizer,
+    ema: Mapping[str, Tensor] | None = None,
+    state: Mapping[str, Any] | None = None,
+    keep_last: int | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> Path:
+    """Write ``RUN/checkpoints/step_<step>/`` atomically and prune old checkpoints.
+
+    Args:
+        run_dir: the run folder.
+        step: optimizer steps done.
+        model: the model (unwrapped), or its full state dict.
+        config: the resolved run config (written as ``config.yaml``).
+        tokenizer: saved under ``tokenizer/``.
+        ema: the EMA weights as a state dict with the model's keys, or None.
+        state: the training state for ``state.pt`` (optimizer, RNG, data cursor...), or None.
+        keep_last: keep this many checkpoints (default ``config.train.keep_last``).
+        aliases: ``{alias: canonical}`` tied names; taken from ``model`` when it is a module.
+
+    Returns:
+        The checkpoint folder.
+    """
+    import yaml
+
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(root)
+    name = checkpoint_name(step)
+    final = root / name
+    if isinstance(model, nn.Module):
+        aliases = tied_aliases(model)
+        weights: Mapping[str, Tensor] = model.state_dict()
+    else:
+        weights = model
+        aliases = dict(aliases or {})
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    try:
+        save_weights(weights, tmp / MODEL_FILE, aliases)
+        if ema is not None:
+            save_weights(ema, tmp / EMA_FILE, aliases)
+        if state is not None:
+            torch.save(dict(state), tmp / STATE_FILE)
+        (tmp / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        tokenizer.save(tmp / TOKENIZER_DIR)
+        files = _finalize(tmp)
+        manifest = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "kind": config.model.kind,
+            "has_ema": ema is not None,
+            "files": files,
+        }
+        with open(tmp / MANIFEST, "w") as f:  # last: a folder with a manifest is complete
+            f.write(json.dumps(manifest, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = None
+        if final.exists():  # the same step saved again (e.g. a stop right after a save)
+            old = root / f".{name}.tmp-old-{os.getpid()}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune(run_dir, config.train.keep_last if keep_last is None else keep_last)
+    return final
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def read_config(ckpt: str | Path) -> RunConfig:
+    """The run config stored in a checkpoint (its checksum checked).
+
+    Raises:
+        CheckpointError: a missing, altered or invalid ``config.yaml``.
+    """
+    ckpt = Path(ckpt)
+    verify(ckpt, [CONFIG_FILE])
+    try:
+        return load_config(ckpt / CONFIG_FILE)
+    except ConfigError as e:
+        raise CheckpointError(
+            f"{ckpt / CONFIG_FILE} is not a config this version reads ({e}); use the anyorder "
+            "version that wrote it"
+        ) from None
+
+
+def read_tokenizer(ckpt: str | Path) -> Tokenizer:
+    """The tokenizer stored in a checkpoint (its checksums checked)."""
+    from anyorder.data import load_tokenizer
+
+    ckpt = Path(ckpt)
+    verify(ckpt, [TOKENIZER_DIR + "/"])
+    try:
+        return load_tokenizer(str(ckpt / TOKENIZER_DIR))
+    except AnyorderError as e:
+        raise CheckpointError(f"the tokenizer in {ckpt} cannot be loaded: {e}") from None
+
+
+def read_state(ckpt: str | Path) -> dict[str, Any]:
+    """The training state (``state.pt``) of a checkpoint, for resuming.
+
+    Raises:
+        CheckpointError: a checkpoint without training state, or a damaged one.
+    """
+    ckpt = Path(ckpt)
+    manifest = verify(ckpt, [STATE_FILE])
+    if STATE_FILE not in manifest["files"]:
+        raise CheckpointError(
+            f"{ckpt} holds weights only (no {STATE_FILE}); it cannot be resumed, only loaded"
+        )
+    return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+
+
+def weights_file(ckpt: str | Path, weights: str = "ema") -> Path:
+    """The weights file to read: ``ema.safetensors`` if asked for and present, else raw.
+
+    Raises:
+        ConfigError: ``weights`` is neither ``ema`` nor ``raw``.
+    """
+    if weights not in WEIGHTS:
+        raise ConfigError(f"weights={weights!r} is not a choice; use ema or raw")
+    manifest = read_manifest(ckpt)
+    if weights == "ema" and EMA_FILE in manifest["files"]:
+        return Path(ckpt) / EMA_FILE
+    return Path(ckpt) / MODEL_FILE
+
+
+@dataclass
+class Loaded:
+    """A model loaded from a checkpoint, ready for sampling and evaluation."""
+
+    model: AnyOrderLM
+    """The model, in eval mode, on the requested device."""
+    tokenizer: Tokenizer
+    """The tokenizer the model was trained with."""
+    config: RunConfig
+    """The resolved config of the training run."""
+    step: int
+    """Optimizer steps the weights had when saved."""
+    path: Path
+    """The checkpoint folder."""
+    weights: str = "raw"
+    """Which weights were loaded: ``ema`` or ``raw``."""
+
+
+def load_model(
+    path: str | Path, *, weights: str = "ema", device: str | torch.device = "cpu"
+) -> Loaded:
+    """Load a trained model from a run folder (its latest checkpoint) or a checkpoint folder.
+
+    Args:
+        path: a run folder or ``RUN/checkpoints/step_*``.
+        weights: ``ema`` (the EMA weights; the raw ones when the run had no EMA) or ``raw``.
+        device: where to put the model.
+
+    Returns:
+        A :class:`Loaded` with the model in eval mode.
+
+    Raises:
+        CheckpointError: a missing path, a folder without checkpoints, or a damaged file.
+    """
+    from anyorder.models import build_model
+
+    ckpt = resolve_checkpoint(path)
+    manifest = read_manifest(ckpt)
+    config = read_config(ckpt)
+    tokenizer = read_tokenizer(ckpt)
+    file = weights_file(ckpt, weights)
+    verify(ckpt, [file.name])
+    model = build_model(config.model)
+    load_weights(model, file)
+    model.to(device).eval()
+    return Loaded(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        step=int(manifest["step"]),
+        path=ckpt,
+        weights="ema" if file.name == EMA_FILE else "raw",
+    )
