@@ -457,7 +457,8 @@ def load_model(
     """Load a trained model from a run folder (its latest checkpoint) or a checkpoint folder.
 
     Args:
-        path: a run folder or ``RUN/checkpoints/step_*``.
+        path: a run folder or ``RUN/checkpoints/step_*`` (or an exported folder, read by
+            :func:`anyorder.hub.from_pretrained`; ``weights`` does not apply to it).
         weights: ``ema`` (the EMA weights; the raw ones when the run had no EMA) or ``raw``.
         device: where to put the model.
 
@@ -467,8 +468,11 @@ def load_model(
     Raises:
         CheckpointError: a missing path, a folder without checkpoints, or a damaged file.
     """
+    from anyorder import hub
     from anyorder.models import build_model
 
+    if hub.is_exported(path):  # an exported model (anyorder export/convert): one set of weights
+        return hub.from_pretrained(path, device=device)
     ckpt = resolve_checkpoint(path)
     manifest = read_manifest(ckpt)
     config = read_config(ckpt)

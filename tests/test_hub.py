@@ -1,0 +1,227 @@
+"""Exported models: round trips, the folder's contents, the hub path offline, the errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from anyorder import checkpoint as ckpt_mod
+from anyorder.config import MODEL_KINDS, RunConfig, to_dict
+from anyorder.data import ByteTokenizer
+from anyorder.errors import CheckpointError
+from anyorder.hub import (
+    from_pretrained,
+    is_exported,
+    load_any,
+    push_to_hub,
+    save_pretrained,
+)
+from anyorder.orders import uniform
+
+from conftest import tiny_model
+
+
+def logits_of(model, kind: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=g)
+    order = None if kind == "gpt" else uniform(2, 12, g).order
+    with torch.no_grad():
+        return model(x, order)
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_round_trip_gives_identical_logits(tmp_path, kind: str) -> None:
+    model = tiny_model(kind, seed=3, vocab_size=257)
+    folder = save_pretrained(model, tmp_path / "m", ByteTokenizer(), weights="raw", step=7)
+    loaded = from_pretrained(folder)
+    assert loaded.model.kind == kind and loaded.step == 7 and loaded.weights == "raw"
+    assert loaded.tokenizer.encode("hé") == ByteTokenizer().encode("hé")
+    assert to_dict(loaded.model.cfg) == to_dict(model.cfg)
+    assert_close(logits_of(loaded.model, kind), logits_of(model, kind), rtol=0, atol=0)
+    if model.cfg.tie_embeddings and kind != "mdm":  # the tie survives the file
+        assert loaded.model.head.weight is loaded.model.tok_emb.weight
+
+
+def test_folder_is_uploadable_as_is(tmp_path) -> None:
+    from safetensors import safe_open
+
+    model = tiny_model("armd", vocab_size=257)
+    run = RunConfig(model=model.cfg)
+    run.train.steps = 5
+    folder = save_pretrained(model, tmp_path / "m", ByteTokenizer(), run_config=run)
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "tokenizer",
+        "training_config.yaml",
+    ]
+    assert (folder / "tokenizer" / "anyorder_tokenizer.json").is_file()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "anyorder" and config["anyorder_kind"] == "armd"
+    assert config["anyorder_version"] == "0.1.0" and config["anyorder_format"] == 1
+    assert {k: config[k] for k in to_dict(model.cfg)} == to_dict(model.cfg)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.metadata()["format"] == "pt"
+    assert "tok_emb.weight" in keys and "head.weight" not in keys  # tied: written once
+    card = (folder / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: anyorder\n") and "anyorder.load(" in card
+    assert from_pretrained(folder).config.train.steps == 5
+    # nothing but the folder itself: no temporary leftovers beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_export_replaces_an_earlier_export_but_nothing_else(tmp_path) -> None:
+    a, b = tiny_model("gpt", seed=1), tiny_model("gpt", seed=2)
+    folder = save_pretrained(a, tmp_path / "m")
+    save_pretrained(b, folder)
+    assert_close(logits_of(from_pretrained(folder).model, "gpt"), logits_of(b, "gpt"))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="exists and is not an exported anyorder model"):
+        save_pretrained(a, other)
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt"]
+
+
+def test_push_to_hub_refuses_an_incomplete_folder(tmp_path) -> None:
+    # Offline, the upload itself is not exercised: only the check before any network use.
+    folder = save_pretrained(tiny_model("gpt"), tmp_path / "m")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="is not a complete exported model"):
+        push_to_hub(folder, "someone/tiny")
+
+
+def test_wrong_kind_and_missing_files(tmp_path) -> None:
+    folder = save_pretrained(tiny_model("armd"), tmp_path / "m")
+    with pytest.raises(CheckpointError, match="holds a armd model, not aogpt; load it as armd"):
+        from_pretrained(folder, kind="aogpt")
+    assert from_pretrained(folder, kind="armd").model.kind == "armd"
+    with pytest.raises(CheckpointError, match="model path '.*nowhere' does not exist"):
+        from_pretrained(tmp_path / "nowhere")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="has no config.json: it is not an exported"):
+        from_pretrained(empty)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors is missing; the export is"):
+        from_pretrained(folder)
+
+
+def test_corrupt_weights_are_named(tmp_path) -> None:
+    folder = save_pretrained(tiny_model("aogpt"), tmp_path / "m")
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF  # a flipped bit inside a tensor: only the checksum sees it
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is corrupt \\(its SHA-256 differs"):
+        from_pretrained(folder)
+    weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    config = json.loads((folder / "config.json").read_text())
+    config["weights_sha256"] = None  # a file without a recorded checksum: the header fails
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="model.safetensors is corrupt \\(Safetensor"):
+        from_pretrained(folder)
+
+
+def test_weights_of_another_shape_are_refused(tmp_path) -> None:
+    folder = save_pretrained(tiny_model("gpt", d_model=64), tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["d_model"] = 32
+    config["weights_sha256"] = None
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="does not fit the model config.json describes"):
+        from_pretrained(folder)
+
+
+def test_other_folders_get_a_hint(tmp_path) -> None:
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match="describes a 'gpt2' model.*anyorder convert"):
+        from_pretrained(gpt2)
+    run = tmp_path / "run"
+    model = tiny_model("gpt", vocab_size=257)
+    ckpt_mod.save_checkpoint(
+        run, 3, model=model, config=RunConfig(model=model.cfg), tokenizer=ByteTokenizer()
+    )
+    with pytest.raises(CheckpointError, match="is a training checkpoint or run, not an export"):
+        from_pretrained(run)
+
+
+def _snapshot(cache, repo_id: str, folder) -> None:
+    """Lay ``folder`` out in ``cache`` as huggingface_hub stores a downloaded snapshot."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, root / "snapshots" / commit)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(commit)
+
+
+def test_hub_id_offline_from_a_cache_laid_out_like_the_hub(tmp_path) -> None:
+    pytest.importorskip("huggingface_hub")
+    model = tiny_model("armd", seed=5, vocab_size=257)
+    folder = save_pretrained(model, tmp_path / "export", ByteTokenizer())
+    cache = tmp_path / "hub"
+    _snapshot(cache, "someone/tiny-armd", folder)
+    loaded = from_pretrained("someone/tiny-armd", cache_dir=cache, local_files_only=True)
+    assert_close(logits_of(loaded.model, "armd"), logits_of(model, "armd"), rtol=0, atol=0)
+    assert loaded.tokenizer is not None and loaded.tokenizer.vocab_size == 257
+    # a snapshot folder given as a path loads the same way
+    snap = next((cache / "models--someone--tiny-armd" / "snapshots").iterdir())
+    assert from_pretrained(snap).model.kind == "armd"
+    with pytest.raises(CheckpointError, match="'someone/absent' is neither a local folder nor"):
+        from_pretrained("someone/absent", cache_dir=cache, local_files_only=True)
+
+
+def _checkpoint(tmp_path):
+    """A training checkpoint whose EMA and raw weights differ."""
+    raw = tiny_model("aogpt", seed=1, vocab_size=257)
+    ema = tiny_model("aogpt", seed=2, vocab_size=257)
+    cfg = RunConfig(model=raw.cfg)
+    path = ckpt_mod.save_checkpoint(
+        tmp_path / "run",
+        10,
+        model=raw,
+        config=cfg,
+        tokenizer=ByteTokenizer(),
+        ema=ema.state_dict(),
+    )
+    return path, raw, ema
+
+
+def test_export_takes_ema_weights_by_default(tmp_path) -> None:
+    from anyorder.hub import export
+
+    path, raw, ema = _checkpoint(tmp_path)
+    out = export(tmp_path / "run", tmp_path / "ema")
+    loaded = from_pretrained(out)
+    assert loaded.weights == "ema" and loaded.step == 10
+    assert_close(logits_of(loaded.model, "aogpt"), logits_of(ema, "aogpt"), rtol=0, atol=0)
+    out = export(path, tmp_path / "raw", weights="raw")
+    assert_close(logits_of(from_pretrained(out).model, "aogpt"), logits_of(raw, "aogpt"))
+    assert json.loads((out / "config.json").read_text())["weights"] == "raw"
+
+
+def test_load_any_dispatches_on_what_it_is_given(tmp_path) -> None:
+    path, _, ema = _checkpoint(tmp_path)
+    out = save_pretrained(ema, tmp_path / "export", ByteTokenizer())
+    for spec in (tmp_path / "run", path, out):
+        loaded = load_any(spec, kind="aogpt")
+        assert_close(logits_of(loaded.model, "aogpt"), logits_of(ema, "aogpt"), rtol=0, atol=0)
+    assert is_exported(out) and not is_exported(path)
+    with pytest.raises(CheckpointError, match="holds a aogpt model, not armd"):
+        load_any(tmp_path / "run", kind="armd")
+
+
+def test_checkpoint_load_model_reads_exports_too(tmp_path) -> None:
+    model = tiny_model("mdm", vocab_size=257)
+    out = save_pretrained(model, tmp_path / "export", ByteTokenizer())
+    loaded = ckpt_mod.load_model(out)
+    assert loaded.model.kind == "mdm" and loaded.path == out
