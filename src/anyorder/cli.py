@@ -309,6 +309,76 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- convert, export
+
+
+def add_convert(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="transformers GPT-2: hub id (gpt2) or folder with config.json")
+    p.add_argument("--to", required=True, choices=("gpt", "aogpt", "armd"), help="model kind")
+    p.add_argument("--out", required=True, help="folder to write the converted model to")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer to ship with it (default: the source folder's own, when it has one)",
+    )
+    p.add_argument("--seq-len", type=int, default=None, help="context (default n_positions - 1)")
+    p.add_argument("--l2s", type=int, default=None, help="armd: two-stream layers (n_layer/2)")
+    p.add_argument("--target-dim", type=int, default=128, help="aogpt: target embedding width")
+    p.add_argument("--bos-id", type=int, default=None, help="BOS token (default bos_token_id)")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="stored dtype"
+    )
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from anyorder.convert import convert
+
+    conv = convert(
+        args.source,
+        args.to,
+        args.out,
+        dtype=args.dtype,
+        seq_len=args.seq_len,
+        l2s=args.l2s,
+        target_dim=args.target_dim,
+        bos_id=args.bos_id,
+        tokenizer=args.tokenizer,
+    )
+    m = conv.model
+    tok = conv.tokenizer.name if conv.tokenizer is not None else "none (pass --tokenizer)"
+    print(
+        f"{m.kind}: {m.num_params() / 1e6:.2f}M parameters, {m.cfg.n_layer} layers x "
+        f"{m.cfg.d_model}, seq_len {m.cfg.seq_len}, tokenizer {tok}"
+    )
+    print(f"wrote {conv.folder}")
+    return 0
+
+
+def add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="run folder (its latest checkpoint) or checkpoint folder")
+    p.add_argument("--out", required=True, help="folder to write (uploadable to the hub as is)")
+    p.add_argument(
+        "--weights", choices=("ema", "raw"), default="ema", help="default: ema (raw if no EMA)"
+    )
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="stored dtype"
+    )
+    p.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="then upload it")
+    p.add_argument("--private", action="store_true", help="create the hub repository private")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from anyorder.hub import export, push_to_hub, read_export_config
+
+    folder = export(args.checkpoint, args.out, weights=args.weights, dtype=args.dtype)
+    cfg = read_export_config(folder)
+    print(f"{cfg['anyorder_kind']} step {cfg['step']} ({cfg['weights']} weights): wrote {folder}")
+    if args.push_to_hub:
+        url = push_to_hub(folder, args.push_to_hub, private=args.private)
+        print(f"pushed to {url}")
+    return 0
+
+
 # ----------------------------------------------------------------------------- sample
 
 
@@ -516,6 +586,8 @@ def commands() -> list[Command]:
         ("data", "tokenize and pack a config's data; print its statistics", add_data, run_data),
         ("demo", "train a tiny ARMD, sample, evaluate, write a report", add_demo, run_demo),
         ("eval", "likelihoods, zero-shot table, generative perplexity", add_eval, run_eval),
+        ("convert", "GPT-2 weights (transformers) -> gpt, aogpt or armd", add_convert, run_convert),
+        ("export", "training checkpoint -> uploadable model folder", add_export, run_export),
         ("sample", "generate or infill text from a checkpoint", add_sample, run_sample),
     ]
 

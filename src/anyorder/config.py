@@ -232,6 +232,9 @@ class TrainConfig:
     """Wrap the model in torch.compile."""
     fsdp: bool = False
     """Shard with FSDP2 fully_shard instead of DDP under torchrun."""
+    init_from: str | None = None
+    """Start from these weights: an exported folder (anyorder convert/export), a hub id, or a
+    run/checkpoint folder; the model section is taken from it (only model.dropout may differ)."""
 
 
 @dataclass

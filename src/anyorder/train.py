@@ -663,6 +663,9 @@ def train(
             before the run folder is created.
     """
     env = setup_distributed(cfg.train.device)
+    from anyorder.hub import init_model_config  # train.init_from: the model comes from it
+
+    cfg = init_model_config(cfg)
     check_config(cfg, env.world_size)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory())) if dry_run else None
@@ -698,6 +701,10 @@ def _train(
     t = cfg.train
     torch.manual_seed(t.seed)
     model = build_model(cfg.model).to(device)
+    if t.init_from and resume_from is None:  # start from converted or exported weights
+        from anyorder.hub import init_weights_from
+
+        print0(f"weights from {init_weights_from(model, t.init_from).path}")
     aliases = ckpt_mod.tied_aliases(model)
     n_params = model.num_params()
     wrapper = LossModule(model)
