@@ -190,15 +190,26 @@ WORKER = textwrap.dedent(
 )
 
 
-def test_two_processes_match_one(tmp_path, cache):
-    """Two gloo ranks with the same global batch give one process's weights (atol 1e-5)."""
-    extra = {"train.steps": 3, "train.batch_size": 8}
-    single = tmp_path / "single"
-    train(_cfg(single, cache, "armd", **extra), progress=False)  # also prepares the data
+DIST_EXTRA = {"train.steps": 3, "train.batch_size": 8}
 
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, cache) -> Path:
+    """The one-process reference of the distributed tests."""
+    run = tmp_path_factory.mktemp("single") / "run"
+    train(_cfg(run, cache, "armd", **DIST_EXTRA), progress=False)  # also prepares the data
+    return run
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_processes_match_one(tmp_path, cache, single_run, fsdp):
+    """Two gloo ranks with the same global batch give one process's weights (atol 1e-5),
+    with DDP and with FSDP2 (both run on the CPU)."""
+    single = single_run
     dist_run = tmp_path / "dist"
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
+    extra = {**DIST_EXTRA, "train.fsdp": fsdp}
     overrides = json.dumps(_overrides(dist_run, cache, "armd", **extra))
     store = tmp_path / "store"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -129,7 +129,9 @@ def add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--minutes", type=float, default=None, help="training budget in minutes (default 5)"
     )
-    p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (default 2, 1 on a busy machine)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -11,8 +11,10 @@ Design choices:
 * Evaluation on every validation block: bits per byte left to right (exact; error bar over
   blocks) and any order (Monte Carlo over :data:`EVAL_ORDERS` uniform orders; error bar over
   the orders, the corpus fixed), beside the unigram baseline a model must beat.
-* Sampling goes through one small function, :func:`sample_tokens`, which calls the naive
-  sampler (one full pass per token); a faster sampler can be swapped in there alone.
+* Sampling goes through one small function, :func:`sample_tokens`: the KV-cache sequential
+  sampler (one token per pass, O(1) model cost per token); swap samplers there alone.
+* Threads: two by default, one when the machine is already busy (load average): with
+  more runnable threads than cores, PyTorch's CPU kernels slow down several-fold.
 * The report is Markdown with a PNG loss curve (matplotlib's Agg backend; skipped with a note
   when matplotlib is missing).
 """
@@ -93,13 +95,13 @@ def sample_tokens(
     """Fill the unknown positions of ``prompt`` (B, n) where ``known`` (B, n) is False.
 
     The one place the demo samples: known positions first, then the rest in ``order_mode``
-    (``random`` or ``l2r``) order, by the naive sampler.
+    (``random`` or ``l2r``) order, by the KV-cache sequential sampler.
     """
-    from anyorder.sample import naive_sample, prompt_order
+    from anyorder.sample import prompt_order, sequential_sample
 
     gen = torch.Generator().manual_seed(seed)
     order = prompt_order(known, gen, order_mode)
-    result = naive_sample(
+    result = sequential_sample(
         model,
         prompt.shape[1],
         prompt=prompt,
@@ -277,7 +279,7 @@ def write_report(out: Path, info: dict[str, Any]) -> Path:
     lines += [
         "## Samples",
         "",
-        "Naive any-order sampler (one full pass per byte), temperature 0.8, top-p 0.95. "
+        "Sequential any-order sampler with a KV cache, temperature 0.8, top-p 0.95. "
         "The model chooses which byte to write next only through the order it is given: "
         "left to right, or a random order over the unknown positions.",
         "",
@@ -311,11 +313,23 @@ def write_report(out: Path, info: dict[str, Any]) -> Path:
     return path
 
 
+def auto_threads(most: int = 2) -> int:
+    """``most`` threads, fewer when the load average says the cores are taken."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return most
+    return max(1, min(most, cores, round(cores - load)))
+
+
 def demo(
     out: str | Path = "runs/demo",
     *,
     minutes: float = DEFAULT_MINUTES,
-    threads: int = 2,
+    threads: int | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train, evaluate, sample and write ``out/report.md``; returns what the report shows.
@@ -323,7 +337,7 @@ def demo(
     Args:
         out: the run folder; a previous demo's checkpoints and metrics in it are replaced.
         minutes: training budget (wall clock).
-        threads: CPU threads for torch.
+        threads: CPU threads for torch (default: :func:`auto_threads`).
         progress: show the training progress bar.
     """
     from anyorder.checkpoint import load_model
@@ -335,7 +349,8 @@ def demo(
         from anyorder.errors import ConfigError
 
         raise ConfigError(f"--minutes={minutes} must be positive")
-    torch.set_num_threads(max(1, threads))
+    threads = auto_threads() if threads is None else max(1, threads)
+    torch.set_num_threads(threads)
     out = Path(out)
     cfg = demo_config(out)
     for name in _OWN_FILES:  # a new demo replaces the last one's run, not its data cache

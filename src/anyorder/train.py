@@ -16,8 +16,11 @@ Design choices:
   RNG (torch, CUDA, python, numpy, the order generator, the per-rank loss generator). The
   learning rate is a pure function of the step (no scheduler object to save). ``2N`` steps
   straight and ``N`` + resume + ``N`` give the same bits on the CPU.
-* The loss goes through the model's ``__call__`` (a small wrapper module), so DDP and FSDP
-  hooks see every forward, including the encoder's ELBO that never calls ``forward``.
+* The loss goes through a small wrapper module's ``__call__``, so DDP's hooks see every
+  forward, including the encoder's ELBO that never calls ``forward``. Under FSDP the model
+  is the root unit (``denoise`` registered as a second entry point for the encoder) and
+  each block entered through its own ``__call__`` is a unit; ARMD's two-stream blocks stay
+  in the root unit because the two-stream layer reaches into their submodules.
 * Mixed precision: bf16 autocast on CUDA by default; fp32 on the CPU unless
   ``train.dtype=bf16`` (this CPU has bf16 units: about 2x faster for the tiny models).
   Losses are computed in fp32 (the models upcast the logits).
@@ -718,9 +721,19 @@ def _train(
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
         )
-        for block in model.blocks:
+        # One FSDP unit per block that is entered through its own __call__ (FSDP's hooks
+        # unshard there). ARMD's two-stream layers reach into their block's submodules
+        # directly, so those blocks stay in the root unit.
+        first = getattr(model, "l2s", 0) if cfg.model.kind == "armd" else 0
+        for block in list(model.blocks)[first:]:
             fully_shard(block, mp_policy=mp)
-        fully_shard(wrapper, mp_policy=mp)
+        # The model itself is the root unit, so validation (which calls the model, not the
+        # loss wrapper) unshards it too; the encoder's denoise() is an entry point as well.
+        fully_shard(model, mp_policy=mp)
+        if cfg.model.kind == "mdm":
+            from torch.distributed.fsdp import register_fsdp_forward_method
+
+            register_fsdp_forward_method(model, "denoise")
         train_module: nn.Module = wrapper
     elif env.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -772,13 +785,14 @@ def _train(
     B, n = t.batch_size, cfg.model.seq_len
     local = B // env.world_size
     micro = local // t.grad_accum
-    if dry_run:
-        micro = min(micro, 2)
     print0(
         f"{cfg.model.kind}: {n_params / 1e6:.2f}M parameters, {cfg.model.n_layer} layers x "
         f"{cfg.model.d_model}, seq_len {n}; order {cfg.order.kind}; {env.world_size} process(es) "
         f"on {device}, dtype {t.dtype}; batch {B} = {env.world_size} x {t.grad_accum} x {micro}"
+        + (" (dry run: one micro-batch of at most 2)" if dry_run else "")
     )
+    if dry_run:
+        micro = min(micro, 2)
     print0(
         f"data: {data.num_blocks('train'):,} train / {data.num_blocks('val'):,} val blocks, "
         f"{data.bytes_per_token('train'):.3f} bytes/token ({data.path})"
@@ -809,7 +823,7 @@ def _train(
             sl = slice(a * micro, (a + 1) * micro)
             last = a == accum - 1
             if fsdp:
-                train_module.set_requires_gradient_sync(last)
+                model.set_requires_gradient_sync(last)
                 sync: contextlib.AbstractContextManager = contextlib.nullcontext()
             elif env.distributed and not last:
                 sync = train_module.no_sync()
@@ -951,7 +965,7 @@ def _train(
                 # first (which pays for allocation); 10% is kept for evaluation and saving.
                 per = float(np.median(timing[1:]))
                 left = time_limit_s - (time.perf_counter() - loop_t0)
-                fit = step + max(1, int(0.9 * left / per))
+                fit = _from_rank0(step + max(1, int(0.9 * left / per)), env)
                 if fit < t.steps:
                     cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, steps=fit))
                     t = cfg.train
@@ -959,6 +973,7 @@ def _train(
                     say(f"time limit {time_limit_s:.0f}s: train.steps set to {fit}")
                     if bar is not None:
                         bar.total = fit
+                        bar.refresh()
                 limit_set = True
             if bar is not None:
                 bar.update(1)
@@ -976,13 +991,10 @@ def _train(
                 )
                 if bar is not None:
                     bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
-            out_of_time = time_limit_s is not None and time.perf_counter() - loop_t0 >= time_limit_s
-            if out_of_time:
-                # All ranks must agree to stop (rank 0's clock decides).
-                flag = torch.tensor([1.0 if out_of_time else 0.0], device=device)
-                if env.distributed:
-                    dist.broadcast(flag, 0)
-                if flag.item() > 0:
+            if time_limit_s is not None and step < end:
+                # Every rank stops at the same step: rank 0's clock decides.
+                over = int(time.perf_counter() - loop_t0 >= time_limit_s)
+                if _from_rank0(over, env):
                     say(f"time limit reached at step {step}")
                     end = step
             final = step >= end
@@ -1021,6 +1033,15 @@ def _train(
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _from_rank0(value: int, env: DistEnv) -> int:
+    """Rank 0's ``value`` on every rank (decisions taken from one clock)."""
+    if not env.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=env.device)
+    dist.broadcast(t, 0)
+    return int(t.item())
 
 
 def _load_into(model: nn.Module, path: Path, fsdp: bool) -> None:
