@@ -5,9 +5,36 @@ encoder-only masked diffusion baseline, sharing one transformer trunk. Importing
 package touches no GPU and downloads nothing.
 """
 
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 from anyorder.config import ModelConfig, RunConfig, load_config, preset
 from anyorder.errors import AnyorderError
 from anyorder.models import build_model
 
-__all__ = ["AnyorderError", "ModelConfig", "RunConfig", "build_model", "load_config", "preset"]
+if TYPE_CHECKING:
+    from anyorder.api import Model
+
+__all__ = [
+    "AnyorderError",
+    "ModelConfig",
+    "RunConfig",
+    "build_model",
+    "load",
+    "load_config",
+    "preset",
+]
 __version__ = "0.1.0"
+
+
+def load(path: str | Path, **kwargs: Any) -> Model:
+    """Load a model to generate, infill and score text: see :func:`anyorder.api.load`.
+
+    ``path`` is an exported folder, a hub id, a run folder or a checkpoint folder; returns an
+    :class:`anyorder.api.Model`. (Imported on first use, so ``import anyorder`` stays light.)
+    """
+    from anyorder.api import load as _load
+
+    return _load(path, **kwargs)

@@ -1,0 +1,414 @@
+"""The Python API: load a model from anywhere, then generate, infill and score text.
+
+::
+
+    import anyorder
+
+    model = anyorder.load("runs/armd")          # run folder, checkpoint, export or hub id
+    model.generate(n=128, num_samples=2, order="random", seed=0)   # -> list[str]
+    model.infill("The [MASK:8] of Python is [MASK:4].", seed=0)   # -> str
+    model.score("Some text.", order="any", num_orders=8)           # -> dict
+
+Design choices:
+
+* One wrapper, :class:`Model`, around what :func:`anyorder.hub.load_any` returns (a
+  :class:`~anyorder.checkpoint.Loaded`): the model, its tokenizer and its run config.
+  Everything it does goes through the library's own functions — the fast samplers of
+  :mod:`anyorder.sample` (KV cache, Lemma-1 steps, strided streams, the encoder's sampler)
+  and the corpus estimators of :mod:`anyorder.corpus` — so the API and the CLI agree by
+  construction; the arguments keep the CLI's names (``--num-samples`` is ``num_samples``).
+* Every call takes a ``seed`` and draws from its own :class:`torch.Generator`: the same
+  call gives the same text.
+* Text longer than the model's context is scored in consecutive windows of ``seq_len``
+  tokens (the last one shorter), each scored from scratch; the totals are summed, so the
+  result is a per-token average over the whole text.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from anyorder.errors import ConfigError, SamplingError
+
+if TYPE_CHECKING:
+    from anyorder.checkpoint import Loaded
+    from anyorder.config import RunConfig
+    from anyorder.data import Tokenizer
+    from anyorder.models.base import AnyOrderLM
+
+GENERATE_ORDERS = ("random", "l2r", "strided")
+SCORE_ORDERS = ("l2r", "any")
+
+
+def _device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load(
+    path: str | Path,
+    *,
+    kind: str | None = None,
+    weights: str = "ema",
+    device: str | torch.device = "cpu",
+    tokenizer: str | None = None,
+) -> Model:
+    """Load a model for generation and scoring.
+
+    Args:
+        path: an exported folder (``anyorder export`` / ``anyorder convert``), a hub id
+            (``user/name``), a training run folder (its latest checkpoint) or a checkpoint
+            folder.
+        kind: the model kind expected (``gpt``, ``aogpt``, ``armd``, ``mdm``); a model of
+            another kind is a :class:`~anyorder.errors.CheckpointError`. None: any.
+        weights: training checkpoints only: ``ema`` (default; raw when the run kept no EMA)
+            or ``raw``. An export holds one set of weights.
+        device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``.
+        tokenizer: a tokenizer spec (:func:`anyorder.data.load_tokenizer`) to use instead of
+            the saved one (needed for an export saved without a tokenizer).
+
+    Returns:
+        A :class:`Model`.
+
+    Raises:
+        CheckpointError: nothing loadable at ``path``, a damaged file, or the wrong kind.
+    """
+    from anyorder.hub import load_any
+
+    loaded = load_any(path, kind=kind, weights=weights, device=_device(device))
+    if tokenizer is not None:
+        from anyorder.data import load_tokenizer
+
+        loaded.tokenizer = load_tokenizer(tokenizer)
+    return Model(loaded)
+
+
+@dataclass
+class Model:
+    """A loaded model with its tokenizer: ``generate``, ``infill``, ``score``."""
+
+    loaded: Loaded
+
+    @property
+    def model(self) -> AnyOrderLM:
+        """The underlying ``torch`` module (eval mode)."""
+        return self.loaded.model
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer (None for an export saved without one)."""
+        return self.loaded.tokenizer
+
+    @property
+    def config(self) -> RunConfig:
+        """The run config (the model section describes :attr:`model`)."""
+        return self.loaded.config
+
+    @property
+    def kind(self) -> str:
+        """``gpt``, ``aogpt``, ``armd`` or ``mdm``."""
+        return self.model.kind
+
+    @property
+    def seq_len(self) -> int:
+        """The longest sequence the model handles."""
+        return self.model.cfg.seq_len
+
+    def __repr__(self) -> str:
+        tok = self.tokenizer.name if self.tokenizer is not None else None
+        return (
+            f"Model(kind={self.kind!r}, params={self.model.num_params() / 1e6:.2f}M, "
+            f"seq_len={self.seq_len}, tokenizer={tok!r}, step={self.loaded.step}, "
+            f"path={str(self.loaded.path)!r})"
+        )
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _tok(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise SamplingError(
+                f"{self.loaded.path} holds no tokenizer; load it with "
+                "anyorder.load(path, tokenizer=SPEC)"
+            )
+        return self.tokenizer
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self._tok().encode(text)
+        if ids and max(ids) >= self.model.cfg.vocab_size:
+            raise SamplingError(
+                f"the tokenizer gives ids up to {max(ids)} but the model reads "
+                f"{self.model.cfg.vocab_size}; use the model's own tokenizer"
+            )
+        return ids
+
+    # -- the three verbs -----------------------------------------------------------------
+
+    def generate(
+        self,
+        n: int | None = None,
+        num_samples: int = 1,
+        *,
+        order: str | None = None,
+        streams: int | None = None,
+        steps: int | None = None,
+        schedule: str = "linear",
+        shared_counts: bool = False,
+        prompt: str | None = None,
+        temperature: float = 1.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int = 0,
+        stop_at_eos: bool = True,
+    ) -> list[str]:
+        """Generate ``num_samples`` texts of ``n`` tokens: ``anyorder sample`` in Python.
+
+        Args:
+            n: tokens per sample, prompt included (``--length``; default the model's
+                ``seq_len``).
+            num_samples: number of texts (``--num-samples``), drawn as one batch.
+            order: ``random`` (any order; the default for aogpt, armd, mdm), ``l2r`` (the
+                default and only choice for gpt) or ``strided`` (armd, with ``streams``).
+            streams: armd: strided block-parallel decoding with ``S`` streams (``S`` tokens
+                per forward pass after the stream heads; ``n`` must be a multiple of ``S``).
+            steps: aogpt/armd/mdm: masked-diffusion sampling in ``steps`` reverse steps
+                (Lemma 1: several tokens per forward pass); None: one token per pass.
+            schedule: masking schedule of ``steps``: ``linear`` or ``cosine``.
+            shared_counts: with ``steps``, one reveal count per step for the whole batch.
+            prompt: text the samples start with (its tokens are the known prefix).
+            temperature: softmax temperature (> 0).
+            top_p: nucleus sampling mass in (0, 1].
+            top_k: keep the ``k`` most likely tokens.
+            seed: seed of every random draw (orders and tokens).
+            stop_at_eos: cut each text at its first EOS (left-to-right one-token decoding
+                then stops early); False keeps everything (EOS tokens are dropped).
+
+        Returns:
+            The decoded texts, prompt included.
+
+        Raises:
+            SamplingError: a bad length, controls, or an order the model cannot follow.
+        """
+        if order is not None and order not in GENERATE_ORDERS:
+            raise SamplingError(f"order={order!r}: use one of {', '.join(GENERATE_ORDERS)}")
+        n = self.seq_len if n is None else n
+        prompt_ids = known = None
+        if prompt:
+            ids = self._encode(prompt)
+            if len(ids) >= n:
+                raise SamplingError(
+                    f"the prompt is {len(ids)} tokens, not shorter than n={n}; raise n or "
+                    "shorten the prompt"
+                )
+            prompt_ids = torch.zeros(n, dtype=torch.long)
+            prompt_ids[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+            known = torch.zeros(n, dtype=torch.bool)
+            known[: len(ids)] = True
+        return self._sample(
+            n, num_samples, prompt_ids, known, order, streams, steps, schedule, shared_counts,
+            temperature, top_p, top_k, seed, stop_at_eos,
+        )  # fmt: skip
+
+    def infill(
+        self,
+        template: str,
+        *,
+        order: str | None = None,
+        steps: int | None = None,
+        schedule: str = "linear",
+        temperature: float = 1.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int = 0,
+    ) -> str:
+        """Fill the holes of a template: ``anyorder sample --infill TEMPLATE`` in Python.
+
+        ``"The [MASK:8] of Python"`` has one hole of 8 tokens; everything else is literal
+        and known. The holes are generated in ``order`` (``random``, the default, or
+        ``l2r``; a ``gpt`` fills only a hole at the end), one token per forward pass, or in
+        ``steps`` Lemma-1 steps.
+
+        Args:
+            template: literal text with holes ``[MASK:n]`` (``n`` >= 1 tokens each).
+            order: ``random`` or ``l2r`` over the holes (default: l2r for gpt, else random).
+            steps: fill in this many reverse steps (several tokens per pass).
+            schedule: masking schedule of ``steps``: ``linear`` or ``cosine``.
+            temperature, top_p, top_k: sampling controls.
+            seed: seed of every random draw.
+
+        Returns:
+            The filled text.
+
+        Raises:
+            SamplingError: a malformed template, one longer than the context, bad controls.
+        """
+        from anyorder.sample import parse_template
+
+        if order not in (None, "random", "l2r"):
+            raise SamplingError(f"order={order!r}: infilling takes random or l2r")
+        tokens, known = parse_template(template, self._tok(), self.seq_len)
+        return self._sample(
+            len(tokens), 1, tokens, known, order, None, steps, schedule, False,
+            temperature, top_p, top_k, seed, False,
+        )[0]  # fmt: skip
+
+    def _sample(
+        self,
+        n: int,
+        num_samples: int,
+        prompt: Tensor | None,
+        known: Tensor | None,
+        order: str | None,
+        streams: int | None,
+        steps: int | None,
+        schedule: str,
+        shared_counts: bool,
+        temperature: float,
+        top_p: float | None,
+        top_k: int | None,
+        seed: int,
+        stop_at_eos: bool,
+    ) -> list[str]:
+        """The sampling path of ``anyorder sample`` (cli.run_sample), step for step."""
+        from anyorder.sample import decode_text, sample
+
+        model, tok = self.model, self._tok()
+        if num_samples < 1:
+            raise SamplingError(f"num_samples={num_samples} must be at least 1")
+        order = order or ("l2r" if model.kind == "gpt" else "random")
+        if order == "strided" and streams is None:
+            raise SamplingError("order='strided' needs streams=S")
+        if streams is not None:
+            order = "strided"
+        sequential = steps is None and streams is None
+        stop = (
+            tok.eos_id
+            if stop_at_eos and sequential and order == "l2r" and model.kind != "mdm"
+            else None
+        )
+        gen = torch.Generator(model.device).manual_seed(seed)
+        result = sample(
+            model,
+            n,
+            order=None if order == "strided" else order,
+            streams=streams,
+            steps=steps,
+            schedule=schedule,
+            shared_counts=shared_counts,
+            batch=num_samples,
+            prompt=prompt,
+            known=known,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=gen,
+            stop_at_eos=stop,
+        )
+        eos = tok.eos_id if stop_at_eos else None
+        return [decode_text(tok, row, eos) for row in result.tokens.cpu()]
+
+    def score(
+        self,
+        text: str,
+        *,
+        order: str = "l2r",
+        ensemble: int = 1,
+        num_orders: int = 4,
+        seed: int = 0,
+    ) -> dict[str, Any]:
+        """Likelihood of ``text`` under the model.
+
+        Args:
+            text: the text (scored in windows of ``seq_len`` tokens, see the module notes).
+            order: ``l2r`` (exact left-to-right NLL) or ``any`` (the any-order NLL over
+                ``num_orders`` uniform random orders, Monte Carlo; for mdm its ELBO).
+            ensemble: context-order ensemble size ``M`` (AO-GPT Eq. 7; aogpt/armd, with
+                ``order="any"``): each conditional averages ``M`` context orders in
+                probability space, the identity among them.
+            num_orders: random orders per window (the standard error is over them).
+            seed: seed of the orders and ensemble draws.
+
+        Returns:
+            ``{"nats_per_token", "stderr", "ppl", "bits_per_byte", "bpb_stderr", "tokens",
+            "bytes", "order", "ensemble", "num_orders"}``; ``stderr`` is 0 for the exact
+            left-to-right NLL and nan with a single order.
+
+        Raises:
+            ConfigError: an order or ensemble the model has no meaning for (any-order on a
+                gpt, an ensemble with ``l2r``), or empty text.
+        """
+        from anyorder.corpus import (
+            corpus_any_order,
+            corpus_ensemble,
+            corpus_left_to_right,
+            corpus_mdm_elbo,
+        )
+        from anyorder.models.mdm import MDM
+
+        if order not in SCORE_ORDERS:
+            raise ConfigError(f"order={order!r}: use l2r or any")
+        if ensemble < 1 or num_orders < 1:
+            raise ConfigError("ensemble and num_orders must be at least 1")
+        if order == "l2r" and ensemble > 1:
+            raise ConfigError("an ensemble averages context orders: use it with order='any'")
+        if order == "any" and self.kind == "gpt":
+            raise ConfigError("gpt is a left-to-right model: score it with order='l2r'")
+        ids = self._encode(text)
+        if not ids:
+            raise ConfigError("the text encodes to no tokens; give some text to score")
+        n = self.seq_len
+        windows = [torch.tensor(ids[i : i + n], dtype=torch.long) for i in range(0, len(ids), n)]
+        kw: dict[str, Any] = dict(seed=seed, progress=False)
+        totals = []  # per window: (K,) or () summed nats
+        for w in windows:
+            blocks = w[None]
+            if order == "l2r":
+                v = corpus_left_to_right(self.model, blocks, progress=False)[0]
+            elif isinstance(self.model, MDM):
+                v = corpus_mdm_elbo(self.model, blocks, num_orders, **kw)[0]
+            elif ensemble > 1:
+                run = corpus_ensemble(
+                    self.model, blocks, num_orders, ensemble, sizes=[ensemble], **kw
+                )
+                v = run.values[0, :, 0]
+            else:
+                v = corpus_any_order(self.model, blocks, num_orders, **kw)[0]
+            totals.append(v.double() * len(w))
+        mean, stderr = _combine(totals, len(ids))
+        num_bytes = len(text.encode("utf-8"))
+        bpb = mean * len(ids) / math.log(2) / num_bytes if num_bytes else float("nan")
+        return {
+            "nats_per_token": mean,
+            "stderr": stderr,
+            "ppl": math.exp(mean),
+            "bits_per_byte": bpb,
+            "bpb_stderr": stderr * len(ids) / math.log(2) / num_bytes if num_bytes else None,
+            "tokens": len(ids),
+            "bytes": num_bytes,
+            "order": order,
+            "ensemble": ensemble if self.kind in ("aogpt", "armd") else 1,
+            "num_orders": num_orders if order == "any" else 0,
+        }
+
+
+def _combine(totals: list[Tensor], tokens: int) -> tuple[float, float]:
+    """Per-token mean and standard error from per-window summed NLLs.
+
+    Each entry is a scalar (exact) or (K,) replicates over random orders; replicates of a
+    window are averaged and their variances pooled: ``se = sqrt(sum_w s_w^2 / K) / tokens``.
+    """
+    mean = sum(float(t.mean()) for t in totals) / tokens
+    var = 0.0
+    for t in totals:
+        if t.dim() == 0 or t.numel() == 1:
+            if t.dim() == 1:  # a single random order: no error bar
+                return mean, float("nan")
+            continue
+        var += float(t.var(unbiased=True)) / t.numel()
+    return mean, math.sqrt(var) / tokens

@@ -1,0 +1,143 @@
+"""The Python API: anyorder.load(...).generate / infill / score, and its match with the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import anyorder
+from anyorder.data import ByteTokenizer
+from anyorder.errors import CheckpointError, ConfigError, SamplingError
+from anyorder.evaluate import left_to_right_nll
+from anyorder.hub import save_pretrained
+
+from conftest import tiny_model
+
+TEXT = "def f(x):\n    return x + 1\n\nprint(f(41))\n"
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """One export per model kind: byte vocabulary, context 32."""
+    root = tmp_path_factory.mktemp("exports")
+    return {
+        kind: save_pretrained(
+            tiny_model(kind, seed=7, vocab_size=257, seq_len=32), root / kind, ByteTokenizer()
+        )
+        for kind in ("gpt", "aogpt", "armd", "mdm")
+    }
+
+
+def cli_sample(capsys, *args: str) -> dict:
+    from anyorder.cli import main
+
+    assert main(["sample", *args, "--json", "--device", "cpu"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    "kind, options",
+    [
+        ("gpt", {}),
+        ("aogpt", {"order": "random"}),
+        ("armd", {"steps": 4}),
+        ("armd", {"streams": 2}),
+        ("mdm", {"steps": 5}),
+    ],
+)
+def test_generate_is_the_cli_sample(exports, capsys, kind: str, options: dict) -> None:
+    model = anyorder.load(exports[kind])
+    kw = dict(n=16, num_samples=2, seed=3, temperature=0.9, top_k=50, **options)
+    texts = model.generate(**kw)
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+    assert model.generate(**kw) == texts  # seeded
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    out = cli_sample(
+        capsys, str(exports[kind]), "--length=16", "--num-samples=2", "--seed=3",
+        "--temperature=0.9", "--top-k=50", *flags,
+    )  # fmt: skip
+    assert [s["text"] for s in out["samples"]] == texts
+
+
+def test_prompt_and_infill_keep_the_known_text(exports, capsys) -> None:
+    model = anyorder.load(exports["armd"])
+    for text in model.generate(n=24, num_samples=3, prompt="def ", seed=1, stop_at_eos=False):
+        assert text.startswith("def ")
+    template = "x = [MASK:6] + y[MASK:3]"
+    filled = model.infill(template, seed=2)
+    assert filled.startswith("x = ") and " + y" in filled
+    out = cli_sample(capsys, str(exports["armd"]), "--infill", template, "--seed=2")
+    assert out["samples"][0]["text"] == filled
+    with pytest.raises(SamplingError, match="no hole"):
+        model.infill("no holes here")
+
+
+def test_generate_errors_are_sampling_errors(exports) -> None:
+    gpt = anyorder.load(exports["gpt"])
+    with pytest.raises(SamplingError, match="gpt generates left to right"):
+        gpt.generate(n=8, order="random")
+    with pytest.raises(SamplingError, match="order='strided' needs streams"):
+        anyorder.load(exports["armd"]).generate(n=8, order="strided")
+    with pytest.raises(SamplingError, match="length n=33 must lie in 1..32"):
+        gpt.generate(n=33)
+    with pytest.raises(SamplingError, match="temperature=0"):
+        gpt.generate(n=8, temperature=0)
+
+
+def test_score_left_to_right_is_the_exact_nll(exports) -> None:
+    model = anyorder.load(exports["aogpt"])
+    ids = ByteTokenizer().encode(TEXT)
+    assert len(ids) > 32  # two windows: 32 tokens, then the rest
+    res = model.score(TEXT)
+    windows = [torch.tensor([ids[:32]]), torch.tensor([ids[32:]])]
+    total = sum(float(left_to_right_nll(model.model, w)[0]) for w in windows)
+    assert res["nats_per_token"] == pytest.approx(total / len(ids), rel=1e-6)
+    assert res["stderr"] == 0.0 and res["tokens"] == len(ids) and res["bytes"] == len(TEXT)
+    assert res["ppl"] == pytest.approx(math.exp(res["nats_per_token"]))
+    assert res["bits_per_byte"] == pytest.approx(total / math.log(2) / len(TEXT))
+
+
+def test_score_any_order_and_ensembles(exports) -> None:
+    model = anyorder.load(exports["armd"])
+    a = model.score(TEXT, order="any", num_orders=4, seed=0)
+    assert a == model.score(TEXT, order="any", num_orders=4, seed=0)  # seeded
+    assert math.isfinite(a["stderr"]) and a["stderr"] > 0 and a["num_orders"] == 4
+    e = model.score(TEXT, order="any", num_orders=4, ensemble=3, seed=0)
+    assert e["ensemble"] == 3 and e["nats_per_token"] != a["nats_per_token"]
+    assert math.isfinite(e["nats_per_token"]) and e["nats_per_token"] < math.log(257) + 1
+    mdm = anyorder.load(exports["mdm"]).score(TEXT, order="any", num_orders=2)
+    assert math.isfinite(mdm["nats_per_token"])
+    with pytest.raises(ConfigError, match="gpt is a left-to-right model"):
+        anyorder.load(exports["gpt"]).score(TEXT, order="any")
+    with pytest.raises(ConfigError, match="use it with order='any'"):
+        model.score(TEXT, ensemble=2)
+    with pytest.raises(ConfigError, match="encodes to no tokens"):
+        model.score("")
+
+
+def test_load_errors_and_tokenizer_override(tmp_path, exports) -> None:
+    with pytest.raises(CheckpointError, match="model path '.*missing' does not exist"):
+        anyorder.load(tmp_path / "missing")
+    with pytest.raises(CheckpointError, match="holds a mdm model, not armd"):
+        anyorder.load(exports["mdm"], kind="armd")
+    bare = save_pretrained(tiny_model("aogpt", vocab_size=257, seq_len=32), tmp_path / "bare")
+    with pytest.raises(SamplingError, match="holds no tokenizer; load it with"):
+        anyorder.load(bare).generate(n=4)
+    model = anyorder.load(bare, tokenizer="bytes")
+    assert len(model.generate(n=4, num_samples=2)) == 2
+    assert "kind='aogpt'" in repr(model)
+
+
+def test_import_stays_light() -> None:
+    code = (
+        "import sys, anyorder; "
+        "assert callable(anyorder.load); "
+        "assert not {'anyorder.api', 'anyorder.hub', 'transformers'} & set(sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
