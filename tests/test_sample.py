@@ -206,6 +206,10 @@ def test_lemma1_logits_are_the_conditionals_given_earlier_steps(kind: str) -> No
         assert len({tuple(r) for r in out.counts.T.tolist()}) > 1  # rows differ
         ref = slot_oracle(model, out.tokens, out.order, out.step_of)
         torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=0)
+    shared = lemma1_sample(model, N, 5, batch=3, shared_counts=True, generator=g, keep_logits=True)
+    assert len({tuple(r) for r in shared.counts.T.tolist()}) == 1  # one trajectory, no padding
+    ref = slot_oracle(model, shared.tokens, shared.order, shared.step_of)
+    torch.testing.assert_close(shared.logits, ref, atol=1e-5, rtol=0)
     known = torch.zeros(3, N, dtype=torch.bool)
     known[:, [1, 6, 10]] = True
     prompt = torch.randint(0, 11, (3, N), generator=g)

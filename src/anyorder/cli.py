@@ -411,6 +411,12 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--schedule", choices=("linear", "cosine"), default="linear")
     p.add_argument(
+        "--shared-counts",
+        action="store_true",
+        help="--steps: one reveal count per step for all samples (faster; samples then share "
+        "their count trajectory)",
+    )
+    p.add_argument(
         "--length", type=int, default=None, help="tokens per sample, prompt included (default n)"
     )
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
@@ -479,6 +485,8 @@ def run_sample(args: argparse.Namespace) -> int:
     order = args.order or ("l2r" if model.kind == "gpt" else "random")
     if order == "strided" and args.streams is None:
         raise SamplingError("--order strided needs --streams S")
+    if args.streams is not None and args.order not in (None, "strided"):
+        raise SamplingError(f"--streams fixes the order (strided); leave out --order {order}")
     streams = args.streams
     if streams is not None:
         order = "strided"
@@ -519,6 +527,7 @@ def run_sample(args: argparse.Namespace) -> int:
             streams=streams,
             steps=args.steps,
             schedule=args.schedule,
+            shared_counts=args.shared_counts,
             batch=args.num_samples,
             prompt=prompt,
             known=known,

@@ -601,7 +601,7 @@ def _prepare(
         if known is None:
             raise SamplingError("a prompt needs its known-position mask")
         prompt, known = prompt.to(device).long(), known.to(device).bool()
-        if prompt.dim() == 1:
+        if prompt.dim() == 1 or prompt.shape[0] == 1:  # one prompt for the whole batch
             prompt, known = prompt.expand(batch, -1), known.expand(batch, -1)
         if prompt.shape != known.shape or prompt.shape[1] != n:
             raise SamplingError(
@@ -731,6 +731,7 @@ def lemma1_sample(
     steps: int,
     *,
     schedule: str = "linear",
+    shared_counts: bool = False,
     batch: int = 1,
     order: str | Tensor | None = None,
     prompt: Tensor | None = None,
@@ -755,6 +756,9 @@ def lemma1_sample(
         model: ``aogpt`` or ``armd``.
         steps: ``T``, the number of reverse steps.
         schedule: masking probability ``m(t)``: ``linear`` or ``cosine``.
+        shared_counts: draw one reveal count per step for the whole batch instead of one
+            per row. Each row is still an exact sample of the reverse process, but the rows
+            share their count trajectory (not independent); no padding, so faster.
         Others: as :func:`sequential_sample`.
 
     Returns:
@@ -771,7 +775,8 @@ def lemma1_sample(
     masked_fraction(1.0, schedule)  # validates the name
     tokens, _, order, k = _prepare(model, n, batch, prompt, known, order, generator)
     B = tokens.shape[0]
-    counts = reveal_counts(n - k, steps, B, schedule, generator)
+    counts = reveal_counts(n - k, steps, 1 if shared_counts else B, schedule, generator)
+    counts = counts.expand(steps, B).contiguous()
     plan = _Plan(
         isinstance(model, ARMD), B, n, k, counts.numpy(), None, _shared_prompt(tokens, order, k)
     )
@@ -828,6 +833,7 @@ def encoder_sample(
     *,
     steps: int | None = None,
     schedule: str = "linear",
+    shared_counts: bool = False,
     batch: int = 1,
     order: str | Tensor | None = None,
     prompt: Tensor | None = None,
@@ -845,7 +851,8 @@ def encoder_sample(
     :func:`lemma1_sample`: the revealed set of a step is a uniform subset of the masked
     positions, here the next ones of a random order); a step revealing nothing makes no
     pass. ``steps=None`` reveals one token per pass (``n - k`` passes). No cache: every pass
-    re-reads the whole sequence (the O(n^2) the decoders avoid).
+    re-reads the whole sequence (the O(n^2) the decoders avoid). ``shared_counts``: as in
+    :func:`lemma1_sample`.
     """
     check_controls(temperature, top_k, top_p)
     if not isinstance(model, MDM):
@@ -856,7 +863,8 @@ def encoder_sample(
     if steps is None:
         counts = torch.ones(n - k, B, dtype=torch.long)
     else:
-        counts = reveal_counts(n - k, steps, B, schedule, generator)
+        counts = reveal_counts(n - k, steps, 1 if shared_counts else B, schedule, generator)
+        counts = counts.expand(steps, B).contiguous()
     bank, plan = _Bank(B), []
     d = np.full(B, k)
     for step, c in enumerate(counts.numpy()):
@@ -903,6 +911,7 @@ def sample(
     streams: int | None = None,
     steps: int | None = None,
     schedule: str = "linear",
+    shared_counts: bool = False,
     batch: int = 1,
     prompt: Tensor | None = None,
     known: Tensor | None = None,
@@ -932,15 +941,15 @@ def sample(
         keep_logits=keep_logits,
         on_step=on_step,
     )
+    diffusion = dict(
+        schedule=schedule, shared_counts=shared_counts, order=order, prompt=prompt, known=known
+    )
     if streams is not None and steps is not None:
         raise SamplingError("give steps (Lemma-1 sampling) or streams (strided), not both")
     if isinstance(model, MDM):
         if streams is not None:
             raise SamplingError("strided decoding is ARMD's; mdm takes --steps")
-        return encoder_sample(
-            model, n, steps=steps, schedule=schedule, order=order, prompt=prompt, known=known,
-            **common,
-        )  # fmt: skip
+        return encoder_sample(model, n, steps=steps, **diffusion, **common)
     if streams is not None:
         if prompt is not None and bool(known.any()):
             raise SamplingError(
@@ -952,10 +961,7 @@ def sample(
     if order == "strided":
         raise SamplingError("the strided order needs a number of streams S (--streams)")
     if steps is not None:
-        return lemma1_sample(
-            model, n, steps, schedule=schedule, order=order, prompt=prompt, known=known,
-            **common,
-        )  # fmt: skip
+        return lemma1_sample(model, n, steps, **diffusion, **common)
     return sequential_sample(
         model, n, order=order, prompt=prompt, known=known, stop_at_eos=stop_at_eos, **common
     )
