@@ -60,3 +60,11 @@ def test_sampling_controls_are_checked() -> None:
         naive_sample(model, 4, top_p=1.5)
     with pytest.raises(SamplingError, match="longer than the model's context"):
         naive_sample(model, 40)
+
+
+def test_prompt_order_keeps_known_positions_left_to_right() -> None:
+    known = torch.zeros(3, 12, dtype=torch.bool)
+    known[:, [2, 5, 7, 11]] = True
+    o = prompt_order(known, torch.Generator().manual_seed(1))
+    assert o[:, :4].tolist() == [[2, 5, 7, 11]] * 3
+    assert len({tuple(r) for r in o[:, 4:].tolist()}) == 3  # the rest is random per row

@@ -140,7 +140,9 @@ def prompt_order(
         key = key.to(known.device)
     else:
         raise SamplingError(f"order mode {mode!r}: use random or l2r")
-    return (key + (~known).double() * 2).argsort(dim=-1)
+    # known positions: keys in [0, 1) by position (left to right); the rest: [2, 3)
+    l2r_key = torch.arange(n, device=known.device, dtype=torch.float64).expand(B, n) / n
+    return torch.where(known, l2r_key, key + 2).argsort(dim=-1)
 
 
 def _gdev(generator: torch.Generator | None, like: Tensor) -> torch.device:
