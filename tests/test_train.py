@@ -254,9 +254,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_torchrun_cli(tmp_path, cache):
-    """The real entry point under torchrun (slow: two interpreters start through torchrun)."""
+    """The real entry point under torchrun: two workers, gloo, a clean exit (rc 0)."""
     run = tmp_path / "run"
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("model: {preset: tiny, kind: armd}\n")
@@ -274,7 +273,8 @@ def test_torchrun_cli(tmp_path, cache):
         "--no-progress",
         *args,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # TMPDIR: torchrun leaves /tmp/torchelastic_* folders behind; keep them in tmp_path
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert ck.latest_checkpoint(run).name == "step_0000002"

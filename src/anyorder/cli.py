@@ -127,7 +127,7 @@ def run_data(args: argparse.Namespace) -> int:
 def add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/demo", help="run folder for the demo and its report")
     p.add_argument(
-        "--minutes", type=float, default=None, help="training budget in minutes (default 5)"
+        "--minutes", type=float, default=None, help="training budget in minutes (default 8)"
     )
     p.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default 2, 1 on a busy machine)"

@@ -11,7 +11,9 @@ Design choices:
   :class:`~anyorder.data.BlockSampler` hands them out) and then over ``grad_accum``
   micro-steps. The generation orders are drawn for the *global* batch on every rank with
   the same seeded generator and each rank takes its rows, so the orders a row gets do not
-  depend on the number of processes either: two ranks reproduce one process.
+  depend on the number of processes either: two ranks reproduce one process. (The encoder's
+  mask levels come from a per-rank generator, so an ``mdm`` run matches across world sizes
+  in distribution only.)
 * Exact resume: a checkpoint holds model, EMA, optimizer, step, the data cursor and every
   RNG (torch, CUDA, python, numpy, the order generator, the per-rank loss generator). The
   learning rate is a pure function of the step (no scheduler object to save). ``2N`` steps
