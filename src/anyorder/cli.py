@@ -443,7 +443,7 @@ class _Streamer:
     def __init__(self, tokenizer, eos_id: int | None) -> None:
         self.tok, self.eos, self.ids, self.shown, self.ended = tokenizer, eos_id, [], "", False
 
-    def __call__(self, positions, tokens) -> None:
+    def __call__(self, positions, tokens, step: int) -> None:
         if self.ended:
             return
         for t in tokens[0].tolist():

@@ -52,8 +52,9 @@ from anyorder.orders import is_permutation, strided
 if TYPE_CHECKING:
     from anyorder.data import Tokenizer
 
-StepHook = Callable[[Tensor, Tensor], None]
-"""``on_step(positions, tokens)``, (B, Q) each, after every pass (padding positions = n)."""
+StepHook = Callable[[Tensor, Tensor, int], None]
+"""``on_step(positions, tokens, step)`` after every pass that draws tokens: (B, Q) positions
+(padding = n) and tokens on the model's device, and the step recorded in ``step_of``."""
 _EOS_EVERY = 8  # passes between the early-stop checks (each is a host-device sync)
 
 
@@ -557,7 +558,7 @@ def _run_plan(
         if logits_buf is not None:
             logits_buf.scatter_(1, q_slot[..., None].expand(-1, -1, V), logits.float())
         if on_step is not None:
-            on_step(q_pos, new)
+            on_step(q_pos, new, p.step)
         if done is not None:
             done |= (new == stop_at_eos).any(dim=1)
             if i % _EOS_EVERY == _EOS_EVERY - 1 and bool(done.all()):  # the only sync
@@ -693,7 +694,7 @@ def sequential_sample(
             it (checked every few steps) and set every later position to EOS.
         keep_logits: return the logits each token was drawn from (slot-aligned).
         on_step: called after each pass with the decided positions and tokens, (B, Q) each
-            (padding positions are ``n``).
+            (padding positions are ``n``), and their step (:data:`StepHook`).
 
     Returns:
         A :class:`SampleResult`; ``forward_passes`` is the number of model calls.
@@ -894,7 +895,7 @@ def encoder_sample(
         if logits_buf is not None:
             logits_buf.scatter_(1, q_slot[..., None].expand(-1, -1, V), logits.float())
         if on_step is not None:
-            on_step(q_pos, new)
+            on_step(q_pos, new, step)
     return SampleResult(
         x[:, :n],
         order,
