@@ -470,3 +470,16 @@ def test_demo_end_to_end(tmp_path):
     assert "bits per byte" in report and "unigram baseline" in report
     assert (tmp_path / "demo" / "loss.png").stat().st_size > 0
     assert len(info["samples"]) == 5
+
+
+def test_demo_refuses_a_folder_it_did_not_write(tmp_path):
+    from anyorder.demo import demo
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="not a demo's; pick an empty or new folder"):
+        demo(tmp_path / "mine", minutes=1)
+    with pytest.raises(ConfigError, match="must be positive"):
+        demo(tmp_path / "new", minutes=0)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    assert not (tmp_path / "new").exists()

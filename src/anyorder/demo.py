@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from anyorder.config import RunConfig, load_config
+from anyorder.errors import ConfigError
 
 DEFAULT_MINUTES = 8.0
 """Training budget of the demo: about 8.5 minutes in all here, evaluation and sampling
@@ -71,6 +72,7 @@ DEMO_OVERRIDES = [
     "train.dtype=bf16",
 ]
 
+_MARKER = ".anyorder-demo"
 _OWN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "tb")
 
 
@@ -302,6 +304,7 @@ def write_report(out: Path, info: dict[str, Any]) -> Path:
         "",
         f"- training: {s['train_time_s']:.0f} s ({s['steps_run']} steps), "
         f"whole demo: {info['wall_s']:.0f} s",
+        f"- seed: {t['seed']} (training); evaluation and samples: seeds {SEED}-{SEED + 2}",
         f"- data: {info['data_path']}",
         f"- checkpoint: `{s['checkpoint']}`",
         "",
@@ -336,24 +339,41 @@ def demo(
     """Train, evaluate, sample and write ``out/report.md``; returns what the report shows.
 
     Args:
-        out: the run folder; a previous demo's checkpoints and metrics in it are replaced.
+        out: the run folder; a previous demo's checkpoints and metrics in it are replaced
+            (a folder holding anything else is refused).
         minutes: training budget (wall clock).
         threads: CPU threads for torch (default: :func:`auto_threads`).
         progress: show the training progress bar.
     """
+    wall0 = time.perf_counter()
+    if minutes <= 0:
+        raise ConfigError(f"--minutes={minutes} must be positive")
+    out = Path(out)
+    cfg = demo_config(out)
+    marker = out / _MARKER
+    if out.exists() and not (out.is_dir() and (marker.exists() or not any(out.iterdir()))):
+        raise ConfigError(
+            f"--out {out} already holds files that are not a demo's; pick an empty or new folder"
+        )
+    threads = auto_threads() if threads is None else max(1, threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run(out, cfg, minutes, threads, progress, wall0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(
+    out: Path, cfg: RunConfig, minutes: float, threads: int, progress: bool, wall0: float
+) -> dict[str, Any]:
     from anyorder.checkpoint import load_model
     from anyorder.data import prepare
     from anyorder.train import read_metrics, train
 
-    wall0 = time.perf_counter()
-    if minutes <= 0:
-        from anyorder.errors import ConfigError
-
-        raise ConfigError(f"--minutes={minutes} must be positive")
-    threads = auto_threads() if threads is None else max(1, threads)
-    torch.set_num_threads(threads)
-    out = Path(out)
-    cfg = demo_config(out)
+    marker = out / _MARKER
+    out.mkdir(parents=True, exist_ok=True)
+    marker.write_text("written by anyorder demo: a new demo may replace this folder's run\n")
     for name in _OWN_FILES:  # a new demo replaces the last one's run, not its data cache
         p = out / name
         if p.is_dir():

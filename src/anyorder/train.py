@@ -945,6 +945,7 @@ def _train(
     start_step = step
     timing: list[float] = []
     limit_set = False
+    steps0 = t.steps  # the configured horizon; a time limit may only shorten it
     loop_t0 = time.perf_counter()
     end = t.steps if stop_at is None else min(t.steps, stop_at)
     if step >= end:
@@ -962,17 +963,20 @@ def _train(
             timing.append(dt)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {step}; lower train.lr")
-            if time_limit_s is not None and not limit_set and len(timing) >= 6:
-                # Fit the schedule to the budget from the median of the timed steps after the
-                # first (which pays for allocation); 10% is kept for evaluation and saving.
-                per = float(np.median(timing[1:]))
+            if time_limit_s is not None and len(timing) >= 6 and (not limit_set or step % 10 == 0):
+                # Fit the schedule to the budget from the median of the last timed steps (not
+                # the first, which pays for allocation), again every 10 steps as the machine's
+                # load changes; 10% of what is left is kept for evaluation and saving.
+                per = float(np.median(timing[1:][-20:]))
                 left = time_limit_s - (time.perf_counter() - loop_t0)
-                fit = _from_rank0(step + max(1, int(0.9 * left / per)), env)
-                if fit < t.steps:
+                fit = min(steps0, step + max(1, int(0.9 * left / per)))
+                fit = _from_rank0(fit, env)
+                if fit != t.steps:
                     cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, steps=fit))
                     t = cfg.train
                     end = t.steps if stop_at is None else min(t.steps, stop_at)
-                    say(f"time limit {time_limit_s:.0f}s: train.steps set to {fit}")
+                    if not limit_set:
+                        say(f"time limit {time_limit_s:.0f}s: train.steps set to {fit} (refit)")
                     if bar is not None:
                         bar.total = fit
                         bar.refresh()
