@@ -19,6 +19,7 @@ def test_layers_defaults_file_overrides(tmp_path) -> None:
     assert cfg.train.steps == 9 and cfg.model.l2s == 2 and cfg.order.sbp_streams == (1, 2)
     assert load_config(None).train.lr == 1e-3
     assert load_config(None, ["train.lr=3"]).train.lr == 3.0  # int widened to float
+    assert load_config(None, ["train.lr=2e-3"]).train.lr == 2e-3  # YAML 1.1 gives a string
 
 
 def test_unknown_and_ill_typed_keys_are_named(tmp_path) -> None:

@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -25,6 +26,8 @@ from typing import Any
 from anyorder.errors import ConfigError
 
 MODEL_KINDS = ("gpt", "aogpt", "armd", "mdm")
+_EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+"""A float in exponent notation without a dot (``1e-3``), which YAML 1.1 leaves a string."""
 
 
 @dataclass
@@ -232,6 +235,9 @@ class TrainConfig:
     """Wrap the model in torch.compile."""
     fsdp: bool = False
     """Shard with FSDP2 fully_shard instead of DDP under torchrun."""
+    skip_nonfinite: bool = False
+    """Skip an optimizer step whose loss is NaN/Inf (no update) instead of stopping the run
+    (which first saves the state after the last good step)."""
     init_from: str | None = None
     """Start from these weights: an exported folder (anyorder convert/export), a hub id, or a
     run/checkpoint folder; the model section is taken from it (only model.dropout may differ)."""
@@ -316,6 +322,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "2e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        # YAML 1.1 reads 1e-3 (no dot) as a string; take it as the number it plainly is.
+        if isinstance(value, str) and _EXP_FLOAT.fullmatch(value.strip()):
             return float(value)
     elif tp is str:
         if isinstance(value, str):
@@ -404,8 +418,11 @@ def load_config(
         try:
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = " ".join(str(getattr(e, "problem", None) or e).split())
             raise ConfigError(
-                f"config file {str(path)!r} is not valid YAML: {e}".splitlines()[0]
+                f"config file {str(path)!r} is not valid YAML ({problem}{where}); fix the file"
             ) from None
         if loaded is None:
             loaded = {}
