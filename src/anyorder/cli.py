@@ -582,6 +582,50 @@ def run_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- serve
+
+
+def add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "checkpoint",
+        nargs="?",
+        default=None,
+        help="export, hub id, run folder or checkpoint (default: runs/demo, the main job's model)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: local only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    p.add_argument("--max-samples", type=int, default=4, help="samples per request at most")
+    p.add_argument(
+        "--time-limit", type=float, default=60.0, help="seconds per request at most (wall clock)"
+    )
+    p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="default: ema")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on CUDA"
+    )
+    p.add_argument("--verbose", action="store_true", help="log every request")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from anyorder.errors import ConfigError
+    from anyorder.serve import Limits, serve
+
+    if args.max_samples < 1 or not args.time_limit > 0:
+        raise ConfigError("--max-samples must be at least 1 and --time-limit above 0")
+    limits = Limits(max_samples=args.max_samples, time_limit_s=args.time_limit)
+    serve(
+        args.checkpoint,
+        host=args.host,
+        port=args.port,
+        limits=limits,
+        device=args.device,
+        dtype=args.dtype,
+        weights=args.weights,
+        verbose=args.verbose,
+    )
+    return 0
+
+
 # ----------------------------------------------------------------------------- registry
 
 Command = tuple[
@@ -600,6 +644,7 @@ def commands() -> list[Command]:
         ("convert", "GPT-2 weights (transformers) -> gpt, aogpt or armd", add_convert, run_convert),
         ("export", "training checkpoint -> uploadable model folder", add_export, run_export),
         ("sample", "generate or infill text from a checkpoint", add_sample, run_sample),
+        ("serve", "a local web page that shows generation as it happens", add_serve, run_serve),
     ]
 
 

@@ -1,0 +1,385 @@
+"""``anyorder serve``: the stream is the sampler, bad requests get 4xx, limits hold, and the
+page works in a real headless Chromium (skipped where none is installed)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from anyorder.data import ByteTokenizer
+from anyorder.hub import load_any, save_pretrained
+from anyorder.sample import decode_text, parse_template, sample
+from anyorder.serve import App, Limits, make_server
+
+from conftest import REPO, tiny_model
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TEMPLATE = "x = [MASK:6] + y[MASK:3]"
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """Tiny real models with the byte tokenizer, saved and loaded as `serve` loads them."""
+    root = tmp_path_factory.mktemp("serve")
+    out = {}
+    for kind in ("gpt", "armd", "mdm"):
+        folder = save_pretrained(
+            tiny_model(kind, seed=3, vocab_size=257, seq_len=32), root / kind, ByteTokenizer()
+        )
+        out[kind] = load_any(folder)
+    return out
+
+
+class Running:
+    """An `anyorder serve` server on a free port, in a thread."""
+
+    def __init__(self, loaded, limits: Limits | None = None, autocast: bool = False) -> None:
+        app = App(loaded, limits or Limits(), autocast=autocast)
+        self.server = make_server(app, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def post(self, body, raw: bytes | None = None) -> tuple[int, str]:
+        data = raw if raw is not None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url}/api/generate", data=data)
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+
+@pytest.fixture
+def server(exports, request):
+    kind, limits = getattr(request, "param", ("armd", Limits()))
+    s = Running(exports[kind], limits)
+    yield s
+    s.close()
+
+
+def parse_sse(text: str) -> list[tuple[str, dict]]:
+    events = []
+    for chunk in text.split("\n\n"):
+        if not chunk.strip():
+            continue
+        lines = dict(line.split(": ", 1) for line in chunk.split("\n"))
+        events.append((lines["event"], json.loads(lines["data"])))
+    return events
+
+
+# (kind, request) -> the same draw made directly with the sampler's public API
+CASES = [
+    ("armd", {"text": "def ", "mode": "l2r", "length": 20, "seed": 1}),
+    ("armd", {"text": TEMPLATE, "mode": "random", "seed": 2, "temperature": 0.8}),
+    ("armd", {"text": "", "mode": "strided", "streams": 4, "length": 16, "seed": 3}),
+    ("armd", {"text": TEMPLATE, "mode": "lemma1", "steps": 5, "num_samples": 3, "seed": 4}),
+    ("gpt", {"text": "ab", "mode": "l2r", "length": 12, "seed": 5, "top_p": 0.9}),
+    ("mdm", {"text": TEMPLATE, "mode": "lemma1", "steps": 4, "num_samples": 2, "seed": 6}),
+]
+
+
+def direct(loaded, body: dict, autocast: bool = False):
+    """The request's sample drawn by calling :func:`anyorder.sample.sample` directly."""
+    tok, model = loaded.tokenizer, loaded.model
+    prompt = known = None
+    if "[MASK" in body["text"]:
+        prompt, known = parse_template(body["text"], tok, model.cfg.seq_len)
+        n = len(prompt)
+    else:
+        n = body["length"]
+        if body["text"]:
+            ids = tok.encode(body["text"])
+            prompt = torch.tensor(ids + [0] * (n - len(ids)))
+            known = torch.arange(n) < len(ids)
+    mode = body["mode"]
+    steps: list = []
+    device = model.device
+    ctx = torch.autocast(device.type, torch.bfloat16) if autocast else contextlib.nullcontext()
+    with ctx:
+        result = sample(
+            model,
+            n,
+            order={"l2r": "l2r", "random": "random", "lemma1": "random"}.get(mode),
+            streams=body.get("streams"),
+            steps=body.get("steps"),
+            batch=body.get("num_samples", 1),
+            prompt=prompt,
+            known=known,
+            temperature=body.get("temperature", 1.0),
+            top_p=body.get("top_p"),
+            generator=torch.Generator(device).manual_seed(body["seed"]),
+            on_step=lambda pos, new, step: steps.append((pos.tolist(), new.tolist(), step)),
+        )
+    eos = None if "[MASK" in body["text"] else tok.eos_id  # a template's text is not cut
+    texts = [decode_text(tok, row, eos) for row in result.tokens.cpu()]
+    return result, steps, texts
+
+
+@pytest.mark.parametrize("kind, body", CASES, ids=[f"{k}-{b['mode']}" for k, b in CASES])
+def test_stream_is_exactly_the_samplers_steps(exports, kind: str, body: dict) -> None:
+    check_stream(exports[kind], body)
+
+
+def check_stream(loaded, body: dict, autocast: bool = False) -> None:
+    """Serve ``body`` and check its events against the same draw made directly."""
+    server = Running(loaded, autocast=autocast)
+    try:
+        status, text = server.post(body)
+    finally:
+        server.close()
+    assert status == 200, text
+    events = parse_sse(text)
+    names = [e for e, _ in events]
+    assert names[0] == "start" and names[-1] == "done" and set(names[1:-1]) == {"step"}
+    start, steps, done = events[0][1], [d for e, d in events if e == "step"], events[-1][1]
+    result, hook_calls, texts = direct(loaded, body, autocast)
+    result.tokens, result.step_of = result.tokens.cpu(), result.step_of.cpu()
+    # one event per sampler pass, with the same step, positions and tokens (padding dropped)
+    n = start["n"]
+    assert n == result.tokens.shape[1] and len(steps) == len(hook_calls)
+    for event, (pos, new, step) in zip(steps, hook_calls):
+        assert event["step"] == step
+        want = [[[p, t] for p, t in zip(pr, tr) if p < n] for pr, tr in zip(pos, new)]
+        assert [[cell[:2] for cell in row] for row in event["rows"]] == want
+    # the events rebuild the SampleResult: tokens and step_of, position by position
+    B = result.tokens.shape[0]
+    tokens = torch.full((B, n), -9)
+    step_of = torch.full((B, n), -2)
+    for p, t, _ in start["prompt"]:
+        tokens[:, p], step_of[:, p] = t, -1
+    for event in steps:
+        for i, row in enumerate(event["rows"]):
+            for p, t, _ in row:
+                assert step_of[i, p] == -2, "a position was decided twice"
+                tokens[i, p], step_of[i, p] = t, event["step"]
+    torch.testing.assert_close(tokens, result.tokens, rtol=0, atol=0)
+    torch.testing.assert_close(step_of, result.step_of, rtol=0, atol=0)
+    assert done["tokens"] == result.tokens.tolist()
+    assert done["step_of"] == result.step_of.tolist()
+    assert done["texts"] == texts
+    assert done["forward_passes"] == result.forward_passes
+    assert 0 <= max(max(r) for r in done["step_of"]) < start["total_steps"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, body", CASES[1:4], ids=[b["mode"] for _, b in CASES[1:4]])
+def test_stream_on_cuda_with_bf16(tmp_path, kind: str, body: dict) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = tiny_model(kind, seed=3, vocab_size=257, seq_len=32)
+    folder = save_pretrained(model, tmp_path / kind, ByteTokenizer())
+    check_stream(load_any(folder, device="cuda"), body, autocast=True)
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"text": "[MASK:0] x"}, 400, "bad hole '[MASK:0]' at character 0; write [MASK:n]"),
+        ({"text": "a [MASK:3"}, 400, "unterminated hole at character 2"),
+        ({"text": "a [MASK:40]"}, 400, "hole [MASK:40] is longer than the model's context (32"),
+        ({"text": "no holes", "length": 64}, 400, "length n=64 must lie in 1..32"),
+        ({"text": "x" * 40}, 400, "the prompt is 40 tokens, not shorter than the length 32"),
+        ({"mode": "sideways"}, 400, "mode 'sideways' is unknown; use one of l2r, random"),
+        ({"mode": "strided"}, 400, "mode strided needs the number of streams S"),
+        ({"mode": "strided", "streams": 5}, 400, "streams S=5 does not divide"),
+        ({"mode": "lemma1", "steps": 0}, 400, "steps=0 must be at least 1"),
+        ({"temperature": 0}, 400, "temperature=0 must be > 0"),
+        ({"top_p": 1.5}, 400, "top-p=1.5 must lie in (0, 1]"),
+        ({"seed": "one"}, 400, "field 'seed' must be a whole number, not \"one\""),
+        ({"colour": 1}, 400, "unknown field(s) colour; known: text, mode"),
+        ({"num_samples": 5}, 400, "num_samples=5 must lie in 1..4 (this server's limit)"),
+        ([1, 2], 400, "the request must be a JSON object"),
+    ],
+)
+def test_invalid_requests_get_4xx_with_a_message(server, body, status: int, message: str):
+    got, text = server.post(body)
+    assert got == status
+    assert message in json.loads(text)["error"]
+
+
+def test_other_refusals(server, exports) -> None:
+    status, text = server.post(None, raw=b"{not json")
+    assert status == 400 and "the body is not JSON" in json.loads(text)["error"]
+    status, text = server.post(None, raw=b'{"text": "' + b"a" * 70000 + b'"}')
+    assert status == 413
+    assert json.loads(text)["error"].startswith("the request is 70012 bytes; this server takes")
+    assert server.get("/api/generate")[0] == 405
+    assert server.get("/nothing")[0] == 404
+    gpt = Running(exports["gpt"])
+    try:
+        status, text = gpt.post({"text": TEMPLATE, "mode": "random"})
+    finally:
+        gpt.close()
+    assert status == 400 and "gpt generates left to right" in json.loads(text)["error"]
+    # the server is still up and serves the page and its model's description
+    status, page = server.get("/")
+    assert status == 200 and 'id="text"' in page and "/static/app.js" in page
+    assert server.get("/static/app.js")[0] == 200 and server.get("/static/style.css")[0] == 200
+    info = json.loads(server.get("/api/info")[1])
+    assert info["kind"] == "armd" and info["seq_len"] == 32 and info["limits"]["max_samples"] == 4
+    assert info["modes"] == ["l2r", "random", "strided", "lemma1"]
+
+
+@pytest.mark.parametrize("server", [("armd", Limits(time_limit_s=0.0))], indirect=True)
+def test_time_limit_stops_a_generation(server) -> None:
+    status, text = server.post({"mode": "l2r", "length": 24})
+    events = parse_sse(text)
+    assert status == 200 and [e for e, _ in events] == ["start", "step", "error"]
+    assert "this server's limit is 0 s per request" in events[-1][1]["message"]
+    # the slot is free again: the next request runs (and is stopped the same way)
+    assert parse_sse(server.post({"mode": "l2r", "length": 24})[1])[-1][0] == "error"
+
+
+def test_one_generation_at_a_time_and_a_closed_page_frees_the_server(server) -> None:
+    slow = {"mode": "l2r", "length": 32, "delay_ms": 200}  # about 6 s if left to run
+    req = urllib.request.Request(f"{server.url}/api/generate", data=json.dumps(slow).encode())
+    first = urllib.request.urlopen(req, timeout=60)
+    assert first.readline().decode().startswith("event: start")  # running now
+    status, text = server.post({"mode": "l2r", "length": 8})
+    assert status == 429
+    assert json.loads(text)["error"].startswith("busy: this server runs 1 generation(s) at a")
+    first.close()  # the page went away: the generation stops at its next pass
+    for _ in range(100):
+        status, text = server.post({"mode": "l2r", "length": 8})
+        if status != 429:
+            break
+        threading.Event().wait(0.1)
+    assert status == 200 and parse_sse(text)[-1][0] == "done"
+
+
+def test_cli_serve(exports, tmp_path, monkeypatch, capsys) -> None:
+    from anyorder.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no runs/demo here
+    assert main(["serve"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "anyorder serve: error: no model at runs/demo: run `make demo` first or pass a checkpoint"
+    )
+    # a real process on a free port answers, then stops on SIGTERM
+    folder = str(exports["armd"].path)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "anyorder.cli", "serve", folder, "--port", "0", "--device", "cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving armd (0.12M parameters, context 32) from"), line
+        url = line.split(" at ")[1].split()[0]
+        assert url.startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(url + "api/info", timeout=60) as r:
+            assert json.loads(r.read())["kind"] == "armd"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# ----------------------------------------------------------------------------- the browser
+
+
+def _playwright():
+    """Playwright's sync API, or a skip with the reason (a failure where CI requires it)."""
+    missing = pytest.fail if os.environ.get("ANYORDER_REQUIRE_BROWSER") else pytest.skip
+    if not CHROMIUM.exists():
+        missing(
+            "headless Chromium is not installed (/usr/bin/chromium; Debian: apt-get install "
+            "chromium); .ci/run installs it"
+        )
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing("playwright is not installed (pip install -e '.[dev]')")
+    return sync_playwright
+
+
+def test_page_in_headless_chromium(exports, tmp_path) -> None:
+    sync_playwright = _playwright()
+    loaded = exports["armd"]
+    body = {"text": TEMPLATE, "mode": "lemma1", "steps": 4, "seed": 11, "temperature": 0.9}
+    _, _, (expected,) = direct(loaded, body)
+    server = Running(loaded)
+    shot = tmp_path / "serve.png"
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1100, "height": 700})
+                page.goto(server.url + "/")
+                page.wait_for_selector("body[data-state=ready]", timeout=30_000)
+                assert "armd" in page.inner_text("#model-info")
+                # a bad template: a message on the page, no crash
+                page.fill("#text", "a [MASK:0] b")
+                page.click("#generate")
+                page.wait_for_selector("body[data-state=error]", timeout=30_000)
+                assert page.inner_text("#error").startswith("bad hole '[MASK:0]' at character 2")
+                # the real request, with a fixed seed
+                page.fill("#text", TEMPLATE)
+                page.select_option("#mode", "lemma1")
+                page.fill("#steps", "4")
+                page.fill("#seed", "11")
+                page.fill("#temperature", "0.9")
+                page.click("#generate")
+                page.wait_for_selector("body[data-state=done]", timeout=60_000)
+                assert page.is_hidden("#error")
+                assert page.input_value("#final-0") == expected
+                assert page.inner_text("#step-counter").endswith("/ 4")
+                cells = page.locator("#grid-0 .cell")
+                assert cells.count() == 17
+                assert page.locator("#grid-0 .cell.pending").count() == 0
+                assert page.locator("#grid-0 .cell.known").count() == 8
+                page.screenshot(path=str(shot), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        server.close()
+    assert shot.stat().st_size > 1000
+    print(f"screenshot: {shot}")
+    out = os.environ.get("ANYORDER_ARTIFACTS")  # CI may keep it
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, Path(out) / "serve.png")
+
+
+def test_page_is_shipped_as_package_data() -> None:
+    from importlib import resources
+
+    for name in ("index.html", "app.js", "style.css"):
+        assert (resources.files("anyorder") / "web" / name).is_file()
+    assert 'anyorder = ["web/*"]' in (REPO / "pyproject.toml").read_text()
