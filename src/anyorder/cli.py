@@ -633,6 +633,41 @@ Command = tuple[
 ]
 
 
+# ----------------------------------------------------------------------------- experiment
+
+
+def add_experiment(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="experiment name (anyorder.experiments.EXPERIMENTS) or all")
+    p.add_argument("--scale", choices=("cpu", "paper"), default="cpu",
+                   help="cpu: train here; paper: torchrun with the paper configs")  # fmt: skip
+    p.add_argument("--minutes", type=float, default=None, help="training budget per run")
+    p.add_argument("--seeds", type=int, default=1, help="training seeds per arm")
+    p.add_argument("--out", default="runs/experiments", help="output folder")
+    p.add_argument("--nproc", type=int, default=8, help="paper scale: GPUs for torchrun")
+    p.add_argument("--print-only", action="store_true", help="paper scale: print the commands")
+    p.add_argument("--smoke", action="store_true", help="minimal sizes (tests the code path)")
+    p.add_argument("--no-progress", action="store_true", help="no progress messages")
+
+
+def run_experiment(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from anyorder.experiments import EXPERIMENTS, Context
+    from anyorder.experiments import run_experiment as run_one
+
+    names = list(EXPERIMENTS) if args.name == "all" else [args.name]
+    root = Path(args.out)
+    for name in names:
+        ctx = Context(
+            out=root / name, runs=root / "runs", scale=args.scale, minutes=args.minutes,
+            seeds=args.seeds, smoke=args.smoke, progress=not args.no_progress,
+            nproc=args.nproc, print_only=args.print_only,
+        )  # fmt: skip
+        res = run_one(name, ctx)
+        print(f"experiment {name}: {ctx.out / 'section.md'} ({res['wall_s']:.0f} s)", flush=True)
+    return 0
+
+
 def commands() -> list[Command]:
     """Every subcommand: (name, help, add_arguments, run)."""
     return [
@@ -645,6 +680,7 @@ def commands() -> list[Command]:
         ("export", "training checkpoint -> uploadable model folder", add_export, run_export),
         ("sample", "generate or infill text from a checkpoint", add_sample, run_sample),
         ("serve", "a local web page that shows generation as it happens", add_serve, run_serve),
+        ("experiment", "reproduce a paper comparison", add_experiment, run_experiment),
     ]
 
 

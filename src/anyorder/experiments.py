@@ -1,0 +1,1007 @@
+"""The papers' comparisons as experiments: one function each, one command each.
+
+``anyorder experiment NAME [--scale cpu|paper] [--minutes M] [--seeds K] [--out DIR]`` runs
+one comparison of :data:`EXPERIMENTS` (``all`` runs them in turn) and writes, under
+``OUT/NAME/``, ``result.json``, ``plot.png`` and ``section.md`` (the Markdown section that
+``docs/results.md`` collects).
+
+Design choices:
+
+* One registry (:data:`EXPERIMENTS`), one signature: ``fn(ctx) -> dict`` with the section's
+  Markdown under ``"markdown"``. The CLI, the tests and ``anyorder experiment all`` go
+  through :func:`run_experiment`.
+* Same code, data and token budget for every arm: each training run is the library's own
+  :func:`anyorder.train.train` on ``builtin:pydoc`` bytes with the same model shape, batch
+  and number of steps; only the model kind or the order distribution differs. The
+  validation curves are the trainer's (``val/l2r_bpb``, ``val/ao_bpb``; fixed validation
+  orders, so every arm is scored on the same orders).
+* Runs are cached by name under ``OUT/runs`` (a run with ``done.json`` is reused), so the
+  aogpt/gpt/mdm/armd runs of experiment 5 serve experiments 4, 7 and 8 too.
+* Error bars: within a run the standard error over random orders (from the trainer or
+  :func:`anyorder.corpus.likelihood_suite`); across seeds mean ± standard error of the
+  seed means. Small differences get several seeds (``--seeds``).
+* CPU scale is deliberately small (2 layers, d_model 128, n = 64, batch 16, one thread):
+  the comparisons are about relative effects. ``--scale paper`` does not train here: it
+  builds the ``torchrun`` command lines with the paper configs (``configs/*.yaml``) plus
+  the experiment's overrides and runs them (or prints them with ``--print-only``).
+* A ``smoke`` context shrinks everything (1 layer, width 32, n = 16, a handful of steps) so
+  that every experiment's whole code path is tested in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from anyorder.errors import ConfigError
+
+DATA_SOURCE = "builtin:pydoc"
+"""The CPU-scale corpus (Python's documentation as bytes, ~0.47 MB)."""
+
+
+@dataclass
+class Context:
+    """Where and how big an experiment runs."""
+
+    out: Path
+    """Folder of this experiment's outputs (``OUT/NAME``)."""
+    runs: Path
+    """Shared folder of training runs (``OUT/runs``), reused across experiments."""
+    scale: str = "cpu"
+    """cpu (train here) or paper (torchrun command lines with the paper configs)."""
+    minutes: float | None = None
+    """Training budget per run in minutes (sets the steps from a measured throughput)."""
+    seeds: int = 1
+    """Training seeds per arm where the difference is small."""
+    smoke: bool = False
+    """Minimal sizes: tests the code path, the numbers mean nothing."""
+    progress: bool = False
+    """Progress bars and per-run messages."""
+    nproc: int = 8
+    """paper scale: GPUs per node for torchrun."""
+    print_only: bool = False
+    """paper scale: print the commands instead of running them."""
+    commands: list[list[str]] = field(default_factory=list)
+    """paper scale: the command lines built (and run unless print_only)."""
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps of one CPU training run (the same for every arm)."""
+        if self.smoke:
+            return 4
+        if self.minutes is None:
+            return 300
+        return max(20, int(self.minutes * 60 * CPU_STEPS_PER_S))
+
+
+CPU_STEPS_PER_S = 1.6
+"""Measured steps/s of the CPU-scale model (2 x 128, n = 64, batch 16, bf16, one thread)."""
+
+
+def model_overrides(ctx: Context, kind: str) -> list[str]:
+    """The model shape shared by every arm at CPU scale (or its smoke version)."""
+    if ctx.smoke:
+        shape = dict(n_layer=1, n_head=2, d_model=32, seq_len=16, target_dim=16)
+    else:
+        shape = dict(n_layer=2, n_head=4, d_model=128, seq_len=64, target_dim=64)
+    return [f"model.kind={kind}"] + [f"model.{k}={v}" for k, v in shape.items()]
+
+
+def train_overrides(ctx: Context, out_dir: Path, seed: int, steps: int | None = None) -> list[str]:
+    steps = ctx.steps if steps is None else steps
+    every = max(1, steps // 10)
+    return [
+        f"data.source={DATA_SOURCE}",
+        "data.tokenizer=bytes",
+        f"data.cache_dir={ctx.runs / 'data_cache'}",
+        f"train.out_dir={out_dir}",
+        f"train.steps={steps}",
+        f"train.batch_size={4 if ctx.smoke else 16}",
+        "train.lr=2.0e-3",
+        f"train.warmup_steps={max(1, steps // 10)}",
+        "train.weight_decay=0.1",
+        "train.beta2=0.99",
+        "train.ema=0",
+        f"train.eval_every={every}",
+        f"train.eval_batches={1 if ctx.smoke else 4}",
+        "train.ckpt_every=1000000",
+        "train.keep_last=1",
+        f"train.log_every={every}",
+        "train.device=cpu",
+        "train.dtype=bf16",
+        f"train.seed={seed}",
+    ]
+
+
+def run_name(kind: str, order: list[str]) -> str:
+    """A run's folder name from its model kind and order overrides: identical arms of
+    different experiments share one run."""
+    parts = [o.split("=", 1)[1] for o in order]
+    name = "_".join([kind, *parts])
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
+
+
+def train_run(
+    ctx: Context,
+    name: str,
+    kind: str,
+    order: list[str],
+    seed: int = 0,
+    *,
+    steps: int | None = None,
+    extra: list[str] | None = None,
+) -> dict[str, Any]:
+    """Train (or reuse) the CPU run ``name``-s``seed``; return its metrics rows and summary.
+
+    A run folder with ``done.json`` whose config matches is reused as it is.
+    """
+    from anyorder.config import load_config, to_dict
+    from anyorder.train import read_metrics, train
+
+    out_dir = ctx.runs / f"{name}-s{seed}"
+    overrides = [
+        *model_overrides(ctx, kind),
+        *order,
+        *train_overrides(ctx, out_dir, seed, steps),
+        *(extra or []),
+    ]
+    cfg = load_config(None, overrides)
+    done = out_dir / "done.json"
+    want = json.dumps(to_dict(cfg), sort_keys=True)
+    if done.exists():
+        info = json.loads(done.read_text())
+        if json.dumps(info.get("config"), sort_keys=True) == want:
+            return info | {"rows": read_metrics(out_dir), "run_dir": str(out_dir)}
+    if ctx.progress:
+        print(f"experiment: training {out_dir.name} ({cfg.train.steps} steps)", flush=True)
+    t0 = time.perf_counter()
+    summary = train(cfg, resume=False if not out_dir.exists() else "auto", progress=False)
+    tokens = cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len
+    info = {
+        "config": json.loads(want),
+        "steps": summary["step"],
+        "tokens": tokens,
+        "wall_s": time.perf_counter() - t0,
+        "val": summary.get("val"),
+        "params": summary.get("params"),
+    }
+    done.write_text(json.dumps(info, indent=2) + "\n")
+    return info | {"rows": read_metrics(out_dir), "run_dir": str(out_dir)}
+
+
+def curve(rows: list[dict[str, Any]], key: str, tokens_per_step: int) -> list[tuple[int, float]]:
+    """(tokens, value) of every validation row that has ``key``."""
+    return [(r["step"] * tokens_per_step, r[key]) for r in rows if key in r]
+
+
+def final(rows: list[dict[str, Any]], key: str) -> float:
+    """The last validation value of ``key`` (nan if none)."""
+    vals = [r[key] for r in rows if key in r]
+    return vals[-1] if vals else float("nan")
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error over seeds (se nan for a single seed)."""
+    k = len(values)
+    m = sum(values) / k
+    if k < 2:
+        return m, float("nan")
+    var = sum((v - m) ** 2 for v in values) / (k - 1)
+    return m, math.sqrt(var / k)
+
+
+def fmt(m: float, se: float, digits: int = 3) -> str:
+    """``m ± se`` (just ``m`` when se is nan)."""
+    if not math.isfinite(m):
+        return "n/a"
+    if not math.isfinite(se):
+        return f"{m:.{digits}f}"
+    return f"{m:.{digits}f} ± {se:.{digits}f}"
+
+
+def tokens_per_step(ctx: Context) -> int:
+    return (4 if ctx.smoke else 16) * (16 if ctx.smoke else 64)
+
+
+def _plot_curves(
+    series: dict[str, list[tuple[int, float]]], ylabel: str, title: str, path: Path
+) -> bool:
+    """Lines of (tokens, value) per label; False where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pts in series.items():
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_xy(
+    series: dict[str, tuple[list[float], list[float], list[float] | None]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    path: Path,
+    logx: bool = False,
+) -> bool:
+    """Lines with optional error bars: label -> (x, y, yerr)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, (x, y, err) in series.items():
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _budget_line(ctx: Context, runs: int) -> str:
+    tps = tokens_per_step(ctx)
+    return (
+        f"Budget: {runs} run(s) x {ctx.steps} steps x {tps} tokens = {ctx.steps * tps:,} "
+        f"training tokens per run; model 2 layers x 128 (n = 64), bytes of `{DATA_SOURCE}`, "
+        "batch 16, bf16 autocast, one CPU thread."
+    )
+
+
+def _val_data(ctx: Context, kind: str = "aogpt") -> Any:
+    """The validation blocks and bytes/token of the CPU corpus (the cache the runs made)."""
+    from anyorder.config import load_config
+    from anyorder.data import prepare
+
+    cfg = load_config(None, model_overrides(ctx, kind) + train_overrides(ctx, ctx.runs, 0))
+    from anyorder.data import load_tokenizer
+
+    cfg.model.vocab_size = load_tokenizer("bytes").vocab_size
+    data = prepare(cfg.data, cfg.model.seq_len, progress=False)
+    return data
+
+
+def _load(run: dict[str, Any]) -> Any:
+    from anyorder.checkpoint import load_model
+
+    loaded = load_model(run["run_dir"], weights="raw")
+    loaded.model.eval()
+    return loaded
+
+
+# ============================================================================ 1. Eq. 5
+
+
+def _toy_chain(vocab: int, seed: int) -> torch.Tensor:
+    """A random first-order Markov chain (vocab, vocab) with a peaked transition table."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(3.0 * torch.randn(vocab, vocab, generator=g), dim=-1)
+
+
+def _toy_draw(trans: torch.Tensor, num: int, n: int, g: torch.Generator) -> torch.Tensor:
+    V = trans.shape[0]
+    x = torch.empty(num, n, dtype=torch.long)
+    x[:, 0] = torch.randint(0, V, (num,), generator=g)
+    for t in range(1, n):
+        x[:, t] = torch.multinomial(trans[x[:, t - 1]], 1, generator=g).squeeze(1)
+    return x
+
+
+def _toy_nll(trans: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The true NLL (B,) in nats of the chain's sequences."""
+    V = trans.shape[0]
+    lp = math.log(1.0 / V) + torch.log(trans[x[:, :-1], x[:, 1:]]).sum(dim=1)
+    return -lp.double()
+
+
+@torch.no_grad()
+def context_order_spread(
+    model: Any, tokens: torch.Tensor, order: torch.Tensor, members: int, g: torch.Generator
+) -> tuple[float, float]:
+    """How much a conditional depends on the order of its context (Eq. 6).
+
+    For every sequence and target slot ``t >= 1`` of ``order``, the target's log-probability
+    given the same context set ``order[:t]`` presented in ``members`` random orders (the
+    first: ``order`` itself); returns the mean over targets of the standard deviation over
+    the members, with its standard error. An encoder gives 0 up to rounding.
+    """
+    B, n = tokens.shape
+    rows, orders_, slots = [], [], []
+    for b in range(B):
+        for t in range(1, n):
+            for m in range(members):
+                ctx_perm = order[b, :t] if m == 0 else order[b, :t][torch.randperm(t, generator=g)]
+                orders_.append(torch.cat([ctx_perm, order[b, t:]]))
+                rows.append(b)
+                slots.append(t)
+    o = torch.stack(orders_)  # (B*(n-1)*M, n)
+    x = tokens[torch.tensor(rows)]
+    slot = torch.tensor(slots)
+    logits = model(x, o)[torch.arange(len(o)), slot].float()  # (R, V)
+    target = x[torch.arange(len(o)), o[torch.arange(len(o)), slot]]
+    lp = logits.log_softmax(-1).gather(1, target[:, None]).squeeze(1).double()
+    sd = lp.view(-1, members).std(dim=1)  # (B*(n-1),)
+    return float(sd.mean()), float(sd.std() / math.sqrt(sd.numel()))
+
+
+def exp_eq5(ctx: Context) -> dict[str, Any]:
+    """Eq. 5 by enumeration (mdm) and the decoder's order dependence (aogpt), n = 5..7."""
+    from anyorder import build_model, orders, preset
+    from anyorder.evaluate import exact_any_order_nll, exact_mdm_elbo, sequence_nll
+
+    if ctx.scale == "paper":
+        return {"markdown": "Exact enumeration is a toy-scale check: it has no paper scale.\n"}
+    V = 4
+    lengths = [4] if ctx.smoke else [5, 6, 7]
+    train_steps = 5 if ctx.smoke else 400
+    members = 8
+    rows = []
+    for n in lengths:
+        g = torch.Generator().manual_seed(100 + n)
+        trans = _toy_chain(V, n)
+        test = _toy_draw(trans, 4 if ctx.smoke else 16, n, g)
+        models = {}
+        for kind in ("mdm", "aogpt"):
+            torch.manual_seed(0)
+            cfg = preset("tiny", kind=kind, vocab_size=V, seq_len=n, n_layer=2, n_head=4,
+                         d_model=64, target_dim=32)  # fmt: skip
+            model = build_model(cfg)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            for _ in range(train_steps):
+                x = _toy_draw(trans, 64, n, g)
+                o = orders.uniform(64, n, g).order
+                loss = model.loss(x, o, generator=g)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            models[kind] = model.eval()
+        mdm, ao = models["mdm"], models["aogpt"]
+        t0 = time.perf_counter()
+        elbo = exact_mdm_elbo(mdm, test)  # (B,)
+        avg = exact_any_order_nll(mdm, test)
+        ao_avg = exact_any_order_nll(ao, test)
+        enum_s = time.perf_counter() - t0
+        with torch.no_grad():
+            ao_l2r = sequence_nll(ao, test, orders.l2r(len(test), n).order).double()
+            # order dependence: one random order per sequence; every target's conditional
+            # under `members` random orders of its context (member 0: the order itself)
+            o = orders.uniform(len(test), n, g).order
+            spread = {k: context_order_spread(m, test, o, members, g) for k, m in models.items()}
+        truth = _toy_nll(trans, test)
+        rows.append(
+            {
+                "n": n,
+                "orders": math.factorial(n),
+                "mask_sets": 2**n - 1,
+                "true_nll": float(truth.mean()),
+                "mdm_elbo": float(elbo.mean()),
+                "mdm_avg_orders": float(avg.mean()),
+                "max_abs_diff": float((elbo - avg).abs().max()),
+                "aogpt_avg_orders": float(ao_avg.mean()),
+                "aogpt_l2r": float(ao_l2r.mean()),
+                "aogpt_spread": spread["aogpt"],
+                "mdm_spread": spread["mdm"],
+                "enum_s": enum_s,
+            }
+        )
+    md = [
+        "Toy source: a random first-order Markov chain over 4 symbols; models 2 x 64 trained "
+        f"{train_steps} steps (batch 64, uniform orders) per length. NLL in nats per sequence "
+        "(mean over the test sequences). Spread: standard deviation of log p(target | context) "
+        f"over {members} random orders of the same context set, mean over targets (± se).\n",
+        "| n | orders | mdm exact ELBO | mdm avg over all orders | max abs diff | true NLL "
+        "| aogpt avg over orders | aogpt l2r | aogpt spread (nats) | mdm spread (nats) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        md.append(
+            f"| {r['n']} | {r['orders']} | {r['mdm_elbo']:.5f} | {r['mdm_avg_orders']:.5f} | "
+            f"{r['max_abs_diff']:.1e} | {r['true_nll']:.3f} | {r['aogpt_avg_orders']:.3f} | "
+            f"{r['aogpt_l2r']:.3f} | {fmt(*r['aogpt_spread'])} | {fmt(*r['mdm_spread'], 4)} |"
+        )
+    plot = _plot_xy(
+        {
+            "aogpt: spread over context orders": (
+                [r["n"] for r in rows],
+                [r["aogpt_spread"][0] for r in rows],
+                [r["aogpt_spread"][1] for r in rows],
+            ),
+            "mdm: spread (0 by construction)": (
+                [r["n"] for r in rows],
+                [r["mdm_spread"][0] for r in rows],
+                None,
+            ),
+            "|ELBO - avg over orders| (mdm, max)": (
+                [r["n"] for r in rows],
+                [r["max_abs_diff"] for r in rows],
+                None,
+            ),
+        },
+        "n",
+        "nats",
+        "Eq. 5 and order dependence",
+        ctx.out / "plot.png",
+    )
+    return {"rows": rows, "plot": plot, "markdown": "\n".join(md) + "\n"}
+
+
+# ============================================================================ helpers for 2-6
+
+
+def _arms_curves(
+    ctx: Context,
+    arms: dict[str, tuple[str, list[str]]],
+    keys: list[str],
+    seeds: int,
+) -> dict[str, Any]:
+    """Train every arm (label -> (kind, order overrides)) for ``seeds`` seeds at equal steps;
+    final values (mean ± se over seeds) of each key and the seed-0 curves."""
+    tps = tokens_per_step(ctx)
+    out: dict[str, Any] = {"arms": {}, "curves": {}}
+    for label, (kind, order) in arms.items():
+        name = run_name(kind, order)
+        finals: dict[str, list[float]] = {k: [] for k in keys}
+        within: dict[str, list[float]] = {k: [] for k in keys}
+        for s in range(seeds):
+            run = train_run(ctx, name, kind, order, s)
+            for k in keys:
+                finals[k].append(final(run["rows"], k))
+                if k.endswith("ao_bpb"):
+                    within[k].append(final(run["rows"], k + "_se"))
+            if s == 0:
+                for k in keys:
+                    out["curves"][f"{label}: {k}"] = curve(run["rows"], k, tps)
+        out["arms"][label] = {
+            k: {"values": v, "mean_se": mean_se([x for x in v if math.isfinite(x)] or [math.nan]),
+                "within_se": within[k]}
+            for k, v in finals.items()
+        }  # fmt: skip
+    return out
+
+
+def _arms_table(res: dict[str, Any], keys: list[str], names: list[str]) -> str:
+    head = "| arm | " + " | ".join(names) + " |\n|---|" + "---|" * len(names) + "\n"
+    body = ""
+    for label, vals in res["arms"].items():
+        cells = []
+        for k in keys:
+            m, se = vals[k]["mean_se"]
+            w = [x for x in vals[k]["within_se"] if math.isfinite(x)]
+            if not math.isfinite(se) and w:
+                cells.append(fmt(m, w[0]) + " (orders)")
+            else:
+                cells.append(fmt(m, se))
+        body += f"| {label} | " + " | ".join(cells) + " |\n"
+    return head + body
+
+
+def _seeds_note(ctx: Context, seeds: int) -> str:
+    return (
+        f"Final validation bits/byte after the whole budget; ± is the standard error over "
+        f"{seeds} training seeds" + (" (one seed: ± is over random validation orders)."
+                                     if seeds < 2 else ".")
+    )  # fmt: skip
+
+
+# ============================================================================ 2. Finding 1
+
+
+def exp_finding1(ctx: Context) -> dict[str, Any]:
+    """AO-GPT Finding 1: left-to-right vs uniform any-order training, same architecture."""
+    arms = {
+        "aogpt l2r-trained": ("aogpt", ["order.kind=l2r"]),
+        "aogpt uniform-trained": ("aogpt", ["order.kind=uniform"]),
+    }
+    if ctx.scale == "paper":
+        return _paper(ctx, "aogpt-small-owt.yaml", arms)
+    keys = ["val/l2r_bpb", "val/ao_bpb"]
+    seeds = ctx.seeds
+    res = _arms_curves(ctx, arms, keys, seeds)
+    plot = _plot_curves(
+        {k: v for k, v in res["curves"].items() if k.endswith(("l2r_bpb", "ao_bpb"))},
+        "validation bits/byte",
+        "Finding 1: l2r vs uniform-order training (aogpt)",
+        ctx.out / "plot.png",
+    )
+    md = _budget_line(ctx, 2 * seeds) + " " + _seeds_note(ctx, seeds) + "\n\n"
+    md += _arms_table(res, keys, ["l2r bits/byte", "any-order bits/byte"])
+    return res | {"plot": plot, "markdown": md}
+
+
+# ============================================================================ 3. Finding 3
+
+
+def exp_finding3(ctx: Context) -> dict[str, Any]:
+    """AO-GPT Finding 3: 0%, 10%, 50% left-to-right mixed into uniform orders."""
+    arms = {
+        "aogpt 0% l2r (uniform)": ("aogpt", ["order.kind=uniform"]),
+        "aogpt 10% l2r": ("aogpt", ["order.kind=mix", "order.p_l2r=0.1"]),
+        "aogpt 50% l2r": ("aogpt", ["order.kind=mix", "order.p_l2r=0.5"]),
+    }
+    if ctx.scale == "paper":
+        return _paper(ctx, "aogpt-small-owt.yaml", arms)
+    keys = ["val/l2r_bpb", "val/ao_bpb"]
+    res = _arms_curves(ctx, arms, keys, ctx.seeds)
+    plot = _plot_curves(
+        res["curves"], "validation bits/byte", "Finding 3: left-to-right mix", ctx.out / "plot.png"
+    )
+    md = _budget_line(ctx, 3 * ctx.seeds) + " " + _seeds_note(ctx, ctx.seeds) + "\n\n"
+    md += _arms_table(res, keys, ["l2r bits/byte", "any-order bits/byte"])
+    return res | {"plot": plot, "markdown": md}
+
+
+# ============================================================================ 4. Finding 5
+
+
+def exp_finding5(ctx: Context) -> dict[str, Any]:
+    """AO-GPT Finding 5: any-order NLL vs context-order ensemble size M."""
+    from anyorder.corpus import likelihood_suite
+
+    arms = {"aogpt mix 10% l2r": ("aogpt", ["order.kind=mix", "order.p_l2r=0.1"])}
+    if ctx.scale == "paper":
+        return _paper(ctx, "aogpt-small-owt.yaml", arms, evaluate="--ensemble 16")
+    sizes = [1, 2, 4] if ctx.smoke else [1, 2, 4, 8, 16]
+    run = train_run(ctx, run_name(*arms["aogpt mix 10% l2r"]), *arms["aogpt mix 10% l2r"])
+    loaded = _load(run)
+    data = _val_data(ctx)
+    nblocks = 2 if ctx.smoke else 32
+    blocks = data.batch("val", range(min(nblocks, data.num_blocks("val"))))
+    targets = 4 if ctx.smoke else 16
+    t0 = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        res = likelihood_suite(
+            loaded.model, blocks, bytes_per_token=data.bytes_per_token("val"),
+            orders=2 if ctx.smoke else 4, ensemble=sizes[-1], targets=targets,
+            seed=0, batch_size=8, progress=ctx.progress, left_to_right=False,
+        )  # fmt: skip
+    wall = time.perf_counter() - t0
+    by = res["ensemble"]["by_size"]
+    ms = [m for m in sizes if m in by]
+    ys = [by[m]["bits_per_byte"] for m in ms]
+    es = [by[m]["bpb_stderr"] for m in ms]
+    plot = _plot_xy(
+        {"aogpt (10% l2r mix)": (ms, ys, es)},
+        "ensemble size M",
+        "any-order bits/byte",
+        "Finding 5: context-order ensembles",
+        ctx.out / "plot.png",
+        logx=True,
+    )
+    md = (
+        _budget_line(ctx, 1)
+        + f" Scored on {len(blocks)} validation blocks x {res['orders']} random orders, "
+        f"{targets} random target slots per block and order (unbiased for the per-token mean); "
+        f"± is the standard error over the orders. Gain M=1 -> M={ms[-1]}: "
+        f"{res['ensemble']['gain_nats']:.4f} ± {res['ensemble']['gain_stderr']:.4f} nats/token "
+        f"(paired). Evaluation took {wall:.0f} s.\n\n"
+        "| M | any-order bits/byte | forward passes per block (formula) |\n|---|---|---|\n"
+    )
+    from anyorder.evaluate import ensemble_cost
+
+    n = blocks.shape[1]
+    for m, y, e in zip(ms, ys, es, strict=True):
+        md += f"| {m} | {fmt(y, e, 4)} | {ensemble_cost(n, m, targets):.1f} |\n"
+    return {"suite": res, "sizes": ms, "bpb": ys, "se": es, "plot": plot, "markdown": md}
+
+
+# ============================================================================ 5. equal tokens
+
+_FOUR = {
+    "gpt": ("gpt", ["order.kind=l2r"]),
+    "aogpt (10% l2r)": ("aogpt", ["order.kind=mix", "order.p_l2r=0.1"]),
+    "armd (progressive)": ("armd", []),  # filled in by _progressive()
+    "mdm": ("mdm", ["order.kind=uniform"]),
+}
+
+
+def _progressive(ctx: Context) -> list[str]:
+    """ARMD's schedule scaled to the run: l2r for the first 5%, displaced tokens up to rho
+    reached at 27% (the paper's 9K and 48K of 180K steps)."""
+    s = ctx.steps
+    rho = 8 if ctx.smoke else 32
+    i_ar = int(0.05 * s)
+    i_perm = max(i_ar + 1, int(0.27 * s))
+    return ["order.kind=progressive", f"order.i_ar={i_ar}", f"order.i_perm={i_perm}",
+            f"order.rho={rho}"]  # fmt: skip
+
+
+def _four(ctx: Context) -> dict[str, tuple[str, list[str]]]:
+    arms = dict(_FOUR)
+    arms["armd (progressive)"] = ("armd", _progressive(ctx))
+    return arms
+
+
+def exp_four(ctx: Context) -> dict[str, Any]:
+    """ARMD vs AO-GPT vs mdm vs gpt at equal tokens: bits/byte (l2r and any order) vs tokens."""
+    arms = _four(ctx)
+    if ctx.scale == "paper":
+        return _paper_four(ctx)
+    keys = ["val/l2r_bpb", "val/ao_bpb"]
+    res = _arms_curves(ctx, arms, keys, ctx.seeds)
+    plot = _plot_curves(
+        res["curves"], "validation bits/byte", "Equal tokens: four models", ctx.out / "plot.png"
+    )
+    md = _budget_line(ctx, 4 * ctx.seeds) + " " + _seeds_note(ctx, ctx.seeds)
+    md += (
+        " The mdm's any-order figure is its ELBO; its left-to-right figure is on "
+        "4 sequences only (one encoder pass per token).\n\n"
+    )
+    md += _arms_table(res, keys, ["l2r bits/byte", "any-order bits/byte"])
+    return res | {"plot": plot, "markdown": md}
+
+
+# ============================================================================ 6. progressive
+
+
+def exp_progressive(ctx: Context) -> dict[str, Any]:
+    """ARMD's progressive permutation schedule vs uniform orders from the start."""
+    arms = {
+        "armd (progressive)": ("armd", _progressive(ctx)),
+        "armd uniform from the start": ("armd", ["order.kind=uniform"]),
+    }
+    if ctx.scale == "paper":
+        return _paper(ctx, "armd-small-owt.yaml", arms)
+    keys = ["val/l2r_bpb", "val/ao_bpb"]
+    res = _arms_curves(ctx, arms, keys, ctx.seeds)
+    plot = _plot_curves(
+        res["curves"], "validation bits/byte", "ARMD: progressive vs uniform",
+        ctx.out / "plot.png",
+    )  # fmt: skip
+    md = _budget_line(ctx, 2 * ctx.seeds) + " " + _seeds_note(ctx, ctx.seeds)
+    md += f" Progressive: `{' '.join(_progressive(ctx))}`.\n\n"
+    md += _arms_table(res, keys, ["l2r bits/byte", "any-order bits/byte"])
+    return res | {"plot": plot, "markdown": md}
+
+
+# ============================================================================ 7. SBP
+
+
+def _judge(ctx: Context) -> Any:
+    from anyorder.genppl import ModelJudge
+
+    run = train_run(ctx, run_name("gpt", ["order.kind=l2r"]), "gpt", ["order.kind=l2r"], 0)
+    return ModelJudge(run["run_dir"])
+
+
+def _gen_score(model: Any, tok: Any, judge: Any, n: int, num: int, seed: int, **kw: Any) -> dict:
+    from anyorder.genppl import generative_perplexity
+    from anyorder.sample import sample
+
+    outs = []
+    for i in range(0, num, 16):
+        g = torch.Generator().manual_seed(seed + i)
+        outs.append(sample(model, n, batch=min(16, num - i), generator=g, **kw).tokens)
+    s = torch.cat(outs).cpu()
+    return generative_perplexity(s, tok, judge).as_dict() | {"example": tok.decode(s[0].tolist())}
+
+
+def exp_sbp(ctx: Context) -> dict[str, Any]:
+    """SBP: strided generation quality for S = 1, 2, 4 before and after SBP fine-tuning."""
+    arms = {"armd (progressive)": ("armd", _progressive(ctx))}
+    if ctx.scale == "paper":
+        return _paper(ctx, "armd-small-owt.yaml", arms, sbp=True)
+    base = train_run(ctx, run_name("armd", _progressive(ctx)), "armd", _progressive(ctx), 0)
+    ft_steps = max(2, ctx.steps // 3)
+    ft = train_run(
+        ctx, "armd_sbp", "armd", ["order.kind=sbp", "order.sbp_streams=[1,2,4]"], 0,
+        steps=ft_steps, extra=[f"train.init_from={base['run_dir']}"],
+    )  # fmt: skip
+    judge = _judge(ctx)
+    n = 16 if ctx.smoke else 64
+    num = 4 if ctx.smoke else 64
+    rows = []
+    for label, run in (("before SBP", base), ("after SBP", ft)):
+        loaded = _load(run)
+        for S in (1, 2, 4):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                sc = _gen_score(loaded.model, loaded.tokenizer, judge, n, num, 0, streams=S)
+            rows.append({"model": label, "S": S} | sc)
+    md = (
+        _budget_line(ctx, 2)
+        + f" SBP fine-tuning: {ft_steps} more steps with S drawn from {{1, 2, 4}}. "
+        f"{num} samples of {n} bytes per cell at temperature 1, judged by the project's own "
+        "left-to-right gpt of experiment 5 (generative NLL in nats per judge token; lower is "
+        "better, but watch the entropy: repetitive text scores well).\n\n"
+        "| model | S | gen NLL (nats/token) | entropy (nats) |\n|---|---|---|---|\n"
+    )
+    for r in rows:
+        md += (
+            f"| {r['model']} | {r['S']} | {r['nll_per_token']:.3f} | "
+            f"{r['entropy']:.3f} ± {r['entropy_std'] / math.sqrt(r['samples']):.3f} |\n"
+        )
+    plot = _plot_xy(
+        {
+            lab: ([1, 2, 4], [r["nll_per_token"] for r in rows if r["model"] == lab], None)
+            for lab in ("before SBP", "after SBP")
+        },
+        "streams S",
+        "generative NLL (judge, nats/token)",
+        "SBP fine-tuning",
+        ctx.out / "plot.png",
+        logx=True,
+    )
+    return {"rows": rows, "plot": plot, "markdown": md}
+
+
+# ============================================================================ 8. decode time
+
+
+def exp_decode(ctx: Context) -> dict[str, Any]:
+    """Decoder vs encoder: generation time vs steps, and quality vs steps at temperature 1."""
+    from anyorder import build_model
+    from anyorder.config import load_config
+    from anyorder.data import load_tokenizer
+    from anyorder.sample import sample
+
+    if ctx.scale == "paper":
+        return _paper(ctx, "aogpt-small-owt.yaml", {}, decode=True)
+    n = 16 if ctx.smoke else 128
+    steps_list = [2, 4, 16] if ctx.smoke else [8, 16, 32, 64, 128]
+    batch = 2 if ctx.smoke else 8
+    vocab = load_tokenizer("bytes").vocab_size
+    timing = []
+    for kind in ("aogpt", "mdm"):
+        ov = model_overrides(ctx, kind) + [f"model.seq_len={n}", f"model.vocab_size={vocab}"]
+        torch.manual_seed(0)
+        model = build_model(load_config(None, ov).model).eval()
+        for T in steps_list:
+            g = torch.Generator().manual_seed(0)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                sample(model, n, steps=T, batch=batch, generator=g)  # warm-up
+                reps = 1 if ctx.smoke else 3
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    res = sample(model, n, steps=T, batch=batch, generator=g)
+                dt = (time.perf_counter() - t0) / reps
+            timing.append({"kind": kind, "steps": T, "seconds": dt, "passes": res.passes
+                           if hasattr(res, "passes") else None})  # fmt: skip
+        if kind == "aogpt":  # the KV-cached sequential sampler (one token per step)
+            g = torch.Generator().manual_seed(0)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                t0 = time.perf_counter()
+                sample(model, n, batch=batch, generator=g)
+                dt = time.perf_counter() - t0
+            timing.append({"kind": "aogpt sequential (KV cache)", "steps": n, "seconds": dt})
+    # quality vs steps: the trained runs of experiment 5, judged by its gpt
+    judge = _judge(ctx)
+    qn = 16 if ctx.smoke else 64
+    qsteps = [2, 4, 16] if ctx.smoke else [4, 8, 16, 32, 64]
+    num = 4 if ctx.smoke else 48
+    quality = []
+    for label, (kind, order) in (("aogpt (10% l2r)", _FOUR["aogpt (10% l2r)"]),
+                                 ("mdm", _FOUR["mdm"])):  # fmt: skip
+        loaded = _load(train_run(ctx, run_name(kind, order), kind, order, 0))
+        for T in qsteps:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                order_kw = {"order": "random"} if kind != "mdm" else {}
+                steps_kw = None if qn == T else T
+                sc = _gen_score(loaded.model, loaded.tokenizer, judge, qn, num, 0,
+                                steps=steps_kw, **order_kw)  # fmt: skip
+            quality.append({"model": label, "steps": T} | sc)
+    md = (
+        f"Timing: untrained models of the CPU-scale shape (2 x 128) with n = {n}, batch {batch}, "
+        "bf16 autocast, one thread; mean of 3 runs after a warm-up. aogpt decodes with Lemma-1 "
+        "steps (T passes of the decoder, each pass extends the KV cache), the mdm with T full "
+        "encoder passes over all n positions. Wall-clock on a shared 2-core machine: "
+        "ratios are more reliable than absolute values.\n\n"
+        "| model | steps T | seconds per batch |\n|---|---|---|\n"
+    )
+    for r in timing:
+        md += f"| {r['kind']} | {r['steps']} | {r['seconds']:.3f} |\n"
+    md += (
+        f"\nQuality vs steps: the trained runs of experiment 5, {num} samples of {qn} bytes at "
+        "temperature 1, random order, judged by experiment 5's gpt.\n\n"
+        "| model | steps T | gen NLL (nats/token) | entropy (nats) |\n|---|---|---|---|\n"
+    )
+    for r in quality:
+        md += f"| {r['model']} | {r['steps']} | {r['nll_per_token']:.3f} | {r['entropy']:.3f} |\n"
+    series = {}
+    for kind in ("aogpt", "mdm"):
+        pts = [r for r in timing if r["kind"] == kind]
+        series[f"{kind}: seconds"] = ([r["steps"] for r in pts], [r["seconds"] for r in pts], None)
+    plot = _plot_xy(series, "steps T", "seconds per batch", "Generation time vs steps",
+                    ctx.out / "plot.png", logx=True)  # fmt: skip
+    qseries = {}
+    for label in ("aogpt (10% l2r)", "mdm"):
+        pts = [r for r in quality if r["model"] == label]
+        qseries[label] = ([r["steps"] for r in pts], [r["nll_per_token"] for r in pts], None)
+    _plot_xy(qseries, "steps T", "generative NLL (judge)", "Quality vs steps (T = 1.0)",
+             ctx.out / "quality.png", logx=True)  # fmt: skip
+    return {"timing": timing, "quality": quality, "plot": plot, "markdown": md}
+
+
+# ============================================================================ paper scale
+
+
+PAPER_STEPS_NOTE = "the paper configs' own step counts and batch sizes"
+
+
+def torchrun_command(config: str, overrides: list[str], nproc: int) -> list[str]:
+    """The ``torchrun`` command line that trains ``configs/CONFIG`` with ``overrides``."""
+    return [
+        "torchrun",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "anyorder.cli",
+        "train",
+        f"configs/{config}",
+        "--no-progress",
+        *overrides,
+    ]
+
+
+def paper_commands(
+    config: str, arms: dict[str, tuple[str, list[str]]], nproc: int, seeds: int, root: str
+) -> list[list[str]]:
+    """One torchrun command per arm and seed: the paper config, the arm's kind and order."""
+    cmds = []
+    for label, (kind, order) in arms.items():
+        name = label.replace(" ", "_").replace("%", "pct").replace("(", "").replace(")", "")
+        for s in range(seeds):
+            ov = [f"model.kind={kind}", *order, f"train.seed={s}",
+                  f"train.out_dir={root}/{name}-s{s}"]  # fmt: skip
+            cmds.append(torchrun_command(config, ov, nproc))
+    return cmds
+
+
+_PAPER_PROGRESSIVE = ["order.kind=progressive", "order.i_ar=9000", "order.i_perm=48000",
+                      "order.rho=32"]  # fmt: skip
+
+
+def _paper_arms(arms: dict[str, tuple[str, list[str]]]) -> dict[str, tuple[str, list[str]]]:
+    # the CPU-scaled progressive schedule -> the paper's (9K / 48K / 32)
+    return {
+        k: (kind, _PAPER_PROGRESSIVE if any("progressive" in o for o in order) else order)
+        for k, (kind, order) in arms.items()
+    }
+
+
+def _run_commands(ctx: Context, cmds: list[list[str]], note: str = "") -> dict[str, Any]:
+    ctx.commands.extend(cmds)
+    text = "\n".join(shlex.join(c) for c in cmds)
+    if ctx.print_only:
+        print(text)
+    else:
+        for c in cmds:
+            print("+ " + shlex.join(c), flush=True)
+            rc = subprocess.call(c)
+            if rc:
+                raise ConfigError(f"paper-scale run failed (exit code {rc}): {shlex.join(c)}")
+    md = f"Paper scale ({'printed' if ctx.print_only else 'run'}):\n\n```\n{text}\n```\n{note}"
+    return {"commands": [shlex.join(c) for c in cmds], "markdown": md}
+
+
+def _paper(
+    ctx: Context,
+    config: str,
+    arms: dict[str, tuple[str, list[str]]],
+    *,
+    evaluate: str | None = None,
+    sbp: bool = False,
+    decode: bool = False,
+) -> dict[str, Any]:
+    root = str(ctx.out / "runs")
+    cmds = paper_commands(config, _paper_arms(arms), ctx.nproc, ctx.seeds, root)
+    note = f"Budget: {PAPER_STEPS_NOTE}.\n"
+    if evaluate:
+        run_dir = cmds[0][-1].split("=", 1)[1]  # the first arm's train.out_dir
+        cmds.append(["anyorder", "eval", run_dir, *evaluate.split()])
+    if sbp:
+        base = f"{root}/armd_progressive-s0"
+        ov = ["order.kind=sbp", "order.sbp_streams=[1,2,4]", "train.steps=20000",
+              f"train.init_from={base}", f"train.out_dir={root}/armd_sbp-s0"]  # fmt: skip
+        cmds.append(torchrun_command(config, ov, ctx.nproc))
+    if decode:
+        cmds = [[sys.executable, "benchmarks/decode.py"]]
+        note = "Timing on the GPU: the decode benchmark at the paper's sizes.\n"
+    return _run_commands(ctx, cmds, note)
+
+
+def _paper_four(ctx: Context) -> dict[str, Any]:
+    cfgs = {"gpt": "gpt-small-owt.yaml", "aogpt": "aogpt-small-owt.yaml",
+            "armd": "armd-small-owt.yaml", "mdm": "mdm-small-owt.yaml"}  # fmt: skip
+    root = str(ctx.out / "runs")
+    cmds = []
+    for kind, cfg in cfgs.items():
+        for s in range(ctx.seeds):
+            # equal tokens: every run takes ARMD's 180K steps of 512 x 1024 tokens
+            ov = [f"train.seed={s}", "train.steps=180000", f"train.out_dir={root}/{kind}-s{s}"]
+            cmds.append(torchrun_command(cfg, ov, ctx.nproc))
+    return _run_commands(ctx, cmds, "Budget: 180K steps x 512 x 1024 tokens for every model.\n")
+
+
+# ============================================================================ registry
+
+Experiment = Callable[[Context], dict[str, Any]]
+
+EXPERIMENTS: dict[str, tuple[str, Experiment]] = {
+    "eq5": ("1. Eq. 5 by enumeration; aogpt's order dependence", exp_eq5),
+    "decode": ("8. Decoder vs encoder: generation time and quality vs steps", exp_decode),
+    "finding5": ("4. AO-GPT Finding 5: ensemble size M", exp_finding5),
+    "finding1": ("2. AO-GPT Finding 1: l2r vs any-order training", exp_finding1),
+    "finding3": ("3. AO-GPT Finding 3: left-to-right mix", exp_finding3),
+    "four": ("5. ARMD vs AO-GPT vs mdm vs gpt at equal tokens", exp_four),
+    "progressive": ("6. ARMD progressive schedule vs uniform", exp_progressive),
+    "sbp": ("7. SBP: strided generation before and after fine-tuning", exp_sbp),
+}
+"""name -> (title, function), in the order ``all`` runs them (cheap and exact first)."""
+
+
+def run_experiment(name: str, ctx: Context) -> dict[str, Any]:
+    """Run one experiment; write ``result.json`` and ``section.md`` into ``ctx.out``.
+
+    Raises:
+        ConfigError: an unknown name or scale.
+    """
+    if name not in EXPERIMENTS:
+        raise ConfigError(
+            f"unknown experiment {name!r}; use one of {', '.join(EXPERIMENTS)} or all"
+        )
+    if ctx.scale not in ("cpu", "paper"):
+        raise ConfigError(f"--scale {ctx.scale!r}: use cpu or paper")
+    title, fn = EXPERIMENTS[name]
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    res = fn(ctx)
+    res["wall_s"] = time.perf_counter() - t0
+    res["name"], res["title"], res["scale"] = name, title, ctx.scale
+    (ctx.out / "result.json").write_text(json.dumps(_jsonable(res), indent=2) + "\n")
+    (ctx.out / "section.md").write_text(f"## {title}\n\n{res['markdown']}")
+    return res
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
+
+
+__all__ = [
+    "EXPERIMENTS",
+    "Context",
+    "paper_commands",
+    "run_experiment",
+    "torchrun_command",
+]

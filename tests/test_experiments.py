@@ -1,0 +1,143 @@
+"""Experiments: every experiment's whole code path at a minimal budget, and the paper-scale
+torchrun command lines."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from anyorder.errors import ConfigError
+from anyorder.experiments import (
+    EXPERIMENTS,
+    Context,
+    context_order_spread,
+    paper_commands,
+    run_experiment,
+    run_name,
+    torchrun_command,
+)
+
+from conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    # one folder for the module: the smoke runs are shared between experiments, as at scale
+    return tmp_path_factory.mktemp("experiments")
+
+
+def _ctx(root: Path, name: str, **kw) -> Context:
+    return Context(out=root / name, runs=root / "runs", smoke=True, **kw)
+
+
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_smoke_run_writes_result_section_and_plot(root: Path, name: str) -> None:
+    res = run_experiment(name, _ctx(root, name))
+    out = root / name
+    data = json.loads((out / "result.json").read_text())
+    assert data["name"] == name and data["scale"] == "cpu"
+    section = (out / "section.md").read_text()
+    assert section.startswith(f"## {EXPERIMENTS[name][0]}")
+    assert "|---|" in section  # a table
+    if res.get("plot"):
+        assert (out / "plot.png").stat().st_size > 0
+
+
+def test_eq5_smoke_mdm_elbo_equals_order_average(root: Path) -> None:
+    res = run_experiment("eq5", _ctx(root, "eq5"))
+    (row,) = res["rows"]
+    assert row["max_abs_diff"] < 1e-4
+    assert math.isclose(row["mdm_elbo"], row["mdm_avg_orders"], rel_tol=1e-5)
+    assert row["mdm_spread"][0] < 1e-5 < row["aogpt_spread"][0]
+
+
+def test_equal_arms_share_one_run(root: Path) -> None:
+    """finding3's 10% arm and finding5's model are the same run folder."""
+    run_experiment("finding5", _ctx(root, "finding5"))
+    run_experiment("finding3", _ctx(root, "finding3"))
+    mix = root / "runs" / (run_name("aogpt", ["order.kind=mix", "order.p_l2r=0.1"]) + "-s0")
+    assert (mix / "done.json").exists()
+    assert run_name("aogpt", ["order.kind=mix", "order.p_l2r=0.1"]) == "aogpt_mix_0.1"
+
+
+def test_context_order_spread_zero_for_encoder_positive_for_decoder(gen) -> None:
+    n = 5
+    x = torch.randint(0, 5, (2, n), generator=gen)
+    o = torch.stack([torch.randperm(n, generator=gen) for _ in range(2)])
+    enc = context_order_spread(tiny_model("mdm", vocab_size=5, seq_len=n), x, o, 4, gen)
+    dec = context_order_spread(tiny_model("aogpt", vocab_size=5, seq_len=n), x, o, 4, gen)
+    assert enc[0] < 1e-5
+    assert dec[0] > 1e-4
+
+
+def test_unknown_experiment_and_scale(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown experiment 'nope'; use one of eq5"):
+        run_experiment("nope", _ctx(tmp_path, "nope"))
+    with pytest.raises(ConfigError, match="--scale 'tpu': use cpu or paper"):
+        run_experiment("eq5", _ctx(tmp_path, "eq5", scale="tpu"))
+
+
+def test_torchrun_command_line() -> None:
+    cmd = torchrun_command("aogpt-small-owt.yaml", ["order.kind=uniform"], 8)
+    assert cmd == [
+        "torchrun", "--standalone", "--nproc_per_node=8", "-m", "anyorder.cli", "train",
+        "configs/aogpt-small-owt.yaml", "--no-progress", "order.kind=uniform",
+    ]  # fmt: skip
+
+
+def test_paper_commands_per_arm_and_seed() -> None:
+    arms = {"a": ("aogpt", ["order.kind=l2r"]), "b": ("aogpt", ["order.kind=uniform"])}
+    cmds = paper_commands("aogpt-small-owt.yaml", arms, 4, 2, "out")
+    assert len(cmds) == 4
+    assert cmds[0][-4:] == ["model.kind=aogpt", "order.kind=l2r", "train.seed=0",
+                            "train.out_dir=out/a-s0"]  # fmt: skip
+    assert cmds[3][-2:] == ["train.seed=1", "train.out_dir=out/b-s1"]
+    assert all(c[2] == "--nproc_per_node=4" for c in cmds)
+
+
+@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if n != "eq5"])
+def test_paper_scale_print_only_uses_existing_configs(tmp_path: Path, name: str, capsys) -> None:
+    ctx = Context(out=tmp_path / name, runs=tmp_path / "runs", scale="paper", print_only=True)
+    res = run_experiment(name, ctx)
+    assert ctx.commands and res["commands"]
+    repo = Path(__file__).resolve().parents[1]
+    for c in ctx.commands:
+        cfgs = [a for a in c if a.startswith("configs/")]
+        assert all((repo / a).exists() for a in cfgs)
+        if c[0] == "torchrun":
+            assert cfgs
+    assert "torchrun" in capsys.readouterr().out or name == "decode"
+
+
+def test_paper_progressive_schedule_is_the_papers() -> None:
+    ctx = Context(out=Path("x"), runs=Path("r"), scale="paper", print_only=True)
+    res = run_experiment_dry(ctx, "progressive")
+    assert any("order.i_ar=9000" in c and "order.i_perm=48000" in c for c in res["commands"])
+
+
+def run_experiment_dry(ctx: Context, name: str) -> dict:
+    return EXPERIMENTS[name][1](ctx)
+
+
+def test_cli_experiment_print_only(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "anyorder.cli", "experiment", "four", "--scale", "paper",
+         "--print-only", "--nproc", "2", "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("torchrun --standalone --nproc_per_node=2") == 4
+    bad = subprocess.run(
+        [sys.executable, "-m", "anyorder.cli", "experiment", "nope", "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "unknown experiment 'nope'" in bad.stderr
+    assert "Traceback" not in bad.stderr
