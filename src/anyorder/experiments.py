@@ -80,12 +80,13 @@ class Context:
         if self.smoke:
             return 4
         if self.minutes is None:
-            return 300
+            return 1000
         return max(20, int(self.minutes * 60 * CPU_STEPS_PER_S))
 
 
-CPU_STEPS_PER_S = 1.6
-"""Measured steps/s of the CPU-scale model (2 x 128, n = 64, batch 16, bf16, one thread)."""
+CPU_STEPS_PER_S = 8.0
+"""Measured steps/s of the CPU-scale model (2 x 128, n = 64, batch 16, bf16, one thread, on a
+shared machine: 9-12K tokens/s), validation included."""
 
 
 def model_overrides(ctx: Context, kind: str) -> list[str]:
