@@ -21,16 +21,20 @@ Design choices:
   converted ``aogpt`` *is* the GPT-2 on the left-to-right order (and a GPT-2 told nothing
   about the target on other orders).
 * ARMD cannot start as GPT-2 exactly: its query stream at slot ``t`` must predict ``x_t``
-  from earlier slots without ever holding ``x_(t-1)`` in its residual stream, and no slot
-  carries GPT-2's ``<|endoftext|>`` attention sink. Our init: every shared weight from
-  GPT-2 (the content stream is GPT-2's stream on ``x`` without the sink), the same shifted
-  position table, and the query MLP fitted (least squares, data-free) so that on
-  the left-to-right order ``g0_t = MLP(sin(t)) + prefix mean`` matches GPT-2's slot
-  embedding in expectation: ``MLP(sin(0)) = BOS`` and
-  ``MLP(sin(t)) = wpe[t] - mean(wpe[1..t])`` for ``t >= 1`` (the token parts cancel in
-  expectation). The remaining gap is measured in ``tests/test_convert.py`` and
-  ``docs/checkpoints.md``; fine-tuning with the progressive schedule (pure left-to-right
-  until ``i_ar``) closes it.
+  from earlier slots, and it starts from a prefix mean that never holds the previous token
+  ``x_(t-1)`` on its own, which is what GPT-2's state predicting ``x_t`` starts from. It
+  has no BOS slot either, so its table is *not* shifted (``pos_emb[p] = wpe[p]``): the
+  content stream is exactly GPT-2 fed ``x``, and ``x_0`` at position 0 keeps its role as
+  GPT-2's attention sink (GPT-2 was trained without a BOS; its heads park on the first
+  token). Our init: every shared weight from GPT-2, and the query MLP fitted (least
+  squares, data-free) so that on the left-to-right order ``g0_t = MLP(sin(t)) + prefix
+  mean`` matches, in expectation, GPT-2's start at the previous token,
+  ``wte[x_(t-1)] + wpe[t-1]``: ``MLP(sin(t)) = wpe[t-1] - mean(wpe[0..t-1])`` (the token
+  parts cancel in expectation), and the BOS at ``t = 0``. With the previous token's
+  embedding in place of ``g0`` (and every layer two-stream) the converted ARMD is GPT-2
+  exactly (``tests/test_convert.py``); the gap from the real ``g0`` is measured there and
+  in ``docs/checkpoints.md``. Fine-tuning with the progressive schedule (pure left to
+  right until ``i_ar``) closes it.
 """
 
 from __future__ import annotations
@@ -192,8 +196,9 @@ def model_config_from_gpt2(
     Args:
         config: the GPT-2 config.
         kind: ``gpt``, ``aogpt`` or ``armd``.
-        seq_len: context length (default and maximum ``n_positions - 1``: one position is
-            spent on the BOS, see the module notes).
+        seq_len: context length (default and maximum ``n_positions - 1`` for gpt/aogpt,
+            whose BOS takes position 0, and ``n_positions`` for armd; see
+            :func:`position_shift`).
         l2s: armd: two-stream layers (default ``n_layer // 2``, the paper's).
         target_dim: aogpt: width of the target-position embedding.
         tie_embeddings: whether the head is the embedding (default: the config's).
@@ -222,12 +227,14 @@ def model_config_from_gpt2(
     d = int(config["n_embd"])
     n_inner = config.get("n_inner") or 4 * d
     n_positions = int(config.get("n_positions", config.get("n_ctx", 1024)))
+    longest = n_positions - position_shift(kind)
     if seq_len is None:
-        seq_len = n_positions - 1
-    if not 1 <= seq_len <= n_positions - 1:
+        seq_len = longest
+    if not 1 <= seq_len <= longest:
+        why = "and the BOS takes one" if longest < n_positions else "in its table"
         raise ConfigError(
-            f"seq_len={seq_len} must lie in 1..{n_positions - 1} (the GPT-2 has {n_positions} "
-            "positions and the BOS takes one)"
+            f"seq_len={seq_len} must lie in 1..{longest} (the GPT-2 has {n_positions} "
+            f"positions {why})"
         )
     if tie_embeddings is None:
         tie_embeddings = bool(config.get("tie_word_embeddings", True))
@@ -284,8 +291,8 @@ def load_gpt2_weights(model: AnyOrderLM, ckpt: GPT2Checkpoint, bos_id: int) -> N
     cfg = model.cfg
     wte, wpe = _need(w, "wte.weight"), _need(w, "wpe.weight")
     _copy(model.tok_emb.weight, wte, "wte.weight")
-    # Shifted by one: our token at position p sits where GPT-2's [eos]+x puts it, p + 1.
-    _copy(model.pos_emb.weight, wpe[1 : cfg.seq_len + 1], "wpe.weight")
+    shift = position_shift(cfg.kind)
+    _copy(model.pos_emb.weight, wpe[shift : cfg.seq_len + shift], "wpe.weight")
     if hasattr(model, "bos"):
         model.bos.copy_(wte[bos_id] + wpe[0])
     for i, block in enumerate(model.blocks):
@@ -314,18 +321,30 @@ def load_gpt2_weights(model: AnyOrderLM, ckpt: GPT2Checkpoint, bos_id: int) -> N
         _copy(model.head.weight, head, "lm_head.weight")
 
 
+def position_shift(kind: str) -> int:
+    """Where our position ``p`` sits in GPT-2's table: ``wpe[p + shift]``.
+
+    1 for ``gpt``/``aogpt`` (GPT-2 fed ``[eos] + x``, the BOS taking position 0); 0 for
+    ``armd``, which has no BOS slot: its content stream is GPT-2 fed ``x`` itself, and
+    ``x_0`` keeps position 0 and with it GPT-2's first-token attention sink.
+    """
+    return 0 if kind == "armd" else 1
+
+
 def query_targets(wte: Tensor, wpe: Tensor, bos_id: int, seq_len: int) -> Tensor:
     """What ARMD's ``query_mlp(sin(t))`` should output at target position ``t`` (seq_len, d).
 
-    On the left-to-right order GPT-2's slot ``t`` starts from ``wte[x_(t-1)] + wpe[t]`` (BOS
-    at ``t = 0``) and ARMD's from ``query_mlp(sin(t)) + mean_(s<t)(wte[x_s] + wpe[s+1])``;
-    the token parts agree in expectation, so the target is the position part:
-    ``wte[bos] + wpe[0]`` at ``t = 0`` and ``wpe[t] - mean(wpe[1..t])`` after.
+    On the left-to-right order the query at slot ``t`` plays GPT-2's state at the previous
+    token (GPT-2 fed ``x``: slot ``t - 1`` predicts ``x_t``), which starts from
+    ``wte[x_(t-1)] + wpe[t-1]``; ARMD's starts from ``query_mlp(sin(t)) + mean_(s<t)(wte[x_s]
+    + wpe[s])``. The token parts agree in expectation, so the target is the position part,
+    ``wpe[t-1] - mean(wpe[0..t-1])``; at ``t = 0`` (no context) it is GPT-2's unconditional
+    start, ``wte[bos] + wpe[0]``.
     """
-    shifted = wpe[1 : seq_len + 1]  # (n, d): our pos_emb
+    table = wpe[:seq_len]  # (n, d): the armd's pos_emb
     t = torch.arange(1, seq_len, dtype=wpe.dtype)
-    prefix = shifted.cumsum(dim=0)[: seq_len - 1] / t[:, None]  # mean(wpe[1..t]) for t >= 1
-    rest = wpe[1:seq_len] - prefix
+    prefix = table.cumsum(dim=0)[: seq_len - 1] / t[:, None]  # mean(wpe[0..t-1]) for t >= 1
+    rest = table[: seq_len - 1] - prefix
     return torch.cat([(wte[bos_id] + wpe[0])[None], rest], dim=0)
 
 
@@ -406,7 +425,7 @@ def convert_gpt2(
     info: dict[str, Any] = {
         "converted_from": str(ckpt.folder) if ckpt.folder else None,
         "bos_id": bos_id,
-        "position_shift": 1,
+        "position_shift": position_shift(kind),
     }
     if kind == "armd":
         targets = query_targets(
