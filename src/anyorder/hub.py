@@ -141,7 +141,7 @@ Tokenizer: {tok}.
 import anyorder
 
 model = anyorder.load("PATH_OR_REPO_ID")
-print(model.generate(n=64, num_samples=2, order="random", seed=0))
+print(model.generate(n={min(64, config["seq_len"])}, num_samples=2, seed=0))
 print(model.score("Some text to score.", order="l2r"))
 ```
 
@@ -555,6 +555,9 @@ def from_pretrained(
     model = build_model(model_cfg)
     load_state(model, folder / WEIGHTS_NAME, config.get("weights_sha256"))
     tokenizer = _read_tokenizer(folder)
+    from anyorder.checkpoint import check_tokenizer_fits
+
+    check_tokenizer_fits(tokenizer, model_cfg.vocab_size, repr(str(spec)))
     run_config = _read_run_config(folder, model_cfg)
     model.to(device).eval()
     return Loaded(
