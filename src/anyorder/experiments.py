@@ -518,6 +518,44 @@ def _seeds_note(ctx: Context, seeds: int) -> str:
     )  # fmt: skip
 
 
+@torch.no_grad()
+def target_position_kl(model: Any, blocks: torch.Tensor, seed: int = 0, slots: int = 8) -> float:
+    """How much a decoder's prediction depends on *which* position it predicts.
+
+    For each block, a uniform order and ``slots`` random slots ``t``: the predicted
+    distribution at slot ``t`` (target ``order[t]``) against the one with ``order[t]`` and
+    ``order[t+1]`` swapped (same context, another target position). Returns the mean KL in
+    nats. A model that ignores the target position scores 0.
+    """
+    g = torch.Generator().manual_seed(seed)
+    B, n = blocks.shape
+    o = torch.stack([torch.randperm(n, generator=g) for _ in range(B)])  # (B, n)
+    total, count = 0.0, 0
+    for t in torch.randint(0, n - 1, (slots,), generator=g).tolist():
+        o2 = o.clone()
+        o2[:, t], o2[:, t + 1] = o[:, t + 1], o[:, t]
+        a = model(blocks, o)[:, t].float().log_softmax(-1)  # (B, V)
+        b = model(blocks, o2)[:, t].float().log_softmax(-1)
+        total += float((a.exp() * (a - b)).sum(-1).sum())
+        count += B
+    return total / max(1, count)
+
+
+def _add_target_kl(
+    ctx: Context, res: dict[str, Any], arms: dict[str, tuple[str, list[str]]]
+) -> str:
+    """Target-position KL of each arm's seed-0 model on the validation blocks; a table."""
+    data = _val_data(ctx)
+    blocks = data.batch("val", range(min(4 if ctx.smoke else 32, data.num_blocks("val"))))
+    md = "\n| arm | target-position KL (nats) |\n|---|---|\n"
+    for label, (kind, order) in arms.items():
+        loaded = _load(train_run(ctx, run_name(kind, order), kind, order, 0))
+        kl = target_position_kl(loaded.model, torch.as_tensor(blocks).long())
+        res["arms"][label]["target_kl"] = kl
+        md += f"| {label} | {kl:.4f} |\n"
+    return md
+
+
 # ============================================================================ 2. Finding 1
 
 
@@ -540,6 +578,11 @@ def exp_finding1(ctx: Context) -> dict[str, Any]:
     )
     md = _budget_line(ctx, 2 * seeds) + " " + _seeds_note(ctx, seeds) + "\n\n"
     md += _arms_table(res, keys, ["l2r bits/byte", "any-order bits/byte"])
+    md += (
+        "\nDiagnostic: mean KL between the predictions for two target positions with the same "
+        "context (`target_position_kl`, 32 validation blocks x 8 slots, seed-0 models).\n"
+    )
+    md += _add_target_kl(ctx, res, arms)
     return res | {"plot": plot, "markdown": md}
 
 
@@ -685,6 +728,8 @@ def exp_progressive(ctx: Context) -> dict[str, Any]:
     md = _budget_line(ctx, 2 * ctx.seeds) + " " + _seeds_note(ctx, ctx.seeds)
     md += f" Progressive: `{' '.join(_progressive(ctx))}`.\n\n"
     md += _arms_table(res, keys, ["l2r bits/byte", "any-order bits/byte"])
+    md += "\nDiagnostic: target-position KL as in experiment 2 (seed-0 models).\n"
+    md += _add_target_kl(ctx, res, arms)
     return res | {"plot": plot, "markdown": md}
 
 
