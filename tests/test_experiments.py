@@ -141,3 +141,14 @@ def test_cli_experiment_print_only(tmp_path: Path) -> None:
     )  # fmt: skip
     assert bad.returncode == 2 and "unknown experiment 'nope'" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_target_position_kl(gen) -> None:
+    """Zero for a fresh aogpt (adaLN-Zero: the target position enters through zero-initialised
+    modulation), positive for models that see the target position from the start."""
+    from anyorder.experiments import target_position_kl
+
+    x = torch.randint(0, 11, (4, 16), generator=gen)
+    assert target_position_kl(tiny_model("aogpt"), x) == pytest.approx(0.0, abs=1e-7)
+    assert target_position_kl(tiny_model("armd"), x) > 1e-4
+    assert target_position_kl(tiny_model("mdm"), x) > 1e-4
