@@ -84,9 +84,11 @@ def load(
 
     loaded = load_any(path, kind=kind, weights=weights, device=_device(device))
     if tokenizer is not None:
+        from anyorder.checkpoint import check_tokenizer_fits
         from anyorder.data import load_tokenizer
 
         loaded.tokenizer = load_tokenizer(tokenizer)
+        check_tokenizer_fits(loaded.tokenizer, loaded.model.cfg.vocab_size, repr(tokenizer))
     return Model(loaded)
 
 
@@ -336,7 +338,7 @@ class Model:
 
         Returns:
             ``{"nats_per_token", "stderr", "ppl", "bits_per_byte", "bpb_stderr", "tokens",
-            "bytes", "order", "ensemble", "num_orders"}``; ``stderr`` is 0 for the exact
+            "bytes", "order", "ensemble", "num_orders", "seed"}``; ``stderr`` is 0 for the exact
             left-to-right NLL and nan with a single order.
 
         Raises:
@@ -394,6 +396,7 @@ class Model:
             "order": order,
             "ensemble": ensemble if self.kind in ("aogpt", "armd") else 1,
             "num_orders": num_orders if order == "any" else 0,
+            "seed": seed,
         }
 
 

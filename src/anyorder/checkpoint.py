@@ -289,7 +289,14 @@ def prune(run_dir: str | Path, keep_last: int) -> list[Path]:
     found = list_checkpoints(run_dir)
     doomed = found[: max(0, len(found) - max(1, keep_last))]
     for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
+        # Renamed out of the way first (atomic), so a process killed mid-delete never leaves
+        # a half-deleted step_* folder that still looks complete; the next save sweeps it.
+        gone = p.with_name(f".{p.name}.tmp-del-{os.getpid()}")
+        try:
+            os.replace(p, gone)
+        except OSError:
+            gone = p
+        shutil.rmtree(gone, ignore_errors=True)
     return doomed
 
 
@@ -349,6 +356,7 @@ def save_checkpoint(
             "step": step,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "kind": config.model.kind,
+            "seed": config.train.seed,
             "has_ema": ema is not None,
             "files": files,
         }
@@ -433,6 +441,19 @@ def weights_file(ckpt: str | Path, weights: str = "ema") -> Path:
     return Path(ckpt) / MODEL_FILE
 
 
+def check_tokenizer_fits(tokenizer: Tokenizer | None, vocab_size: int, where: str) -> None:
+    """A tokenizer must not give ids the model cannot read (fewer is fine: padded vocabularies).
+
+    Raises:
+        CheckpointError: the tokenizer has more ids than the model's ``vocab_size``.
+    """
+    if tokenizer is not None and tokenizer.vocab_size > vocab_size:
+        raise CheckpointError(
+            f"the tokenizer of {where} has {tokenizer.vocab_size} token ids but the model reads "
+            f"{vocab_size}; use the tokenizer the model was trained with"
+        )
+
+
 @dataclass
 class Loaded:
     """A model loaded from a checkpoint, ready for sampling and evaluation."""
@@ -477,6 +498,7 @@ def load_model(
     manifest = read_manifest(ckpt)
     config = read_config(ckpt)
     tokenizer = read_tokenizer(ckpt)
+    check_tokenizer_fits(tokenizer, config.model.vocab_size, str(ckpt))
     file = weights_file(ckpt, weights)
     verify(ckpt, [file.name])
     model = build_model(config.model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from anyorder.errors import AnyorderError
 
@@ -76,7 +77,12 @@ def run_train(args: argparse.Namespace) -> int:
         if args.fresh:
             resume = False
         summary = train(cfg, resume=resume, dry_run=args.dry_run, progress=not args.no_progress)
-        if not summary["dry_run"]:
+        if summary.get("interrupted"):  # SIGINT/SIGTERM: saved; exit 128 + signal number
+            import signal
+
+            print0(f"resume with the same command (the run folder is {summary['run_dir']})")
+            code = 128 + int(signal.Signals[summary["interrupted"]])
+        elif not summary["dry_run"]:
             print0(f"done: step {summary['step']}, {summary['tokens_per_s']:,.0f} tokens/s")
             print0(f"run folder: {summary['run_dir']}")
     except AnyorderError as e:
@@ -276,7 +282,7 @@ def run_eval(args: argparse.Namespace) -> int:
                 model, ckpt.tokenizer, names, data_dir=args.data_dir,
                 max_blocks=args.max_blocks, progress=progress, **suite,
             )  # fmt: skip
-        table.update(checkpoint=str(ckpt.path), step=ckpt.step)
+        table.update(checkpoint=str(ckpt.path), step=ckpt.step, seed=args.seed)
         print(table_markdown(table))
         written += write_table(table, out)
         if args.ensemble > 1 and model.kind in ("aogpt", "armd"):
@@ -300,7 +306,8 @@ def run_eval(args: argparse.Namespace) -> int:
             )  # fmt: skip
         md = gen_markdown(rows, judge.name)
         print(md)
-        write_atomic(out / "gen.json", json.dumps({"judge": judge.name, "rows": rows}, indent=2))
+        gen_out = {"judge": judge.name, "seed": args.seed, "rows": rows}
+        write_atomic(out / "gen.json", json.dumps(gen_out, indent=2))
         write_atomic(out / "gen.md", md)
         written += [out / "gen.json", out / "gen.md"]
         if len(steps) > 1:
@@ -479,7 +486,7 @@ def run_sample(args: argparse.Namespace) -> int:
         raise SamplingError(f"--num-samples={args.num_samples} must be at least 1")
     if args.infill is not None and args.length is not None:
         raise SamplingError("--infill takes its length from the template; leave out --length")
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, what="--device")
     ckpt = load_model(args.checkpoint, weights=args.weights, device=device)
     model, tok = ckpt.model, ckpt.tokenizer
     order = args.order or ("l2r" if model.kind == "gpt" else "random")
@@ -548,6 +555,7 @@ def run_sample(args: argparse.Namespace) -> int:
         out = {
             "checkpoint": str(ckpt.path),
             "step": ckpt.step,
+            "seed": args.seed,
             "kind": model.kind,
             "mode": mode,
             "order": order,
@@ -684,8 +692,15 @@ def commands() -> list[Command]:
     ]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2), like every other error of the CLI."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="anyorder",
         description="Decoder-only masked diffusion language models: AO-GPT, ARMD, GPT and MDM.",
     )
@@ -703,7 +718,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # key=value overrides may follow the options (`train CONFIG --dry-run a.b=1`); argparse
     # stops filling a positional list at the first option, so collect the rest here.
     if extra and isinstance(getattr(args, "overrides", None), list):
-        unknown = [e for e in extra if e.startswith("-") or "=" not in e]
+        # a word without "=" goes to the overrides too, whose parser says what is wrong
+        unknown = [e for e in extra if e.startswith("-")]
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides += extra

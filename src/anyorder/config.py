@@ -81,6 +81,16 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on an inconsistent model config."""
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "target_dim"):
+            if getattr(self, name) < 1:  # first: the checks below divide by these
+                raise ConfigError(f"model.{name} must be a positive integer")
+        for name in ("mlp_ratio", "norm_eps", "rope_base"):
+            if not getattr(self, name) > 0:  # NaN too
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be a positive number")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if not self.init_std >= 0:
+            raise ConfigError(f"model.init_std={self.init_std} must be >= 0")
         if self.kind not in MODEL_KINDS:
             raise ConfigError(
                 f"model.kind={self.kind!r} is not a model; use one of {', '.join(MODEL_KINDS)}"
@@ -104,9 +114,6 @@ class ModelConfig:
             raise ConfigError(
                 f"model.l2s={self.l2s} must be between 1 and model.n_layer={self.n_layer}"
             )
-        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "target_dim"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"model.{name} must be a positive integer")
 
     @property
     def head_dim(self) -> int:

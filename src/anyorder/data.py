@@ -41,6 +41,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import glob as globlib
 import hashlib
 import itertools
@@ -1151,11 +1152,13 @@ def prepare(cfg: DataConfig, seq_len: int, *, progress: bool = True) -> TokenDat
     final = root / key
     if (final / "manifest.json").is_file():
         return TokenData.load(final, reused=True)
+    made = [p for p in (root, *root.parents) if not p.exists()]  # removed again on failure
     root.mkdir(parents=True, exist_ok=True)
     # A unique name per process: ranks preparing the same key at once do not collide. (Not
     # tempfile.mkdtemp: its 0700 mode would survive the rename and hide the data from others.)
     tmp = root / f".{key}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
+    ok = False
     try:
         _build(cfg, seq_len, key, tmp, progress)
         try:
@@ -1166,8 +1169,12 @@ def prepare(cfg: DataConfig, seq_len: int, *, progress: bool = True) -> TokenDat
                 raise DataError(
                     f"cache folder {final} exists but holds no manifest; delete it and run again"
                 ) from None
+        ok = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        for p in made if not ok else ():  # a failed first use leaves no empty cache folder
+            with contextlib.suppress(OSError):
+                p.rmdir()
     return TokenData.load(final, reused=False)
 
 

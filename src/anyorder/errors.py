@@ -28,3 +28,13 @@ class CheckpointError(AnyorderError):
 
 class SamplingError(AnyorderError):
     """Bad sampling or infilling arguments."""
+
+
+class TrainingError(AnyorderError):
+    """A run that cannot go on (a NaN/Inf loss): exit code 3, after saving the last good state.
+
+    Not a bad input as such, so it has its own exit code; the message names the step and the
+    fix all the same.
+    """
+
+    exit_code = 3

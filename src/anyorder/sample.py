@@ -85,9 +85,9 @@ def check_controls(temperature: float, top_k: int | None, top_p: float | None) -
             f"temperature={temperature} must be > 0 (use e.g. 0.01 for near-greedy)"
         )
     if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise SamplingError(f"top-p={top_p} must lie in (0, 1]")
+        raise SamplingError(f"top-p={top_p} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut")
     if top_k is not None and top_k < 1:
-        raise SamplingError(f"top-k={top_k} must be at least 1")
+        raise SamplingError(f"top-k={top_k} must be at least 1; leave it out to keep every token")
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
@@ -1020,6 +1020,11 @@ def parse_template(
             if close < 0:
                 raise SamplingError(
                     f"unterminated hole at character {j} of the template; close it as [MASK:n]"
+                )
+            if 0 <= text.find("[MASK", j + 1) < close:
+                raise SamplingError(
+                    f"holes overlap at character {j} of the template ({text[j : close + 1]!r}); "
+                    "put them side by side, e.g. [MASK:3][MASK:2]"
                 )
             raise SamplingError(
                 f"bad hole {text[j : close + 1]!r} at character {j}; write [MASK:n] with a "

@@ -41,6 +41,8 @@ import json
 import math
 import os
 import random
+import signal
+import sys
 import tempfile
 import time
 import warnings
@@ -57,7 +59,7 @@ from torch import Tensor, nn
 
 from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig, to_dict
-from anyorder.errors import CheckpointError, ConfigError
+from anyorder.errors import CheckpointError, ConfigError, TrainingError
 from anyorder.orders import OrderSampler
 
 MDM_L2R_ROWS = 4
@@ -81,6 +83,7 @@ _RESUME_FREE = {
     "train.log_every",
     "train.device",
     "train.compile",
+    "train.skip_nonfinite",
     "data.cache_dir",
     "data.streaming",
 }
@@ -121,11 +124,17 @@ def print0(*args: Any, **kwargs: Any) -> None:
         print(*args, **kwargs, flush=True)
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0, what: str = "train.device") -> torch.device:
     """``auto``/``cpu``/``cuda``/``cuda:N`` to a device (``cuda`` means ``cuda:LOCAL_RANK``).
 
+    Args:
+        name: the device name.
+        local_rank: this process's local rank (the GPU ``cuda`` means).
+        what: how the user set it, for messages (``train.device``, ``--device``).
+
     Raises:
-        ConfigError: CUDA asked for where there is none, or an unknown name.
+        ConfigError: CUDA asked for where there is none (or a GPU index beyond the last),
+            or an unknown name.
     """
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,9 +142,49 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ConfigError(f"train.device={name!r} but CUDA is not available; use cpu or auto")
-        return torch.device(f"cuda:{local_rank}") if name == "cuda" else torch.device(name)
-    raise ConfigError(f"train.device={name!r} is not a device; use auto, cpu, cuda or cuda:N")
+            raise ConfigError(f"{what}={name!r} but CUDA is not available here; use cpu or auto")
+        try:
+            dev = torch.device(f"cuda:{local_rank}") if name == "cuda" else torch.device(name)
+        except RuntimeError:
+            raise ConfigError(f"{what}={name!r} is not a device; use cuda or cuda:N") from None
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"{what}={name!r} but this machine has {torch.cuda.device_count()} GPU(s); "
+                "use cuda or a smaller index"
+            )
+        return dev
+    raise ConfigError(f"{what}={name!r} is not a device; use auto, cpu, cuda or cuda:N")
+
+
+DIST_TIMEOUT_ENV = "ANYORDER_DIST_TIMEOUT_S"
+"""Seconds to wait for the torchrun rendezvous and for collectives (default 1800)."""
+
+
+@contextlib.contextmanager
+def _held_stderr() -> Iterator[list[str]]:
+    """Hold what is written to file descriptor 2 (c10d's C++ logs) until the block ends.
+
+    The text is put back on stderr when the block succeeds and dropped when it raises, so a
+    failed rendezvous is one line from the CLI, not pages of C++ retry logs.
+    """
+    held: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile("w+b") as buf:
+        os.dup2(buf.fileno(), 2)
+        ok = False
+        try:
+            yield held
+            ok = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            buf.seek(0)
+            held.append(buf.read().decode("utf-8", "replace"))
+            if ok and held[0]:
+                sys.stderr.write(held[0])
+                sys.stderr.flush()
 
 
 def setup_distributed(device: str) -> DistEnv:
@@ -152,10 +201,27 @@ def setup_distributed(device: str) -> DistEnv:
         return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        dist.init_process_group(
-            "nccl" if dev.type == "cuda" else "gloo",
-            timeout=timedelta(minutes=int(os.environ.get("ANYORDER_DIST_TIMEOUT_MIN", "30"))),
-        )
+        raw = os.environ.get(DIST_TIMEOUT_ENV, "1800")
+        try:
+            timeout = float(raw)
+        except ValueError:
+            timeout = -1.0
+        if not timeout > 0:
+            raise ConfigError(f"{DIST_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        try:
+            with _held_stderr():
+                dist.init_process_group(
+                    "nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout)
+                )
+        except (RuntimeError, ValueError, TimeoutError, ConnectionError) as e:
+            # DistError (a RuntimeError): a closed port, a rank that never came, no MASTER_ADDR
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(
+                f"the torchrun rendezvous at {where} failed within {timeout:g}s ({first}); "
+                f"start every rank with the same MASTER_ADDR/MASTER_PORT, or raise "
+                f"{DIST_TIMEOUT_ENV}"
+            ) from None
         return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, dev)
     return DistEnv(0, 1, local_rank, dev)
 
@@ -295,6 +361,8 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 0")
     if t.keep_last < 1:
         raise ConfigError(f"train.keep_last={t.keep_last} must be at least 1")
+    if not 0.0 < t.lr <= 1e30:  # beyond, AdamW's fp32 step size overflows
+        raise ConfigError(f"train.lr={t.lr} must be a positive number (at most 1e30), e.g. 1e-3")
     if not 0.0 <= t.ema < 1.0:
         raise ConfigError(f"train.ema={t.ema} must be in [0, 1) (0 disables)")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
@@ -519,10 +587,18 @@ def validate(
 
 
 class MetricsLog:
-    """``RUN/metrics.jsonl`` (and TensorBoard when installed), written by rank 0 only."""
+    """``RUN/metrics.jsonl`` (and TensorBoard when installed), written by rank 0 only.
 
-    def __init__(self, run_dir: Path | None, active: bool, resume_step: int | None) -> None:
+    Every row carries the run's seed. A row is appended with one ``write``; a process killed
+    mid-row leaves a partial last line, which the resumed run drops with the rows after its
+    checkpoint (the file is then replaced atomically).
+    """
+
+    def __init__(
+        self, run_dir: Path | None, active: bool, resume_step: int | None, seed: int = 0
+    ) -> None:
         self.path = run_dir / "metrics.jsonl" if (run_dir and active) else None
+        self.seed = seed
         self.tb = None
         if self.path is None:
             return
@@ -530,10 +606,10 @@ class MetricsLog:
             # Rows after the checkpoint belong to a run that was cut short: drop them.
             keep = [
                 line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
+                for line in self.path.read_text(errors="replace").splitlines()
+                if _step_of_row(line) is not None and _step_of_row(line) <= resume_step
             ]
-            self.path.write_text("".join(k + "\n" for k in keep))
+            _write_atomic(self.path, "".join(k + "\n" for k in keep))
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         try:
@@ -546,11 +622,12 @@ class MetricsLog:
     def write(self, row: dict[str, Any]) -> None:
         if self.path is None:
             return
+        row = {"step": row.get("step"), "seed": self.seed, **row}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
             for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
+                if k not in ("step", "seed") and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, row["step"])
 
     def close(self) -> None:
@@ -558,23 +635,84 @@ class MetricsLog:
             self.tb.close()
 
 
+def _step_of_row(line: str) -> int | None:
+    """The step of a metrics row, or None for a blank or partial (killed mid-write) line."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return int(row.get("step", 0)) if isinstance(row, dict) else None
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The rows of ``RUN/metrics.jsonl``."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text(errors="replace").splitlines()
+    return [json.loads(line) for line in lines if _step_of_row(line) is not None]
 
 
 # ----------------------------------------------------------------------------- the loop
 
 
-def _find_resume(cfg: RunConfig, resume: bool | str, run_dir: Path) -> Path | None:
-    """The checkpoint to resume from, or None for a fresh start.
+def _check_model_of(found: Path, old: RunConfig, cfg: RunConfig, vocab: int | None) -> None:
+    """A checkpoint to resume must hold the config's model kind and the tokenizer's vocabulary.
 
     Raises:
-        CheckpointError / ConfigError: nothing to resume, or a run folder of another config.
+        CheckpointError: another kind, or ``vocab`` (the run's tokenizer) of another size.
     """
+    if old.model.kind != cfg.model.kind:
+        raise CheckpointError(
+            f"{found} holds model.kind={old.model.kind} but the config asks for "
+            f"model.kind={cfg.model.kind}; set model.kind={old.model.kind} to resume it, or pick "
+            "another train.out_dir"
+        )
+    if vocab is not None and vocab != old.model.vocab_size:
+        raise CheckpointError(
+            f"data.tokenizer={cfg.data.tokenizer!r} has {vocab} token ids but {found} was "
+            f"trained with {old.model.vocab_size} ({old.data.tokenizer!r}); use the run's "
+            f"tokenizer, e.g. data.tokenizer={found / ckpt_mod.TOKENIZER_DIR}"
+        )
+
+
+def _early_tokenizer_vocab(cfg: RunConfig, unless: str | None = None) -> int | None:
+    """The vocabulary size of ``data.tokenizer`` when it loads without the corpus (not
+    ``bpe:N``, which is trained on it) and differs from ``unless``; else None."""
+    spec = cfg.data.tokenizer
+    if spec == unless or spec.startswith("bpe:"):
+        return None
+    from anyorder.data import load_tokenizer
+
+    return load_tokenizer(spec).vocab_size
+
+
+def check_resume_early(cfg: RunConfig, resume: bool | str) -> None:
+    """Before any data is prepared: the checkpoint to resume (or ``train.init_from``) holds
+    the config's model kind and the tokenizer's vocabulary, so a mismatch leaves no files.
+
+    Raises:
+        CheckpointError / ConfigError: as :func:`_find_resume`, or a model of another kind,
+            or a tokenizer of another vocabulary size.
+    """
+    run_dir = Path(cfg.train.out_dir).expanduser()
+    found = _locate_resume(resume, run_dir)
+    if found is not None:
+        old = ckpt_mod.read_config(found)
+        _check_model_of(found, old, cfg, _early_tokenizer_vocab(cfg, unless=old.data.tokenizer))
+        return
+    if cfg.train.init_from:  # the model section came from init_from (init_model_config)
+        vocab = _early_tokenizer_vocab(cfg)
+        if vocab is not None and vocab != cfg.model.vocab_size:
+            raise CheckpointError(
+                f"train.init_from={cfg.train.init_from!r} reads {cfg.model.vocab_size} token "
+                f"ids but data.tokenizer={cfg.data.tokenizer!r} has {vocab}; set "
+                "data.tokenizer to the tokenizer init_from was made with (its folder)"
+            )
+
+
+def _locate_resume(resume: bool | str, run_dir: Path) -> Path | None:
+    """The checkpoint ``resume`` names, or None for a fresh start (no config checks)."""
     if resume is False:
         if ckpt_mod.latest_checkpoint(run_dir) is not None:
             raise ConfigError(
@@ -586,13 +724,25 @@ def _find_resume(cfg: RunConfig, resume: bool | str, run_dir: Path) -> Path | No
         found: Path | None = ckpt_mod.resolve_checkpoint(resume)
     else:
         found = ckpt_mod.latest_checkpoint(run_dir)
+    if found is None and resume is True:
+        raise CheckpointError(
+            f"nothing to resume: {run_dir} holds no checkpoint; drop --resume to start"
+        )
+    return found
+
+
+def _find_resume(cfg: RunConfig, resume: bool | str, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from, or None for a fresh start.
+
+    Raises:
+        CheckpointError / ConfigError: nothing to resume, a model of another kind or
+            vocabulary, or a run folder of another config.
+    """
+    found = _locate_resume(resume, run_dir)
     if found is None:
-        if resume is True:
-            raise CheckpointError(
-                f"nothing to resume: {run_dir} holds no checkpoint; drop --resume to start"
-            )
         return None
     old = ckpt_mod.read_config(found)
+    _check_model_of(found, old, cfg, cfg.model.vocab_size)
     diff = config_diff(old, cfg)
     forced = resume is not False and resume != "auto"
     bad = [
@@ -672,6 +822,8 @@ def train(
 
     cfg = init_model_config(cfg)
     check_config(cfg, env.world_size)
+    if not dry_run:
+        check_resume_early(cfg, resume)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory())) if dry_run else None
         return _train(cfg, env, resume, dry_run, progress, stop_at, time_limit_s, tmp)
@@ -820,7 +972,7 @@ def _train(
             mb = ordering.model_blocks
             blocks = None if mb is None else mb[env.rank :: env.world_size][: len(idx)].to(device)
         accum = max(1, math.ceil(len(idx) / micro))
-        total = torch.zeros((), device=device)
+        total = torch.zeros((), device=device)  # the mean loss, checked before the update
         for a in range(accum):
             sl = slice(a * micro, (a + 1) * micro)
             last = a == accum - 1
@@ -841,15 +993,19 @@ def _train(
                     )
                 (loss / accum).backward()
             total += loss.detach() / accum
+        if env.distributed:  # every rank sees the same mean, so all skip a bad update alike
+            dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        value = float(total)
+        if not math.isfinite(value):  # no update: the weights stay the last good ones
+            opt.zero_grad(set_to_none=True)
+            return value
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if ema is not None:
             ema.update(step)
-        if env.distributed:
-            dist.all_reduce(total, op=dist.ReduceOp.AVG)
-        return float(total)
+        return value
 
     def evaluate_now(
         batches: int, bs: int, orders: int = VAL_ORDERS, mdm_rows: int = MDM_L2R_ROWS
@@ -887,7 +1043,7 @@ def _train(
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_atomic(run_dir / "config.yaml", _yaml(cfg))
-    log = MetricsLog(run_dir, env.is_main, step if resume_from is not None else None)
+    log = MetricsLog(run_dir, env.is_main, step if resume_from is not None else None, t.seed)
     bar = None
     if progress and env.is_main:
         from tqdm.auto import tqdm
@@ -902,14 +1058,33 @@ def _train(
         else:
             print(msg, flush=True)
 
-    def save(step: int) -> Path | None:
+    def snapshot() -> dict[str, Any]:
+        """What a step advances (the data cursor, the torch generators), taken before each
+        step so that a NaN step can be saved as the state after the last good one. (The
+        python and numpy RNGs are not drawn from in a step.) A few microseconds."""
+        snap = {
+            "sampler": sampler.state_dict(),
+            "order_generator": order_gen.get_state(),
+            "torch": torch.get_rng_state(),
+            "loss_generator": loss_gen.get_state(),
+        }
+        if device.type == "cuda":
+            snap["cuda"] = torch.cuda.get_rng_state(device)
+        return snap
+
+    def save(step: int, before: dict[str, Any] | None = None) -> Path | None:
+        rng = rng_state(loss_gen, device)
+        now = {"sampler": sampler.state_dict(), "order_generator": order_gen.get_state()}
+        if before is not None:
+            now = before
+            rng.update({k: before[k] for k in ("torch", "loss_generator", "cuda") if k in before})
         fs = full_model_state(model, fsdp)
         ema_sd = None
         if ema is not None:
             with ema.swapped():
                 ema_sd = full_model_state(model, fsdp)
         opt_sd = optimizer_state(model, opt, fsdp)
-        rngs = _gather_objects(rng_state(loss_gen, device), env)
+        rngs = _gather_objects(rng, env)
         path = None
         if env.is_main:
             state = {
@@ -917,8 +1092,8 @@ def _train(
                 "tokens_seen": tokens_seen,
                 "optimizer": opt_sd,
                 "scheduler": {"kind": "warmup_cosine", "step": step, "lr": lr_at(step, cfg)},
-                "sampler": sampler.state_dict(),
-                "order_generator": order_gen.get_state(),
+                "sampler": now["sampler"],
+                "order_generator": now["order_generator"],
                 "rng": rngs,
                 "world_size": env.world_size,
             }
@@ -950,10 +1125,26 @@ def _train(
     end = t.steps if stop_at is None else min(t.steps, stop_at)
     if step >= end:
         print0(f"{run_dir} is already at step {step} of {end}: nothing to train")
+    skipped = 0
+    stop = _StopSignals()
     try:
+        stop.install()
         while step < end:
             s0 = time.perf_counter()
+            before = None if t.skip_nonfinite else snapshot()
             loss = one_step(step)
+            if not math.isfinite(loss) and not t.skip_nonfinite:
+                # The update was not applied: save the state after the last good step (with
+                # the data cursor and RNGs of that moment), then stop.
+                saved = last_ckpt if _step_of(last_ckpt) == step else save(step, before)
+                where = f"; the state after step {step} is in {saved}" if saved else ""
+                raise TrainingError(
+                    f"loss is {loss} at step {step + 1}{where}; lower train.lr and resume with "
+                    "--resume, or set train.skip_nonfinite=true to skip such steps"
+                )
+            if not math.isfinite(loss):
+                skipped += 1
+                say(f"step {step + 1}: loss is {loss}; update skipped (train.skip_nonfinite)")
             step += 1
             tokens_seen += tokens_per_step
             dt = time.perf_counter() - s0
@@ -961,8 +1152,6 @@ def _train(
             window_time += dt
             window_steps += 1
             timing.append(dt)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {step}; lower train.lr")
             if time_limit_s is not None and len(timing) >= 6 and (not limit_set or step % 10 == 0):
                 # Fit the schedule to the budget from the median of the last timed steps (not
                 # the first, which pays for allocation), again every 10 steps as the machine's
@@ -1010,7 +1199,14 @@ def _train(
                 say(f"step {step}: loss {loss:.4f}; {_fmt_val(val, unigram)}")
             if (t.ckpt_every and step % t.ckpt_every == 0) or final:
                 last_ckpt = save(step) or last_ckpt
+            if not final and stop.agreed(env):
+                # SIGINT/SIGTERM: save where we are and leave cleanly (resume continues).
+                if _step_of(last_ckpt) != step:
+                    last_ckpt = save(step) or last_ckpt
+                say(f"{stop.name}: stopped at step {step}; checkpoint {last_ckpt}")
+                break
     finally:
+        stop.restore()
         if bar is not None:
             bar.close()
         log.close()
@@ -1031,6 +1227,9 @@ def _train(
         "unigram_bpb": unigram,
         "checkpoint": str(last_ckpt) if last_ckpt else None,
         "world_size": env.world_size,
+        "seed": t.seed,
+        "skipped_steps": skipped,
+        "interrupted": stop.name,
         "config": to_dict(cfg),
     }
     if env.is_main:
@@ -1039,6 +1238,58 @@ def _train(
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _step_of(ckpt: Path | None) -> int | None:
+    m = ckpt_mod._NAME.match(ckpt.name) if ckpt is not None else None
+    return int(m.group(1)) if m else None
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM ask the loop to save and stop after the current step.
+
+    The handlers only record the signal (printing from a handler can re-enter a write);
+    the loop checks between steps. A second signal stops at once (KeyboardInterrupt).
+    Handlers are installed only in the main thread, and the previous ones are restored.
+    """
+
+    SIGNALS = ("SIGINT", "SIGTERM")
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.name: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received:
+            raise KeyboardInterrupt
+        self.received.append(signum)
+
+    def install(self) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in self.SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def agreed(self, env: DistEnv) -> bool:
+        """Whether any rank got a signal (every rank must call, every step)."""
+        flag = self.received[0] if self.received else 0
+        if env.distributed:
+            t = torch.tensor([flag], dtype=torch.long, device=env.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = int(t.item())
+        if flag:
+            self.name = signal.Signals(flag).name
+        return bool(flag)
 
 
 def _from_rank0(value: int, env: DistEnv) -> int:

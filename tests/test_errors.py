@@ -1,0 +1,257 @@
+"""Every row of docs/errors.md: the real CLI, one line on stderr, exit code 2, no files.
+
+Each row runs ``python -m anyorder.cli`` in a folder of its own (a copy of a prepared
+world: a trained tiny ARMD run, its data cache, a tokenizer of another vocabulary, bad
+corpora and configs) with relative paths, so the messages are stable and the documented
+message can be matched whole: ``<...>`` in the table stands for any text. The rows run
+four at a time (each is mostly interpreter start-up); every test then checks its own row:
+
+* stderr is exactly one line, the documented message, and holds no ``Traceback``;
+* the exit code is the documented one (2);
+* the row's folder holds exactly the files it held before (names, sizes and times).
+
+The set of rows here and the set of rows in docs/errors.md must be the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+ERRORS_MD = REPO / "docs" / "errors.md"
+CONFIG = """\
+model: {kind: armd, n_layer: 2, n_head: 2, d_model: 32, seq_len: 32}
+data: {source: "builtin:pydoc", max_documents: 40, cache_dir: cache}
+train: {out_dir: run, steps: 2, batch_size: 8, lr: 0.01, warmup_steps: 1, eval_every: 0,
+        eval_batches: 1, ckpt_every: 0, log_every: 1, device: cpu}
+"""
+CKPT = "run/checkpoints/step_0000002"
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _truncate(folder: Path) -> None:
+    path = folder / CKPT / "model.safetensors"
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def _flip_byte(folder: Path) -> None:
+    path = folder / CKPT / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # inside the last tensor: same size, other bytes
+    path.write_bytes(bytes(data))
+
+
+TRAIN = ["train", "cfg.yaml", "--no-progress"]
+NEW = "train.out_dir=new"  # a run folder that must not appear
+FRESH = [NEW, "data.cache_dir=newcache"]  # and a data cache that must not appear either
+# id: (command line, extra environment, setup of the row's folder)
+ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
+    "config-unknown-key": ([*TRAIN, "model.n_layr=2"], {}, None),
+    "config-ill-typed": ([*TRAIN, "train.steps=many"], {}, None),
+    "config-file-unknown-key": (["train", "typo.yaml"], {}, None),
+    "config-missing-file": (["train", "nope.yaml"], {}, None),
+    "config-bad-yaml": (["train", "broken.yaml"], {}, None),
+    "config-not-key-value": ([*TRAIN, "train.steps"], {}, None),
+    "cli-bad-option": (["sample", "run", "--top-p", "abc"], {}, None),
+    "config-bad-value": ([*TRAIN, "train.lr=0", NEW], {}, None),
+    "data-missing": ([*TRAIN, "data.source=missing.txt", *FRESH], {}, None),
+    "data-empty-file": ([*TRAIN, "data.source=corpus/empty.txt", *FRESH], {}, None),
+    "data-empty-folder": ([*TRAIN, "data.source=emptydir", *FRESH], {}, None),
+    "data-unreadable": ([*TRAIN, "data.source=corpus/bad.parquet", *FRESH], {}, None),
+    "data-too-small": ([*TRAIN, "data.source=corpus/tiny.txt", *FRESH], {}, None),
+    "tokenizer-vocab-resume": ([*TRAIN, "data.tokenizer=tok300"], {}, None),
+    "tokenizer-vocab-init-from": (
+        [*TRAIN, "train.init_from=run", "data.tokenizer=tok300", NEW],
+        {},
+        None,
+    ),
+    "tokenizer-vocab-export": (["sample", "exp"], {}, None),
+    "checkpoint-missing": (["sample", "nowhere"], {}, None),
+    "checkpoint-none": (["sample", "emptydir"], {}, None),
+    "checkpoint-truncated": (["sample", "run"], {}, _truncate),
+    "checkpoint-corrupted": (["sample", "run"], {}, _flip_byte),
+    "checkpoint-kind-resume": ([*TRAIN, "model.kind=aogpt"], {}, None),
+    "checkpoint-kind-init-from": (
+        [*TRAIN, "train.init_from=run", "model.kind=gpt", NEW],
+        {},
+        None,
+    ),
+    "prompt-too-long": (["sample", "run", "--prompt", "x" * 40], {}, None),
+    "infill-hole-out-of-range": (["sample", "run", "--infill", "ab[MASK:40]"], {}, None),
+    "infill-template-too-long": (["sample", "run", "--infill", "y" * 30 + "[MASK:4]"], {}, None),
+    "infill-overlapping-holes": (["sample", "run", "--infill", "a[MASK:3[MASK:2]]b"], {}, None),
+    "infill-bad-hole": (["sample", "run", "--infill", "a[MASK:0]b"], {}, None),
+    "infill-no-hole": (["sample", "run", "--infill", "abc"], {}, None),
+    "streams-do-not-divide": (["sample", "run", "--streams", "5"], {}, None),
+    "top-p-out-of-range": (["sample", "run", "--top-p", "1.5"], {}, None),
+    "temperature-not-positive": (["sample", "run", "--temperature", "0"], {}, None),
+    "gpu-train": ([*TRAIN, "train.device=cuda", NEW], {}, None),
+    "gpu-sample": (["sample", "run", "--device", "cuda"], {}, None),
+    "gpu-eval": (["eval", "run", "--device", "cuda"], {}, None),
+    "torchrun-rendezvous": (
+        [*TRAIN, NEW],
+        {
+            "WORLD_SIZE": "2",
+            "RANK": "1",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "CLOSED_PORT",
+            "ANYORDER_DIST_TIMEOUT_S": "2",
+        },
+        None,
+    ),
+}
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def documented_rows() -> dict[str, tuple[str, int]]:
+    """``{id: (message pattern, exit code)}`` from the table in docs/errors.md."""
+    rows: dict[str, tuple[str, int]] = {}
+    for line in ERRORS_MD.read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if len(cells) < 5 or not re.fullmatch(r"`[a-z0-9-]+`", cells[0]):
+            continue
+        ident, code, message = cells[0].strip("`"), cells[3], cells[4]
+        m = re.fullmatch(r"`(.*)`", message)
+        assert m, f"docs/errors.md row {ident}: the message cell must be one `code span`"
+        rows[ident] = (m.group(1).replace("\\|", "|"), int(code))
+    return rows
+
+
+def message_regex(documented: str) -> re.Pattern[str]:
+    """The documented message as a regex: ``<...>`` placeholders match any text."""
+    parts = re.split(r"<[^<>]*>", documented)
+    return re.compile(".+?".join(re.escape(p) for p in parts))
+
+
+def test_every_documented_row_has_a_test_and_back() -> None:
+    assert set(documented_rows()) == set(ROWS)
+
+
+# ----------------------------------------------------------------------------- the world
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under ``root``: relative path -> (size, mtime in ns) for files,
+    (0, 0) for folders (a temporary folder made and removed again changes a folder's mtime,
+    not what it holds)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            out[str((Path(dirpath) / name).relative_to(root)) + "/"] = (0, 0)
+        for name in filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """The folder every row starts from (copied per row)."""
+    from anyorder.config import load_config
+    from anyorder.data import BPETokenizer
+    from anyorder.train import train
+
+    root = tmp_path_factory.mktemp("errors_world")
+    (root / "cfg.yaml").write_text(CONFIG)
+    (root / "typo.yaml").write_text("train: {stpes: 3}\n")
+    (root / "broken.yaml").write_text("model: {kind: [armd\n")
+    (root / "corpus").mkdir()
+    (root / "corpus" / "empty.txt").write_text("")
+    (root / "corpus" / "tiny.txt").write_text("hello\n")
+    (root / "corpus" / "bad.parquet").write_bytes(b"PAR1 this is not parquet PAR1")
+    (root / "emptydir").mkdir()
+    from pydoc_data.topics import topics
+
+    cwd = os.getcwd()
+    os.chdir(root)  # the run's config keeps the relative paths the rows use
+    try:
+        train(load_config("cfg.yaml"), progress=False)
+    finally:
+        os.chdir(cwd)
+    BPETokenizer.train(list(topics.values())[:40], 300).save(root / "tok300")
+    # an export whose tokenizer folder was swapped for one of another vocabulary
+    from anyorder.hub import export
+
+    export(root / "run", root / "exp")
+    shutil.rmtree(root / "exp" / "tokenizer")
+    shutil.copytree(root / "tok300", root / "exp" / "tokenizer")
+    assert (root / CKPT / "manifest.json").is_file()
+    return root
+
+
+def _run_row(ident: str, world: Path, base: Path) -> dict:
+    args, extra, setup = ROWS[ident]
+    folder = base / ident
+    shutil.copytree(world, folder, symlinks=True)
+    if setup is not None:
+        setup(folder)
+    # CUDA_VISIBLE_DEVICES="" makes any machine one without a GPU (the gpu-* rows)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update({k: str(_closed_port()) if v == "CLOSED_PORT" else v for k, v in extra.items()})
+    before = _tree(folder)
+    out = subprocess.run(
+        [sys.executable, "-m", "anyorder.cli", *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return {
+        "code": out.returncode,
+        "stderr": out.stderr,
+        "stdout": out.stdout,
+        "before": before,
+        "after": _tree(folder),
+    }
+
+
+@pytest.fixture(scope="module")
+def outcomes(world, tmp_path_factory) -> dict[str, dict]:
+    """Every row, run four at a time."""
+    base = tmp_path_factory.mktemp("errors_rows")
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {i: pool.submit(_run_row, i, world, base) for i in ROWS}
+        results = {i: f.result() for i, f in futures.items()}
+    report = base / "outcomes.json"
+    clean = sum(r["code"] == 2 and len(r["stderr"].splitlines()) == 1 for r in results.values())
+    report.write_text(json.dumps({"rows": len(results), "clean": clean}) + "\n")
+    print(f"\nbad inputs tried: {len(results)}, clean one-line errors (exit 2): {clean}")
+    return results
+
+
+@pytest.mark.parametrize("ident", sorted(ROWS))
+def test_documented_error(ident: str, outcomes) -> None:
+    pattern, code = documented_rows()[ident]
+    r = outcomes[ident]
+    lines = r["stderr"].splitlines()
+    assert "Traceback" not in r["stderr"], r["stderr"]
+    assert len(lines) == 1, r["stderr"]
+    assert message_regex(pattern).fullmatch(lines[0]), f"{lines[0]!r} !~ {pattern!r}"
+    assert r["code"] == code == 2, r["stderr"]
+    changed = sorted(set(r["after"].items()) ^ set(r["before"].items()))
+    assert not changed, f"files were left behind or changed: {changed}"
