@@ -24,6 +24,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -143,16 +144,24 @@ def _ckpt_step(run: Path) -> int:
 
 
 def _kill_at_random(cmd, cwd: Path, run: Path, rng: random.Random) -> dict:
-    """Start ``cmd``; once a checkpoint at or past a random step exists, wait a random
-    fraction of a checkpoint interval and SIGKILL it. Returns what was seen."""
+    """Start ``cmd``; once its training loop runs and a checkpoint at or past a random step
+    exists, wait a random part of a checkpoint interval and SIGKILL it. Returns what was
+    seen."""
     before = _ckpt_step(run)
-    # 1-3 intervals past the last checkpoint, but far enough from the end that the run is
-    # still going after the delay (later kills may land during start-up: a moment as well)
-    target = max(before, min(before + CKPT_EVERY * rng.randint(1, 3), STEPS - 3 * CKPT_EVERY))
+    # 0-2 intervals past the last checkpoint, far enough from the end that the run is still
+    # going after the delay (0: the kill lands within the first steps after the resume)
+    target = min(before + CKPT_EVERY * rng.randint(0, 2), STEPS - 3 * CKPT_EVERY)
+    target = max(before, target)
     proc = _popen(cmd, cwd)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 300
-        while _ckpt_step(run) < target and proc.poll() is None:
+        # "data: ..." is printed just before the loop, by a fresh and a resumed run alike
+        while proc.poll() is None and (
+            _ckpt_step(run) < target or not any(ln.startswith("data: ") for ln in lines)
+        ):
             assert time.monotonic() < deadline, "the run made no progress"
             time.sleep(0.002)
         # a delay of up to one checkpoint interval (step time from the last metrics rows)
@@ -162,13 +171,16 @@ def _kill_at_random(cmd, cwd: Path, run: Path, rng: random.Random) -> dict:
             per_step = (rows[1]["elapsed_s"] - rows[0]["elapsed_s"]) / (
                 rows[1]["step"] - rows[0]["step"]
             )
-        time.sleep(rng.uniform(0, CKPT_EVERY * max(per_step, 0.001)))
+        time.sleep(rng.uniform(0, CKPT_EVERY * min(max(per_step, 0.001), 0.2)))
         alive = proc.poll() is None
         if alive:
             os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
-        out, err = proc.communicate()
+        reader.join(timeout=60)
+        err = proc.stderr.read()
+        proc.stdout.close()
+        proc.stderr.close()
     assert alive, f"the run ended before the kill (target step {target}): {err}"
     assert proc.returncode == -signal.SIGKILL
     logged = max((r["step"] for r in read_metrics(run) if "loss" in r), default=0)
