@@ -744,7 +744,7 @@ def _judge(ctx: Context) -> Any:
 
 
 def _gen_score(model: Any, tok: Any, judge: Any, n: int, num: int, seed: int, **kw: Any) -> dict:
-    from anyorder.genppl import generative_perplexity
+    from anyorder.genppl import generative_perplexity, judge_inputs
     from anyorder.sample import sample
 
     outs = []
@@ -752,7 +752,13 @@ def _gen_score(model: Any, tok: Any, judge: Any, n: int, num: int, seed: int, **
         g = torch.Generator().manual_seed(seed + i)
         outs.append(sample(model, n, batch=min(16, num - i), generator=g, **kw).tokens)
     s = torch.cat(outs).cpu()
-    return generative_perplexity(s, tok, judge).as_dict() | {"example": tok.decode(s[0].tolist())}
+    score = generative_perplexity(s, tok, judge).as_dict()
+    # error bar: per-sample NLL per judge token, standard error over the samples
+    seqs, _, _ = judge_inputs(s, tok, judge)
+    nll, cnt = judge.score(seqs)
+    per = (nll / cnt.double().clamp(min=1)).double()
+    se = float(per.std() / math.sqrt(len(per))) if len(per) > 1 else float("nan")
+    return score | {"nll_se": se, "example": tok.decode(s[0].tolist())}
 
 
 def exp_sbp(ctx: Context) -> dict[str, Any]:
@@ -782,11 +788,11 @@ def exp_sbp(ctx: Context) -> dict[str, Any]:
         f"{num} samples of {n} bytes per cell at temperature 1, judged by the project's own "
         "left-to-right gpt of experiment 5 (generative NLL in nats per judge token; lower is "
         "better, but watch the entropy: repetitive text scores well).\n\n"
-        "| model | S | gen NLL (nats/token) | entropy (nats) |\n|---|---|---|---|\n"
+        "| model | S | gen NLL (nats/token, ± over samples) | entropy (nats) |\n|---|---|---|---|\n"
     )
     for r in rows:
         md += (
-            f"| {r['model']} | {r['S']} | {r['nll_per_token']:.3f} | "
+            f"| {r['model']} | {r['S']} | {fmt(r['nll_per_token'], r['nll_se'])} | "
             f"{r['entropy']:.3f} ± {r['entropy_std'] / math.sqrt(r['samples']):.3f} |\n"
         )
     plot = _plot_xy(
@@ -871,10 +877,12 @@ def exp_decode(ctx: Context) -> dict[str, Any]:
     md += (
         f"\nQuality vs steps: the trained runs of experiment 5, {num} samples of {qn} bytes at "
         "temperature 1, random order, judged by experiment 5's gpt.\n\n"
-        "| model | steps T | gen NLL (nats/token) | entropy (nats) |\n|---|---|---|---|\n"
+        "| model | steps T | gen NLL (nats/token, ± over samples) | entropy (nats) |\n"
+        "|---|---|---|---|\n"
     )
     for r in quality:
-        md += f"| {r['model']} | {r['steps']} | {r['nll_per_token']:.3f} | {r['entropy']:.3f} |\n"
+        nll = fmt(r["nll_per_token"], r["nll_se"])
+        md += f"| {r['model']} | {r['steps']} | {nll} | {r['entropy']:.3f} |\n"
     series = {}
     for kind in ("aogpt", "mdm"):
         pts = [r for r in timing if r["kind"] == kind]
