@@ -56,6 +56,7 @@ class KVCache:
         self.dense = True
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=self.device)
         self.pos = torch.zeros(batch, capacity, dtype=torch.long, device=self.device)
+        self.aux: dict = {}  # per-decode tables a model keeps (AO-GPT's adaLN), shared by forks
 
     # -- writing ------------------------------------------------------------------------
 
@@ -123,6 +124,7 @@ class KVCache:
         out.length, out.dense = self.length, self.dense
         out.valid = self.valid.repeat_interleave(repeats, dim=0)
         out.pos = self.pos.repeat_interleave(repeats, dim=0)
+        out.aux = self.aux  # row-independent
         return out
 
     def nbytes(self) -> int:

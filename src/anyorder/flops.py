@@ -55,14 +55,29 @@ def train_flops_per_token(cfg: ModelConfig, n: int) -> int:
 def decode_flops_per_token(cfg: ModelConfig, n_ctx: int) -> int:
     """FLOPs to decode one token with a KV cache holding ``n_ctx`` entries.
 
-    gpt/aogpt: one pass of one slot through all layers. armd: the query slot through all
-    layers plus the decided token's content slot through the two-stream layers.
+    gpt/aogpt: one pass of one slot through all layers (aogpt: plus its adaLN, counted per
+    token as the architecture has it, though our decoder looks it up in a per-position
+    table). armd: the query slot through all layers (Q and O only in the two-stream layers,
+    whose K and V come from the content stream) plus the decided token's content slot
+    through the two-stream layers (K and V only in the last one), plus the query MLP.
+    mdm: a full bidirectional pass over ``n_ctx`` tokens per step.
     """
-    d = cfg.d_model
+    d, L = cfg.d_model, cfg.n_layer
     per_layer = layer_flops(cfg, n_ctx)
     head = 2 * d * cfg.vocab_size
     if cfg.kind == "armd":
-        return (cfg.n_layer + cfg.two_stream_layers) * per_layer + head
-    if cfg.kind == "mdm":  # a full bidirectional pass over n_ctx tokens per step
-        return n_ctx * cfg.n_layer * per_layer + n_ctx * head
-    return cfg.n_layer * per_layer + head
+        l2s = cfg.two_stream_layers
+        query = l2s * (per_layer - 2 * 2 * d * d) + (L - l2s) * per_layer
+        content = (l2s - 1) * per_layer + 2 * 2 * d * d
+        return query + content + 2 * 2 * d * (d // 4) + head
+    if cfg.kind == "mdm":
+        return n_ctx * L * per_layer + n_ctx * head
+    base = L * per_layer + head
+    if cfg.kind == "aogpt" and cfg.target_injection == "adaln":
+        base += L * 2 * cfg.target_dim * 6 * d + 2 * cfg.target_dim * 2 * d
+    return base
+
+
+def decode_flops_per_sequence(cfg: ModelConfig, n: int) -> int:
+    """FLOPs to decode ``n`` tokens one at a time (the cache grows from 1 to ``n`` entries)."""
+    return sum(decode_flops_per_token(cfg, t) for t in range(1, n + 1))

@@ -6,9 +6,11 @@ Design choices:
   position ``pos[t]``. RoPE and learned position tables are therefore indexed by the given
   positions, never by ``arange`` (that is what makes the models permutation-equivariant).
 * Masks are boolean, ``True`` = may attend, shaped ``(B, 1, Tq, Tk)``; the plain causal case
-  is passed as the string ``"causal"`` so that SDPA takes its ``is_causal`` fast path, and
-  ``None`` means bidirectional. :func:`block_mask` builds the block-causal and block-strict
-  masks from block ids.
+  is passed as the string ``"causal"`` so that SDPA takes its ``is_causal`` fast path (it
+  skips the masked half), the strictly causal one as ``"strict"`` (the same kernel on
+  shifted queries and keys), and ``None`` means bidirectional. :func:`block_mask` builds the
+  block-causal and block-strict masks from block ids; :func:`block_visibility` prepares a
+  model's masks once per forward (:class:`PreparedMask`), for every layer.
 * A row with nothing to attend to (the first block under a strict mask) gives a zero output
   on every backend: we let it attend to key 0 and multiply the result by zero, instead of
   relying on how a kernel treats a fully masked row.
@@ -18,16 +20,21 @@ Design choices:
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from anyorder.config import ModelConfig
+from anyorder.errors import ConfigError
 
-Mask = Tensor | str | None
+Mask = Tensor | str | None  # or a PreparedMask (defined below)
 KVHook = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # see anyorder.cache
 
 
@@ -70,6 +77,43 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.type_as(x)
 
 
+Rotary = tuple[Tensor, Tensor]
+"""RoPE tables of :func:`rotary`: ``[cos, cos]`` and ``[-sin, sin]``, each (B, 1, T, D)."""
+Positions = Tensor | Rotary | None
+"""What attention takes as positions: (B, T) original positions, their :data:`Rotary`
+tables (built once per forward by :func:`positions` and shared by every layer), or None."""
+
+
+def rotary(pos: Tensor, head_dim: int, base: float) -> Rotary:
+    """RoPE tables for positions (B, T), laid out for :func:`rotate` (one multiply-add)."""
+    cos, sin = rope_angles(pos, head_dim, base)
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rotate(x: Tensor, tables: Rotary) -> Tensor:
+    """:func:`apply_rope` with :func:`rotary` tables: the same numbers (``a + (-b)`` is
+    ``a - b`` exactly in floating point), fewer kernels and no angles recomputed per layer."""
+    cos, sin = tables
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
+
+
+def slice_positions(pos: Positions, start: int, stop: int) -> Positions:
+    """Slots ``start:stop`` of :data:`Positions`."""
+    if pos is None:
+        return None
+    if isinstance(pos, Tensor):
+        return pos[:, start:stop]
+    return pos[0][:, :, start:stop], pos[1][:, :, start:stop]
+
+
+def positions(cfg: ModelConfig, pos: Tensor) -> Positions:
+    """What a model hands its layers for positions ``pos`` (B, T): the RoPE tables, computed
+    once per forward, or the positions themselves when the model has no RoPE."""
+    return rotary(pos, cfg.head_dim, cfg.rope_base) if cfg.positional == "rope" else pos
+
+
 def sinusoidal(pos: Tensor, dim: int) -> Tensor:
     """Transformer sinusoidal embedding of integer positions (..., ) -> (..., dim)."""
     half = dim // 2
@@ -104,6 +148,108 @@ def strict_causal_mask(n: int, device: torch.device | None = None) -> Tensor:
     return (idx[None, :] < idx[:, None])[None, None]
 
 
+@dataclass
+class PreparedMask:
+    """A mask worked out once per forward (or decoding call) and shared by every layer.
+
+    ``dense`` lets every row with nothing to see attend to key 0, ``empty`` names those rows
+    (their output is zeroed), so no layer looks for them again; ``flex`` is the same
+    visibility as a FlexAttention block mask (CUDA only, see :func:`set_attention_backend`).
+    """
+
+    dense: Tensor | None
+    """(B|1, 1, Tq, Tk) boolean, True = may attend; None when ``flex`` is set."""
+    empty: Tensor | None = None
+    """(B|1, 1, Tq, 1) rows without a visible key (None: there are none)."""
+    flex: Any = None
+    """A ``torch.nn.attention.flex_attention.BlockMask``, or None."""
+
+
+def prepare_mask(mask: Tensor) -> PreparedMask:
+    """:class:`PreparedMask` of a boolean mask, without a host-device sync."""
+    empty = ~mask.any(dim=-1, keepdim=True)  # (B, 1, Tq, 1)
+    first = torch.zeros(mask.shape[-1], dtype=torch.bool, device=mask.device)
+    first[0] = True
+    return PreparedMask(mask | (empty & first), empty)
+
+
+def block_visibility(blocks: Tensor | None, n: int, strict: bool, device: torch.device) -> Mask:
+    """Self-attention mask of a permuted sequence of ``n`` slots in blocks, for every layer.
+
+    Args:
+        blocks: (B, n) block ids, or None for token level (blocks of one slot).
+        n: slots.
+        strict: a slot sees earlier blocks only (ARMD's query stream); else its own too.
+        device: where the mask lives.
+
+    Returns:
+        ``"causal"`` / ``"strict"`` at token level (SDPA's causal kernel, see
+        :meth:`Attention.attend`); else a :class:`PreparedMask`, with a FlexAttention block
+        mask when that backend is on and the device is CUDA, a dense boolean mask otherwise.
+    """
+    if blocks is None:
+        return "strict" if strict else "causal"
+    ids, empty = blocks, None
+    if strict:  # rows of the first block see nothing
+        empty = (ids <= ids.min(dim=-1, keepdim=True).values)[:, None, :, None]
+    if flex_enabled(device):
+        return PreparedMask(None, empty, _flex_block_mask(ids, strict))
+    dense = block_mask(ids, ids, strict)
+    if empty is not None:
+        first = torch.zeros(n, dtype=torch.bool, device=device)
+        first[0] = True
+        dense = dense | (empty & first)
+    return PreparedMask(dense, empty)
+
+
+# ----------------------------------------------------------------------------- FlexAttention
+#
+# An optional GPU path for block masks: FlexAttention skips the masked tiles that SDPA with a
+# dense mask computes. It has no backward on the CPU and needs torch.compile to be fast, so it
+# is off unless asked for (``set_attention_backend("flex")`` or ``ANYORDER_ATTENTION=flex``)
+# and then used only on CUDA; everywhere else the dense SDPA path runs.
+
+ATTENTION_BACKENDS = ("sdpa", "flex")
+_backend = {"name": os.environ.get("ANYORDER_ATTENTION", "sdpa")}
+
+
+def set_attention_backend(name: str) -> None:
+    """``sdpa`` (default, every device) or ``flex`` (FlexAttention for block masks on CUDA;
+    the CPU keeps SDPA)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ConfigError(
+            f"attention backend {name!r} is unknown; use one of {', '.join(ATTENTION_BACKENDS)}"
+        )
+    _backend["name"] = name
+
+
+def flex_enabled(device: torch.device) -> bool:
+    """Whether block masks on ``device`` go through FlexAttention (CUDA, asked for, importable)."""
+    return _backend["name"] == "flex" and device.type == "cuda" and _flex_ops() is not None
+
+
+@functools.cache
+def _flex_ops() -> tuple[Callable, Callable] | None:
+    """``(compiled flex_attention, create_block_mask)``, imported on first use; None if absent."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    return torch.compile(flex_attention, dynamic=False), create_block_mask
+
+
+def _flex_block_mask(ids: Tensor, strict: bool) -> Any:
+    """FlexAttention block mask of ``B(key) <= B(query)`` (``<`` when strict) over ids (B, n)."""
+    _, create_block_mask = _flex_ops()
+    ids = ids.contiguous()
+    B, n = ids.shape
+
+    def visible(b, h, q, k):
+        return ids[b, k] < ids[b, q] if strict else ids[b, k] <= ids[b, q]
+
+    return create_block_mask(visible, B, None, n, n, device=ids.device)
+
+
 # ----------------------------------------------------------------------------- attention
 
 
@@ -127,38 +273,71 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
 
-    def _rotate(self, x: Tensor, pos: Tensor | None) -> Tensor:
+    def _rotate(self, x: Tensor, pos: Positions) -> Tensor:
         if not self.rope:
             return x
-        cos, sin = rope_angles(pos, self.head_dim, self.rope_base)
-        return apply_rope(x, cos, sin)
+        if isinstance(pos, Tensor):
+            pos = rotary(pos, self.head_dim, self.rope_base)
+        return rotate(x, pos)
 
-    def project(self, x: Tensor, pos: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, pos: Positions) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values (each (B, H, T, D)), normed and rotated to ``pos``."""
         q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
         q = self._rotate(self.q_norm(self._heads(q)), pos)
         k = self._rotate(self.k_norm(self._heads(k)), pos)
         return q, k, self._heads(v)
 
-    def project_q(self, x: Tensor, pos: Tensor | None) -> Tensor:
+    def project_q(self, x: Tensor, pos: Positions) -> Tensor:
         """Queries only (the ARMD query stream reads the content stream's keys and values)."""
         d = x.shape[-1]
         bias = self.qkv.bias[:d] if self.qkv.bias is not None else None
         q = F.linear(x, self.qkv.weight[:d], bias)
         return self._rotate(self.q_norm(self._heads(q)), pos)
 
+    def project_kv(self, x: Tensor, pos: Positions) -> tuple[Tensor, Tensor]:
+        """Keys and values only (the rows whose queries nobody reads)."""
+        d = x.shape[-1]
+        bias = self.qkv.bias[d:] if self.qkv.bias is not None else None
+        k, v = F.linear(x, self.qkv.weight[d:], bias).split(d, dim=-1)
+        return self._rotate(self.k_norm(self._heads(k)), pos), self._heads(v)
+
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, empty: Tensor | bool | None = None
     ) -> Tensor:
         """SDPA of (B, H, Tq, D) queries over (B, H, Tk, D) keys/values, merged and projected.
 
-        ``mask`` is ``"causal"`` (square only), ``None`` (all visible) or a boolean
-        (B|1, 1, Tq, Tk) tensor; rows with no visible key give zeros. ``empty`` spares the
-        host-device sync of looking for such rows (the KV-cache decoders know): ``False``
-        promises there are none, a (B, 1, Tq, 1) tensor names them; ``None`` checks.
+        ``mask`` is ``"causal"`` or ``"strict"`` (key < query; square only), ``None`` (all
+        visible), a boolean (B|1, 1, Tq, Tk) tensor or a :class:`PreparedMask`; rows with no
+        visible key give zeros. ``empty`` spares the host-device sync of looking for such rows
+        in a boolean mask (the KV-cache decoders know): ``False`` promises there are none, a
+        (B, 1, Tq, 1) tensor names them; ``None`` checks. A :class:`PreparedMask` names them.
         """
         p = self.dropout if self.training else 0.0
-        if isinstance(mask, str):
+        if isinstance(mask, PreparedMask):
+            if mask.flex is not None:
+                if p > 0:
+                    raise ConfigError(
+                        "the FlexAttention path has no attention dropout; set model.dropout=0 "
+                        "or use the sdpa attention backend"
+                    )
+                flex_attention, _ = _flex_ops()
+                y = flex_attention(q, k, v, block_mask=mask.flex)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, dropout_p=p)
+            if mask.empty is not None:
+                y = y.masked_fill(mask.empty, 0.0)
+        elif mask == "strict":
+            # key < query is causal attention of queries 1.. over keys ..n-2 (the same
+            # softmax sets), so SDPA's causal kernel skips the masked half here too; query 0
+            # sees nothing and gets zeros
+            if q.shape[2] > 1:
+                y = F.scaled_dot_product_attention(
+                    q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], is_causal=True, dropout_p=p
+                )
+                y = F.pad(y, (0, 0, 1, 0))
+            else:
+                y = torch.zeros_like(q)
+        elif isinstance(mask, str):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         elif mask is None or empty is False:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
@@ -179,9 +358,7 @@ class Attention(nn.Module):
         B, H, T, D = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
 
-    def forward(
-        self, x: Tensor, pos: Tensor | None, mask: Mask, kv: KVHook | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, pos: Positions, mask: Mask, kv: KVHook | None = None) -> Tensor:
         """Self-attention; ``kv`` (a KV-cache hook) swaps the new keys/values for the cached
         ones plus the new, and then every query must see at least itself in ``mask``."""
         q, k, v = self.project(x, pos)
@@ -215,7 +392,8 @@ class MLP(nn.Module):
             h = F.silu(a) * b
         else:
             h = F.gelu(h, approximate="tanh")
-        return self.drop(self.proj(h))
+        out = self.proj(h)
+        return self.drop(out) if self.training and self.drop.p > 0 else out  # no call at p=0
 
 
 class AdaLN(nn.Module):
@@ -223,19 +401,128 @@ class AdaLN(nn.Module):
 
     Zero initialisation makes every shift, scale and gate zero, so a freshly built adaLN
     model computes exactly what the unconditioned trunk computes (see :func:`modulate`).
+    The chunks listed in ``ones`` (scales and gates) come back as ``1 + chunk``: the factors
+    the block multiplies by, one add for the whole row (or none: it is folded into a table).
     """
 
-    def __init__(self, cond_dim: int, d_model: int, chunks: int) -> None:
+    def __init__(self, cond_dim: int, d_model: int, chunks: int, ones: tuple[int, ...] = ()):
         super().__init__()
         self.chunks = chunks
+        self.ones = ones
         self.linear = nn.Linear(cond_dim, chunks * d_model)
         self.linear.zero_init = True
 
-    def forward(self, cond: Tensor) -> tuple[Tensor, ...]:
-        return self.linear(F.silu(cond)).chunk(self.chunks, dim=-1)
+    def _offset(self, out: Tensor) -> Tensor:
+        d = out.shape[-1] // self.chunks
+        offset = torch.zeros(self.chunks, d, dtype=out.dtype, device=out.device)
+        offset[list(self.ones)] = 1.0
+        return out + offset.view(-1)
+
+    def table(self, emb: Tensor) -> Tensor:
+        """The modulations of every row of a condition table: (P, c) -> (P, chunks * d)."""
+        return self._offset(self.linear(F.silu(emb)))
+
+    def table_of(self, cond: TargetCondition) -> Tensor:
+        """This layer's (P, chunks * d) table for ``cond``: kept in ``cond.tables`` when
+        there is one and no graph is being recorded, else computed."""
+        tables = cond.tables
+        table = tables.get(self) if tables is not None else None
+        if table is None:
+            table = self.table(cond.emb)
+            if tables is not None and not torch.is_grad_enabled():  # never keep a graph
+                tables[self] = table
+        return table
+
+    def forward(self, cond: Tensor | TargetCondition) -> tuple[Tensor, ...]:
+        """The per-slot chunks (B, T, d) each (``1 + chunk`` for those in ``ones``)."""
+        if isinstance(cond, Tensor):
+            return self._offset(self.linear(F.silu(cond))).chunk(self.chunks, dim=-1)
+        return F.embedding(cond.target, self.table_of(cond)).chunk(self.chunks, dim=-1)
+
+
+def _rows_grad(g: Tensor, idx: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """Gradient of a row gather ``table[idx]`` (``table``: ``shape``, ``dtype``) from the
+    gradient ``g`` (..., d) of its rows, summed in float32 (or better)."""
+    acc = torch.promote_types(g.dtype, torch.float32)
+    out = torch.zeros(shape, dtype=acc, device=g.device)
+    out.index_add_(0, idx.reshape(-1), g.reshape(-1, g.shape[-1]).to(acc))
+    return out.to(dtype)
+
+
+class _ModulateRows(torch.autograd.Function):
+    """``x * mul[idx] + shift[idx]`` that saves ``x`` and the indices, not the gathered rows
+    (``mul``, ``shift``: (P, d) table columns). Backward gathers ``mul`` again."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, shift: Tensor, mul: Tensor, idx: Tensor) -> Tensor:
+        ctx.save_for_backward(x, mul, idx)
+        ctx.shift = (shift.shape, shift.dtype)
+        return torch.addcmul(F.embedding(idx, shift), x, F.embedding(idx, mul))
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        x, mul, idx = ctx.saved_tensors
+        gx = g_shift = g_mul = None
+        if ctx.needs_input_grad[0]:
+            gx = (gy * F.embedding(idx, mul)).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            g_shift = _rows_grad(gy, idx, *ctx.shift)
+        if ctx.needs_input_grad[2]:
+            g_mul = _rows_grad(gy * x, idx, mul.shape, mul.dtype)
+        return gx, g_shift, g_mul, None
+
+
+class _GateRows(torch.autograd.Function):
+    """``h + gate[idx] * a`` that saves ``a`` and the indices, not the gathered rows."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, a: Tensor, gate: Tensor, idx: Tensor) -> Tensor:
+        ctx.save_for_backward(a, gate, idx)
+        ctx.h_dtype = h.dtype
+        return torch.addcmul(h, F.embedding(idx, gate), a)
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        a, gate, idx = ctx.saved_tensors
+        gh = gy.to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
+        ga = (gy * F.embedding(idx, gate)).to(a.dtype) if ctx.needs_input_grad[1] else None
+        g_gate = (
+            _rows_grad(gy * a, idx, gate.shape, gate.dtype) if ctx.needs_input_grad[2] else None
+        )
+        return gh, ga, g_gate, None
+
+
+def modulate_rows(x: Tensor, shift: Tensor, mul: Tensor, idx: Tensor) -> Tensor:
+    """``x * mul[idx] + shift[idx]`` for (P, d) table columns and (B, T) row indices; in
+    training it stores ``x`` only (a plain gather-multiply-add would store the factor too)."""
+    return _ModulateRows.apply(x, shift, mul, idx)
+
+
+def gate_rows(h: Tensor, a: Tensor, gate: Tensor, idx: Tensor) -> Tensor:
+    """``h + gate[idx] * a`` (the gated residual); in training it stores ``a`` only."""
+    return _GateRows.apply(h, a, gate, idx)
+
+
+@dataclass
+class TargetCondition:
+    """An adaLN condition that is a lookup ``c_t = E[target_t]`` (AO-GPT's target position).
+
+    ``Linear(SiLU(c_t))`` then depends on the target position alone, so every
+    :class:`AdaLN` computes it once per *position* (a (P, chunks * d) table) and gathers the
+    rows of its slots: the same numbers, with P instead of B*T rows through the linear, and
+    nothing per token at decoding time, where ``tables`` keeps them for a whole decode.
+    """
+
+    target: Tensor
+    """(B, T) the target position of each slot."""
+    emb: Tensor
+    """(P, c) the condition table (the target-position embedding's weight)."""
+    tables: dict | None = None
+    """Per-AdaLN tables kept across calls (filled under ``torch.no_grad`` only), or None."""
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """``x * (1 + scale) + shift``."""
     return x * (1 + scale) + shift
 
 
@@ -254,22 +541,33 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.norm2 = make_norm(cfg)
         self.mlp = MLP(cfg)
-        self.ada = AdaLN(cond_dim, cfg.d_model, 6) if cond_dim else None
+        self.ada = AdaLN(cond_dim, cfg.d_model, 6, ones=(1, 2, 4, 5)) if cond_dim else None
 
     def forward(
         self,
         x: Tensor,
-        pos: Tensor | None,
+        pos: Positions,
         mask: Mask,
-        cond: Tensor | None = None,
+        cond: Tensor | TargetCondition | None = None,
         kv: KVHook | None = None,
     ) -> Tensor:
         if self.ada is None:
             x = x + self.attn(self.norm1(x), pos, mask, kv)
             return x + self.mlp(self.norm2(x))
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(cond)
-        x = x + (1 + gate1) * self.attn(modulate(self.norm1(x), shift1, scale1), pos, mask, kv)
-        return x + (1 + gate2) * self.mlp(modulate(self.norm2(x), shift2, scale2))
+        if isinstance(cond, TargetCondition) and torch.is_grad_enabled():
+            # training on a table: the same numbers, but autograd keeps the table and the
+            # indices instead of four (B, T, d) factors per block
+            shift1, mul1, gate1, shift2, mul2, gate2 = self.ada.table_of(cond).chunk(6, dim=-1)
+            i = cond.target
+            h = modulate_rows(self.norm1(x), shift1, mul1, i)
+            x = gate_rows(x, self.attn(h, pos, mask, kv), gate1, i)
+            return gate_rows(x, self.mlp(modulate_rows(self.norm2(x), shift2, mul2, i)), gate2, i)
+        # factors: mul = 1 + scale, gate = 1 + gate; addcmul(a, b, c) = a + b * c in one kernel
+        shift1, mul1, gate1, shift2, mul2, gate2 = self.ada(cond)
+        x = torch.addcmul(
+            x, gate1, self.attn(torch.addcmul(shift1, self.norm1(x), mul1), pos, mask, kv)
+        )
+        return torch.addcmul(x, gate2, self.mlp(torch.addcmul(shift2, self.norm2(x), mul2)))
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig) -> None:

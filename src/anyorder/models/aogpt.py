@@ -9,10 +9,12 @@ position table added to the input instead.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
-from anyorder.layers import AdaLN, modulate
-from anyorder.models.gpt import GPT
+from anyorder.cache import KVCache
+from anyorder.layers import AdaLN, TargetCondition, modulate_rows
+from anyorder.models.gpt import GPT, Condition
 
 
 class AOGPT(GPT):
@@ -28,21 +30,35 @@ class AOGPT(GPT):
         cfg = self.cfg
         if cfg.target_injection == "adaln":
             self.tgt_emb = nn.Embedding(cfg.seq_len, cfg.target_dim)
-            self.final_ada = AdaLN(cfg.target_dim, cfg.d_model, 2)
+            self.final_ada = AdaLN(cfg.target_dim, cfg.d_model, 2, ones=(1,))
         else:
             self.tgt_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
 
-    def condition(self, target: Tensor) -> Tensor | None:
-        return self.tgt_emb(target) if self.cfg.target_injection == "adaln" else None
+    def condition(self, target: Tensor) -> Condition:
+        if self.cfg.target_injection != "adaln":
+            return None
+        if target.numel() < self.tgt_emb.num_embeddings:  # fewer slots than positions
+            return self.tgt_emb(target)
+        # adaLN of a target depends on its position only: one table row per position
+        return TargetCondition(target, self.tgt_emb.weight)
+
+    def decode_condition(self, cache: KVCache, target: Tensor) -> Condition:
+        if self.cfg.target_injection != "adaln":
+            return None
+        # the tables of every AdaLN, computed on the first decoding call and kept in the cache
+        return TargetCondition(target, self.tgt_emb.weight, cache.aux.setdefault("adaln", {}))
 
     def inject(self, h: Tensor, target: Tensor) -> Tensor:
         return h + self.tgt_emb(target) if self.cfg.target_injection == "add" else h
 
-    def final_norm(self, h: Tensor, cond: Tensor | None) -> Tensor:
+    def final_norm(self, h: Tensor, cond: Condition) -> Tensor:
         if cond is None:
             return self.norm_f(h)
-        shift, scale = self.final_ada(cond)
-        return modulate(self.norm_f(h), shift, scale)
+        if isinstance(cond, TargetCondition) and torch.is_grad_enabled():
+            shift, mul = self.final_ada.table_of(cond).chunk(2, dim=-1)
+            return modulate_rows(self.norm_f(h), shift, mul, cond.target)
+        shift, mul = self.final_ada(cond)  # mul = 1 + scale
+        return torch.addcmul(shift, self.norm_f(h), mul)
 
     def forward(
         self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None

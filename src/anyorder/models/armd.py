@@ -25,11 +25,14 @@ from anyorder.cache import ARMDCache
 from anyorder.config import ModelConfig
 from anyorder.layers import (
     Block,
-    block_mask,
+    PreparedMask,
+    block_visibility,
     init_weights,
     make_norm,
+    positions,
+    prepare_mask,
     sinusoidal,
-    strict_causal_mask,
+    slice_positions,
 )
 from anyorder.models.base import AnyOrderLM
 
@@ -104,15 +107,15 @@ class ARMD(AnyOrderLM):
         x = tokens.gather(1, order)
         h = self.embed_content(x, order)
         g = self.embed_query(order, prefix_mean(h, blocks))
-        if blocks is None:
-            mask_c, mask_q = "causal", strict_causal_mask(n, tokens.device)
-        else:
-            mask_c, mask_q = block_mask(blocks, blocks, False), block_mask(blocks, blocks, True)
+        # masks and RoPE tables once, for every layer
+        mask_c = block_visibility(blocks, n, False, tokens.device)
+        mask_q = block_visibility(blocks, n, True, tokens.device)
+        pos = positions(self.cfg, order)
         for i, block in enumerate(self.blocks):
             if i < self.l2s:
-                h, g = self.two_stream_layer(block, h, g, order, mask_c, mask_q, i == self.l2s - 1)
+                h, g = self.two_stream_layer(block, h, g, pos, mask_c, mask_q, i == self.l2s - 1)
             else:
-                g = block(g, order, mask_c)
+                g = block(g, pos, mask_c)
         return self.head(self.norm_f(g))
 
     # -- cached decoding (see anyorder.sample) ------------------------------------------
@@ -157,32 +160,39 @@ class ARMD(AnyOrderLM):
             keep_content: (B, C) False at padding tokens (not kept, not aggregated).
         """
         B, C = content.shape
+        G = target.shape[1]
         Lc = cache.content.length
         h0 = self.embed_content(content, content_pos)  # (B, C, d)
         if query_content_mask is None:
-            vis = h0.new_ones(B, target.shape[1], C)
-            empty: Tensor | bool = False
+            vis = h0.new_ones(B, G, C)
         else:
             vis = query_content_mask[:, 0, :, Lc:].to(h0.dtype)  # (B, G, C)
-            empty = ~query_content_mask.any(dim=-1, keepdim=True)  # no sync: handed to attend
         total = cache.prefix_sum[:, None].to(h0.dtype) + vis @ h0  # (B, G, d)
         count = cache.prefix_count[:, None].to(h0.dtype) + vis.sum(dim=-1)  # (B, G)
         g = self.embed_query(target, total / count.clamp(min=1)[..., None])
-        h = h0
+        # The two-stream layers run the C content rows and the G query rows as one batch of
+        # C + G rows: one matmul per weight and one attention call per layer (the query rows
+        # read the content keys/values under their own mask, as the training forward does).
+        x = torch.cat([h0, g], dim=1)  # (B, C + G, d)
+        pos = positions(self.cfg, torch.cat([content_pos, target], dim=1))
+        pos_c, pos_g = slice_positions(pos, 0, C), slice_positions(pos, C, C + G)
+        mask, mask_g = self._two_stream_masks(content_mask, query_content_mask, B, C, G, Lc)
         for i, block in enumerate(self.blocks):
-            if i >= self.l2s:
-                g = block(g, target, query_mask, kv=cache.query.hook(i - self.l2s))
+            if i >= self.l2s:  # the query stream alone (sliced out by the last 2-stream layer)
+                x = block(x, pos_g, query_mask, kv=cache.query.hook(i - self.l2s))
                 continue
             attn = block.attn
-            q, k, v = attn.project(block.norm1(h), content_pos)
+            xn = block.norm1(x)
+            k, v = attn.project_kv(xn[:, :C], pos_c)
             k, v = cache.content.write(i, k, v)  # (B, H, Lc + C, D)
+            if i == self.l2s - 1:  # the last content update is never read: query rows only
+                x, xn, rows_pos, rows_mask = x[:, C:], xn[:, C:], pos_g, mask_g
+            else:
+                rows_pos, rows_mask = pos, mask
             if Lc + C > 0:  # else nothing to read: a zero attention output
-                qg = attn.project_q(block.norm1(g), target)
-                g = g + attn.attend(qg, k, v, query_content_mask, empty=empty)
-            g = g + block.mlp(block.norm2(g))
-            if C > 0 and i < self.l2s - 1:  # the last content update is never read
-                h = h + attn.attend(q, k, v, content_mask, empty=False)
-                h = h + block.mlp(block.norm2(h))
+                x = x + attn.attend(attn.project_q(xn, rows_pos), k, v, rows_mask)
+            x = x + block.mlp(block.norm2(x))
+        g = x  # (B, G, d)
         cache.content.advance(C, keep_content, content_pos)
         kept = h0 if keep_content is None else h0 * keep_content[..., None].to(h0.dtype)
         cache.prefix_sum += kept.sum(dim=1).to(cache.prefix_sum.dtype)
@@ -190,3 +200,28 @@ class ARMD(AnyOrderLM):
             C if keep_content is None else keep_content.sum(dim=1).to(cache.prefix_count.dtype)
         )
         return self.head(self.norm_f(g))
+
+    @staticmethod
+    def _two_stream_masks(
+        content_mask: Tensor | None,
+        query_content_mask: Tensor | None,
+        B: int,
+        C: int,
+        G: int,
+        Lc: int,
+    ) -> tuple[PreparedMask | None, PreparedMask | None]:
+        """Masks of the batched two-stream rows over the content keys (B, 1, C + G, Lc + C),
+        and of the query rows alone (B, 1, G, Lc + C); None where every key is visible.
+
+        Content rows always see themselves; query rows may see nothing (zero output).
+        """
+        if content_mask is None and query_content_mask is None:
+            return None, None
+        device = (content_mask if content_mask is not None else query_content_mask).device
+        if content_mask is None:
+            content_mask = torch.ones(B, 1, C, Lc + C, dtype=torch.bool, device=device)
+        if query_content_mask is None:
+            query_content_mask = torch.ones(B, 1, G, Lc + C, dtype=torch.bool, device=device)
+        both = prepare_mask(torch.cat([content_mask, query_content_mask], dim=2))
+        rows = PreparedMask(both.dense[:, :, C:], both.empty[:, :, C:])
+        return both, rows

@@ -14,10 +14,11 @@ from torch import Tensor, nn
 from anyorder.cache import KVCache
 from anyorder.config import ModelConfig
 from anyorder.errors import ConfigError
-from anyorder.layers import Block, Mask, init_weights, make_norm
+from anyorder.layers import Block, Mask, TargetCondition, init_weights, make_norm, positions
 from anyorder.models.base import AnyOrderLM
 
 BOS = -1  # slot-input id of the learned BOS vector
+Condition = Tensor | TargetCondition | None  # what the blocks' adaLN reads
 
 
 class GPT(AnyOrderLM):
@@ -62,21 +63,26 @@ class GPT(AnyOrderLM):
         zero = torch.zeros((B, 1), dtype=order.dtype, device=order.device)
         return torch.cat([bos, x[:, :-1]], dim=1), torch.cat([zero, order[:, :-1]], dim=1)
 
-    def condition(self, target: Tensor) -> Tensor | None:
+    def condition(self, target: Tensor) -> Condition:
         """Per-slot condition from the target positions (none for the plain GPT)."""
         return None
+
+    def decode_condition(self, cache: KVCache, target: Tensor) -> Condition:
+        """:meth:`condition` for a decoding call (may keep per-decode tables in ``cache``)."""
+        return self.condition(target)
 
     def inject(self, h: Tensor, target: Tensor) -> Tensor:
         """Additive target injection (only AO-GPT's ``add`` ablation uses it)."""
         return h
 
-    def trunk(self, h: Tensor, pos: Tensor, mask: Mask, cond: Tensor | None) -> Tensor:
+    def trunk(self, h: Tensor, pos: Tensor, mask: Mask, cond: Condition) -> Tensor:
         """All blocks and the final norm: (B, T, d) -> (B, T, d)."""
+        pos = positions(self.cfg, pos)  # RoPE tables once, for every layer
         for block in self.blocks:
             h = block(h, pos, mask, cond)
         return self.final_norm(h, cond)
 
-    def final_norm(self, h: Tensor, cond: Tensor | None) -> Tensor:
+    def final_norm(self, h: Tensor, cond: Condition) -> Tensor:
         return self.norm_f(h)
 
     def check_blocks(self, blocks: Tensor | None) -> None:
@@ -125,7 +131,8 @@ class GPT(AnyOrderLM):
                 seeing at least its own slot; ``None``: every slot sees everything.
         """
         h = self.inject(self.embed(x_in, pos_in), target)
-        cond = self.condition(target)
+        cond = self.decode_condition(cache, target)
+        pos = positions(self.cfg, pos_in)
         for i, block in enumerate(self.blocks):
-            h = block(h, pos_in, mask, cond, kv=cache.hook(i))
+            h = block(h, pos, mask, cond, kv=cache.hook(i))
         return self.head(self.final_norm(h, cond))
