@@ -571,7 +571,11 @@ class Block(nn.Module):
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
-    """GPT-2 initialisation: N(0, std), residual projections scaled by 1/sqrt(2L), adaLN zero."""
+    """GPT-2 initialisation: N(0, std), residual projections scaled by 1/sqrt(2L), adaLN zero.
+
+    A module may carry its own ``init_std`` (AO-GPT's target embedding, read through SiLU by
+    a zero-initialised adaLN, starts at unit scale so that the modulation can grow quickly).
+    """
     std = cfg.init_std
     for m in module.modules():
         if isinstance(m, nn.Linear):
@@ -583,4 +587,4 @@ def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=std)
+            nn.init.normal_(m.weight, mean=0.0, std=getattr(m, "init_std", std))
