@@ -26,6 +26,12 @@ test: setup
 demo: setup
 	$(BIN)/anyorder demo
 
+## Speed and memory against the baselines (ratios in one run, tables + JSON + a plot in
+## benchmarks/results/; about 10 minutes on 2 CPU cores). BENCH="--quick" for a first look,
+## BENCH="--paper --device cuda" for the papers' sizes on a GPU. See docs/performance.md.
+bench: setup
+	$(BIN)/python benchmarks/run_all.py $(BENCH)
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -1,85 +1,78 @@
-"""Decoding throughput of every fast sampler, side by side in one run.
+"""Decoding speed, side by side in one run: every fast decoder sampler against a cached GPT.
 
-For each model size (the ``tiny`` preset and a larger one) at sequence length ``n``, with
-fresh random weights (throughput does not depend on training), the samplers are timed
-round-robin (every setting once, then again, ...) so that machine noise hits all alike; the
-table reports the median tokens/s, the ratio to a cached left-to-right GPT, and the number
-of forward passes per batch:
+For each model size (the ``tiny`` preset, and 4 layers at the ``small`` width: d=768, 12
+heads) and each batch size, with fresh random weights (speed does not depend on training),
+the samplers are timed round-robin and the table reports the time per decoded token, its
+ratio to the left-to-right GPT with the KV cache, the FLOP ratio counted from the
+architecture (:func:`anyorder.flops.decode_flops_per_sequence`) and the forward passes:
 
-* ``gpt cached``: left to right with the KV cache (the speed reference);
+* ``gpt``: left to right with the KV cache (the reference);
 * ``aogpt seq`` / ``armd seq``: sequential any-order decoding, random order, KV cache;
-* ``armd S=2`` / ``armd S=4``: strided block-parallel decoding;
-* ``aogpt/armd lemma1 T``: Lemma-1 sampling in ``T = n/4`` and ``T = n`` steps, reveal
-  counts drawn per row (independent samples; passes padded to the row revealing most), and
-  ``shared``: one count per step shared by the batch (no padding);
-* ``mdm T=n``: the encoder's ancestral sampler, a full bidirectional pass per step.
+* ``armd S=1`` / ``S=2`` / ``S=4``: ARMD's strided block-parallel decoding (S=1 is one token
+  per pass, left to right); the SBP speed-up is ``S=1`` time over ``S=4`` time;
+* with ``--lemma1``: ``aogpt/armd lemma1 T=n/4``, Lemma-1 sampling in n/4 steps.
 
-    python benchmarks/decode.py                       # tiny + 6x384, n=256, batch 8
-    python benchmarks/decode.py --device cuda --dtype bf16
+The last table checks the issue's targets (aogpt/gpt <= 1.10 at batch 1 and 16, armd/gpt
+<= 1.25 at batch 1, SBP S=4 over S=1 >= 3.6 at batch 1).
+
+    python benchmarks/decode.py                          # tiny and 4x768, n=256, batch 1 and 16
+    python benchmarks/decode.py --sizes tiny --batches 1 # the quick look
+    python benchmarks/decode.py --paper --device cuda    # small (12x768), n=1024, GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import statistics
-import time
-from pathlib import Path
+import functools
 
 import torch
 
+from _bench import add_common, machine, median, print_table, round_robin, setup, verdict, write_json
 from anyorder import build_model, preset
-from anyorder.sample import encoder_sample, lemma1_sample, sequential_sample, strided_sample
+from anyorder.flops import decode_flops_per_sequence
+from anyorder.sample import lemma1_sample, sequential_sample, strided_sample
 
 SIZES = {
     "tiny": dict(),  # 4 layers x 256, 4 heads
-    "6x384": dict(n_layer=6, d_model=384, n_head=6),
+    "4x768": dict(n_layer=4, d_model=768, n_head=12),  # the small width, fewer layers
+    "small": dict(n_layer=12, d_model=768, n_head=12),  # the papers' small (--paper)
 }
+TARGETS = [  # (label, batch, numerator, denominator, bound, at_most)
+    ("aogpt/gpt per token", 1, "aogpt seq", "gpt", 1.10, True),
+    ("aogpt/gpt per token", 16, "aogpt seq", "gpt", 1.10, True),
+    ("armd/gpt per token", 1, "armd seq", "gpt", 1.25, True),
+    ("SBP S=1 time / S=4 time", 1, "armd S=1", "armd S=4", 3.6, False),
+]
 
 
-def settings(n: int, mdm_batch: int) -> list[tuple[str, str, dict]]:
-    """(label, model kind, sampler call) for every row of the table."""
-    return [
-        ("gpt cached", "gpt", dict(fn=sequential_sample)),
+def settings(n: int, batch: int, lemma1: bool) -> list[tuple[str, str, dict]]:
+    """(label, model kind, sampler call) of every row for one batch size."""
+    rows = [
+        ("gpt", "gpt", dict(fn=sequential_sample)),
         ("aogpt seq", "aogpt", dict(fn=sequential_sample)),
         ("armd seq", "armd", dict(fn=sequential_sample)),
-        ("armd S=2", "armd", dict(fn=strided_sample, streams=2)),
-        ("armd S=4", "armd", dict(fn=strided_sample, streams=4)),
-        (f"aogpt lemma1 T={n // 4}", "aogpt", dict(fn=lemma1_sample, steps=n // 4)),
-        (f"armd lemma1 T={n // 4}", "armd", dict(fn=lemma1_sample, steps=n // 4)),
-        (f"aogpt lemma1 T={n // 4} shared", "aogpt", dict(fn=lemma1_sample, steps=n // 4, sh=True)),
-        (f"armd lemma1 T={n // 4} shared", "armd", dict(fn=lemma1_sample, steps=n // 4, sh=True)),
-        (f"aogpt lemma1 T={n}", "aogpt", dict(fn=lemma1_sample, steps=n)),
-        (f"armd lemma1 T={n}", "armd", dict(fn=lemma1_sample, steps=n)),
-        (f"mdm T={n}", "mdm", dict(fn=encoder_sample, steps=n, batch=mdm_batch)),
     ]
+    if batch == 1:  # the strided rows are the SBP target's (batch 1)
+        rows += [(f"armd S={s}", "armd", dict(fn=strided_sample, streams=s)) for s in (1, 2, 4)]
+    if lemma1:
+        rows += [
+            (f"{k} lemma1 T={n // 4}", k, dict(fn=lemma1_sample, steps=n // 4))
+            for k in ("aogpt", "armd")
+        ]
+    return rows
 
 
-def run_once(model, n: int, batch: int, call: dict, seed: int, device) -> tuple[float, int]:
-    """Seconds and forward passes of one batch of samples."""
-    call = dict(call)
-    fn = call.pop("fn")
-    batch = call.pop("batch", batch)
-    steps, streams = call.pop("steps", None), call.pop("streams", None)
+def call(model, n: int, batch: int, spec: dict, seed: int, device: torch.device):
+    """One batch of samples with the sampler of ``spec``."""
+    spec = dict(spec)
+    fn = spec.pop("fn")
     gen = torch.Generator(device).manual_seed(seed)
-    kw = dict(batch=batch, generator=gen)
-    if call.pop("sh", False):
-        kw["shared_counts"] = True
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
     if fn is strided_sample:
-        out = fn(model, n, streams, **kw)
-    elif fn is lemma1_sample:
-        out = fn(model, n, steps, **kw)
-    elif fn is encoder_sample:
-        out = fn(model, n, steps=steps, **kw)
-    else:
-        out = fn(model, n, **kw)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start, out.forward_passes
+        return fn(model, n, spec["streams"], batch=batch, generator=gen)
+    if fn is lemma1_sample:
+        return fn(model, n, spec["steps"], batch=batch, generator=gen)
+    return fn(model, n, batch=batch, generator=gen)
 
 
 def main() -> None:
@@ -87,87 +80,112 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--seq-len", type=int, default=256, help="n, tokens per sample")
-    ap.add_argument("--batch", type=int, default=8, help="samples per sampler call")
-    ap.add_argument("--mdm-batch", type=int, default=None, help="batch of the mdm row")
+    ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
+    ap.add_argument("--sizes", default="tiny,4x768", help=f"comma-separated: {', '.join(SIZES)}")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
-    ap.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: tiny,6x384")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/decode.json"))
+    ap.add_argument("--lemma1", action="store_true", help="add Lemma-1 rows (T = n/4)")
+    ap.add_argument("--paper", action="store_true", help="the small preset (12x768) at n=1024")
+    add_common(ap, "benchmarks/results/decode.json")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    n, batch = args.seq_len, args.batch
-    mdm_batch = args.mdm_batch or batch
+    if args.paper:
+        args.sizes, args.seq_len = "small", 1024
+    device = setup(args)
+    n = args.seq_len
     ctx = (
         torch.autocast(device.type, torch.bfloat16)
         if args.dtype == "bf16"
         else contextlib.nullcontext()
     )
-    results = []
+    results, checks = [], []
     for size in args.sizes.split(","):
-        rows = settings(n, mdm_batch)
-        models = {}
-        for kind in ("gpt", "aogpt", "armd", "mdm"):
+        models, cfgs = {}, {}
+        for kind in ("gpt", "aogpt", "armd"):
             torch.manual_seed(0)
-            cfg = preset("tiny", kind=kind, seq_len=n, **SIZES[size])
-            models[kind] = build_model(cfg).to(device).eval()
-        times: dict[str, list[float]] = {label: [] for label, _, _ in rows}
-        passes: dict[str, int] = {}
-        with ctx:
-            for _, kind, call in rows:  # warm-up on a short sequence
-                run_once(models[kind], 16, 2, {**call, **_short(call)}, 0, device)
-            for r in range(args.repeats):
-                for label, kind, call in rows:
-                    dt, p = run_once(models[kind], n, batch, call, r, device)
-                    times[label].append(dt)
-                    passes[label] = p
-        params = {k: m.num_params() for k, m in models.items()}
-        ref = None
-        print(f"\n{size}: n={n}, batch {batch} (mdm {mdm_batch}), {args.dtype}, {device}")
-        print(f"{'sampler':26s} {'tok/s':>9s} {'x gpt':>7s} {'passes':>7s} {'s/batch':>8s}")
-        for label, kind, call in rows:
-            b = call.get("batch", batch)
-            sec = statistics.median(times[label])
-            tps = b * n / sec
-            ref = tps if ref is None else ref
-            print(f"{label:26s} {tps:9.0f} {tps / ref:7.2f} {passes[label]:7d} {sec:8.2f}")
-            results.append(
-                dict(
+            cfgs[kind] = preset("tiny", kind=kind, seq_len=n, **SIZES[size])
+            models[kind] = build_model(cfgs[kind]).to(device).eval()
+        flops = {k: decode_flops_per_sequence(c, n) for k, c in cfgs.items()}
+        for batch in (int(b) for b in args.batches.split(",")):
+            rows = settings(n, batch, args.lemma1)
+            fns = {
+                label: functools.partial(call, models[kind], n, batch, spec, 0, device)
+                for label, kind, spec in rows
+            }
+            with ctx:
+                times, last = round_robin(fns, args.repeats, device)
+            ref = median(times["gpt"], args.clock)
+            table = []
+            by_label = {}
+            for label, kind, _ in rows:
+                sec = median(times[label], args.clock)
+                row = dict(
                     size=size,
+                    batch=batch,
                     sampler=label,
                     kind=kind,
-                    params=params[kind],
                     n=n,
-                    batch=b,
-                    tokens_per_s=round(tps, 1),
-                    ratio_to_gpt=round(tps / ref, 3),
-                    forward_passes=passes[label],
-                    seconds=[round(t, 4) for t in times[label]],
+                    ms_per_token=1000 * sec / n,
+                    time_ratio=sec / ref,
+                    flop_ratio=flops[kind] / flops["gpt"],
+                    forward_passes=last[label].forward_passes,
+                    tokens_per_s=batch * n / sec,
+                    seconds_wall=times[label]["wall"],
+                    seconds_cpu=times[label]["cpu"],
                 )
+                by_label[label] = row
+                results.append(row)
+                table.append(
+                    [
+                        label,
+                        row["ms_per_token"],
+                        row["time_ratio"],
+                        row["flop_ratio"],
+                        row["forward_passes"],
+                        row["tokens_per_s"],
+                    ]
+                )
+            print_table(
+                f"{size}: n={n}, batch {batch}, {args.dtype}, {device.type}, "
+                f"{args.clock} clock, median of {args.repeats}",
+                ["sampler", "ms/token", "time x gpt", "FLOP x gpt", "passes", "tokens/s"],
+                table,
             )
-    meta = dict(
-        device=str(device),
-        dtype=args.dtype,
-        threads=torch.get_num_threads(),
-        torch=torch.__version__,
-        repeats=args.repeats,
+            for label, b, num, den, bound, at_most in TARGETS:
+                if b == batch and num in by_label and den in by_label:
+                    value = by_label[num]["ms_per_token"] / by_label[den]["ms_per_token"]
+                    flop = by_label[num]["flop_ratio"] / by_label[den]["flop_ratio"]
+                    if label.startswith("SBP"):
+                        flop = by_label[num]["forward_passes"] / by_label[den]["forward_passes"]
+                    checks.append(
+                        dict(
+                            target=label,
+                            size=size,
+                            batch=batch,
+                            measured=value,
+                            flop_or_pass_ratio=flop,
+                            bound=bound,
+                            verdict=verdict(value, bound, at_most),
+                        )
+                    )
+    print_table(
+        "targets (SBP: the ideal is the ratio of forward passes)",
+        ["target", "size", "batch", "measured", "FLOP/pass x", "bound", "verdict"],
+        [
+            [
+                c["target"],
+                c["size"],
+                c["batch"],
+                c["measured"],
+                c["flop_or_pass_ratio"],
+                ("<= " if "SBP" not in c["target"] else ">= ") + f"{c['bound']:.2f}",
+                c["verdict"],
+            ]
+            for c in checks
+        ],
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(dict(meta=meta, rows=results), indent=2) + "\n")
-    print(f"\nwrote {args.json}")
-
-
-def _short(call: dict) -> dict:
-    """The warm-up version of a setting: n=16, steps and streams scaled down."""
-    out = {}
-    if "steps" in call:
-        out["steps"] = 4
-    if "batch" in call:
-        out["batch"] = 2
-    return out
+    meta = dict(machine(), device=str(device), dtype=args.dtype, clock=args.clock, n=n)
+    meta["repeats"] = args.repeats
+    write_json(args.json, dict(meta=meta, rows=results, targets=checks))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,288 @@
+"""Decoder (Lemma 1, KV cache) against encoder MDM sampling: time vs steps T and vs length n.
+
+The AO-GPT paper's Figure 4 in one run: for every length ``n`` and number of reverse steps
+``T``, the same batch of samples is drawn
+
+* by a decoder (``aogpt`` by default) with :func:`anyorder.sample.lemma1_sample`: one random
+  order, per step the reveal counts of the reverse process, all of a step's tokens predicted
+  in one pass with the parallel prediction mask, an empty step skipped: at most ``T`` passes
+  of ``O(n/T)`` new slots each over the KV cache;
+* by the encoder-only MDM with :func:`anyorder.sample.encoder_sample`: a full bidirectional
+  pass over all ``n`` positions per non-empty step.
+
+The decoder is timed in full. The encoder's passes all cost the same (every pass reads the
+whole sequence; drawing the revealed tokens is negligible beside it), so by default its time
+is measured over a few passes of its real sampler (``--encoder-passes``) and multiplied by
+the number of non-empty steps of the ``T``-step schedule; ``--full-encoder`` times whole runs
+instead (minutes at n=1024). The table prints both times, their ratio, the FLOP ratio
+counted from the architecture (:mod:`anyorder.flops`), and checks that the decoder made
+exactly as many passes as there were non-empty steps. A PNG plot and a JSON file are
+written beside each other.
+
+    python benchmarks/decoder_vs_encoder.py                  # tiny, batch 16, n=128..1024
+    python benchmarks/decoder_vs_encoder.py --lengths 256 --full-encoder   # timed in full
+    python benchmarks/decoder_vs_encoder.py --paper --device cuda   # small (12x768), batch 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from _bench import add_common, machine, print_table, setup, timed, verdict, write_json
+from anyorder import build_model, preset
+from anyorder.flops import decode_flops_per_sequence, decode_flops_per_token
+from anyorder.sample import encoder_sample, lemma1_sample, reveal_counts
+
+SIZES = {
+    "tiny": dict(),  # 4 layers x 256, 4 heads
+    "4x768": dict(n_layer=4, d_model=768, n_head=12),
+    "small": dict(n_layer=12, d_model=768, n_head=12),
+}
+
+
+def step_grid(n: int, steps: list[int]) -> list[int]:
+    """The T values run at length n: those of ``steps`` up to n, and n itself."""
+    return sorted({t for t in steps if t <= n} | {n})
+
+
+def nonempty_steps(n: int, steps: int, batch: int, seed: int, device: torch.device) -> int:
+    """Steps of the T-step schedule in which some row reveals a token (the same draw the
+    samplers make first with this seed)."""
+    gen = torch.Generator(device).manual_seed(seed)
+    counts = reveal_counts(n, steps, batch, "linear", gen)
+    return int((counts.max(dim=1).values > 0).sum())
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--size", default="tiny", choices=list(SIZES))
+    ap.add_argument("--decoder", default="aogpt", choices=["aogpt", "armd"])
+    ap.add_argument("--lengths", default="128,256,512,1024", help="comma-separated n")
+    ap.add_argument("--steps", default="64,128,256,512,1024", help="comma-separated T (<= n)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
+    ap.add_argument("--encoder-passes", type=int, default=2, help="encoder passes timed")
+    ap.add_argument("--full-encoder", action="store_true", help="time whole encoder runs")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--paper", action="store_true", help="small (12x768), batch 32")
+    ap.add_argument("--plot", type=Path, default=Path("benchmarks/results/decoder_vs_encoder.png"))
+    add_common(ap, "benchmarks/results/decoder_vs_encoder.json")
+    args = ap.parse_args()
+    if args.paper:
+        args.size, args.batch = "small", 32
+    device = setup(args)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    steps = [int(x) for x in args.steps.split(",")]
+    B, clock = args.batch, args.clock
+    ctx = (
+        torch.autocast(device.type, torch.bfloat16)
+        if args.dtype == "bf16"
+        else contextlib.nullcontext()
+    )
+    models, cfgs = {}, {}
+    for kind in (args.decoder, "mdm"):
+        torch.manual_seed(0)
+        cfgs[kind] = preset("tiny", kind=kind, seq_len=max(lengths), **SIZES[args.size])
+        models[kind] = build_model(cfgs[kind]).to(device).eval()
+    model, enc = models[args.decoder], models["mdm"]
+
+    def pick(w: float, c: float) -> float:
+        return c if clock == "cpu" else w
+
+    with ctx:  # warm-up: lazy inits, allocator
+        lemma1_sample(model, 32, 8, batch=B, generator=torch.Generator(device).manual_seed(0))
+        encoder_sample(enc, 32, steps=2, batch=B, generator=torch.Generator(device).manual_seed(0))
+    rows = []
+    for n in lengths:
+        enc_pass = None
+        if not args.full_encoder:  # seconds per encoder pass at this n
+            samples = []
+            for r in range(max(1, args.repeats)):
+                gen = torch.Generator(device).manual_seed(r)
+                k = args.encoder_passes
+                with ctx:
+                    w, c, out = timed(
+                        partial(encoder_sample, enc, n, steps=k, batch=B, generator=gen),
+                        device,
+                    )
+                samples.append(pick(w, c) / out.forward_passes)
+            enc_pass = _median(samples)
+        for T in step_grid(n, steps):
+            dec = {"per-row": [], "shared": []}
+            enc_t, passes = [], []
+            for r in range(args.repeats):
+                for mode in dec:
+                    gen = torch.Generator(device).manual_seed(r)
+                    run = partial(
+                        lemma1_sample, model, n, T, batch=B, generator=gen,
+                        shared_counts=mode == "shared",
+                    )  # fmt: skip
+                    with ctx:
+                        w, c, out = timed(run, device)
+                    dec[mode].append(pick(w, c))
+                    nonempty = int((out.counts.max(dim=1).values > 0).sum())
+                    passes.append((mode, out.forward_passes, nonempty))
+                if args.full_encoder:
+                    gen = torch.Generator(device).manual_seed(r)
+                    run = partial(encoder_sample, enc, n, steps=T, batch=B, generator=gen)
+                    with ctx:
+                        w, c, _ = timed(run, device)
+                    enc_t.append(pick(w, c))
+                else:
+                    enc_t.append(enc_pass * nonempty_steps(n, T, B, r, device))
+            dec_s = {mode: _median(t) for mode, t in dec.items()}
+            enc_s = _median(enc_t)
+            flop_dec = decode_flops_per_sequence(cfgs[args.decoder], n)
+            flop_enc = nonempty_steps(n, T, B, 0, device) * decode_flops_per_token(cfgs["mdm"], n)
+            rows.append(
+                dict(
+                    n=n,
+                    steps=T,
+                    batch=B,
+                    decoder_s=dec_s["per-row"],
+                    decoder_shared_s=dec_s["shared"],
+                    encoder_s=enc_s,
+                    encoder_timed="full" if args.full_encoder else "per-pass x passes",
+                    speedup=enc_s / dec_s["per-row"],
+                    speedup_shared=enc_s / dec_s["shared"],
+                    flop_ratio=flop_enc / flop_dec,
+                    decoder_passes=[p[1] for p in passes if p[0] == "per-row"][0],
+                    nonempty_steps=[p[2] for p in passes if p[0] == "per-row"][0],
+                    passes_equal_nonempty=all(p[1] == p[2] for p in passes),
+                    decoder_seconds=dec["per-row"],
+                    decoder_shared_seconds=dec["shared"],
+                    encoder_seconds=enc_t,
+                )
+            )
+    print_table(
+        f"{args.decoder} (Lemma 1, KV cache) vs mdm encoder: {args.size}, batch {B}, "
+        f"{args.dtype}, {device.type}, {clock} clock"
+        + ("" if args.full_encoder else f"; encoder: {args.encoder_passes} passes timed x steps"),
+        [
+            "n",
+            "T",
+            "decoder s",
+            "shared s",
+            "encoder s",
+            "speed-up",
+            "shared",
+            "FLOP x",
+            "passes",
+            "non-empty",
+            "=",
+        ],
+        [
+            [
+                r["n"],
+                r["steps"],
+                r["decoder_s"],
+                r["decoder_shared_s"],
+                r["encoder_s"],
+                r["speedup"],
+                r["speedup_shared"],
+                r["flop_ratio"],
+                r["decoder_passes"],
+                r["nonempty_steps"],
+                "yes" if r["passes_equal_nonempty"] else "NO",
+            ]
+            for r in rows
+        ],
+    )
+    checks = [
+        dict(
+            target="Lemma 1 passes == non-empty steps (every point)",
+            measured=all(r["passes_equal_nonempty"] for r in rows),
+            verdict="met" if all(r["passes_equal_nonempty"] for r in rows) else "NOT met",
+        )
+    ]
+    for r in rows:
+        if r["steps"] == r["n"] and r["n"] == 256:
+            for key, what in (("speedup", "per-row counts"), ("speedup_shared", "shared counts")):
+                checks.append(
+                    dict(
+                        target=f"encoder/decoder time, T=n=256, batch {B}, {what}: >= 64",
+                        measured=r[key],
+                        verdict=verdict(r[key], r["n"] / 4, at_most=False),
+                    )
+                )
+    print_table("targets", ["target", "measured", "verdict"], [list(c.values()) for c in checks])
+    meta = dict(machine(), device=str(device), dtype=args.dtype, clock=clock, size=args.size)
+    meta.update(decoder=args.decoder, batch=B, full_encoder=args.full_encoder)
+    write_json(args.json, dict(meta=meta, rows=rows, targets=checks))
+    plot(rows, args, meta)
+
+
+def _ticks(ax, values: list[int]) -> None:
+    """Plain tick labels at the measured values of a log axis."""
+    from matplotlib.ticker import NullLocator
+
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(values, [str(v) for v in values])
+
+
+def plot(rows: list[dict], args, meta: dict) -> None:
+    """Two panels: time vs T at the largest n, and time vs n at T = n (log-log)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for n in sorted({r["n"] for r in rows}):
+        pts = [r for r in rows if r["n"] == n]
+        T = [r["steps"] for r in pts]
+        (line,) = a.plot(T, [r["encoder_s"] for r in pts], "s--", label=f"mdm encoder, n={n}")
+        color = line.get_color()
+        a.plot(T, [r["decoder_s"] for r in pts], "o-", color=color, label=f"{args.decoder}, n={n}")
+        a.plot(T, [r["decoder_shared_s"] for r in pts], "^:", color=color)
+    a.set(xscale="log", yscale="log", xlabel="steps T", ylabel="seconds per batch")
+    _ticks(a, sorted({r["steps"] for r in rows}))
+    a.set_title(f"time vs steps, batch {args.batch} (dotted: shared reveal counts)", fontsize=9)
+    a.legend(fontsize=7)
+    diag = [r for r in rows if r["steps"] == r["n"]]
+    ns = [r["n"] for r in diag]
+    b.plot(ns, [r["encoder_s"] for r in diag], "s--", label="mdm encoder")
+    b.plot(
+        ns, [r["decoder_s"] for r in diag], "o-", label=f"{args.decoder} Lemma 1, per-row counts"
+    )
+    b.plot(ns, [r["decoder_shared_s"] for r in diag], "^:", label=f"{args.decoder}, shared counts")
+    for r in diag:
+        b.annotate(
+            f"{r['speedup']:.0f}x / {r['speedup_shared']:.0f}x",
+            (r["n"], r["decoder_s"]),
+            textcoords="offset points",
+            xytext=(0, 8),
+            ha="center",
+            fontsize=7,
+        )
+    b.set(xscale="log", yscale="log", xlabel="length n", ylabel="seconds per batch")
+    _ticks(b, ns)
+    b.set_title("time vs length, T = n (encoder/decoder time marked)", fontsize=9)
+    b.legend(fontsize=8)
+    fig.suptitle(
+        f"{meta['size']}, {meta['device']}, {meta['dtype']}, {meta['clock']} clock"
+        + ("" if meta["full_encoder"] else " (encoder: per-pass time x non-empty steps)"),
+        fontsize=9,
+    )
+    fig.tight_layout()
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot, dpi=120)
+    print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

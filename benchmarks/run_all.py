@@ -1,0 +1,67 @@
+"""Every benchmark, one after the other, then one table of the issue's targets.
+
+    python benchmarks/run_all.py                          # the CPU sizes (what `make bench` runs)
+    python benchmarks/run_all.py --quick                  # fewer sizes and rounds: a first look
+    python benchmarks/run_all.py --paper --device cuda    # the papers' sizes on a GPU
+
+Each script writes its JSON under ``benchmarks/results/`` (``--out`` moves them) and prints
+its own tables; this runner reads the ``targets`` of each JSON back and prints them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--paper", action="store_true", help="the papers' sizes (for a GPU)")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--only", default="train_step,decode,decoder_vs_encoder")
+    args = ap.parse_args()
+    common = ["--device", args.device]
+    size = ["--paper"] if args.paper else []
+    runs = {
+        "train_step": common + size + ["--dtype", args.dtype],
+        "decode": common + size + ["--dtype", args.dtype],
+        "decoder_vs_encoder": common + size + ["--dtype", args.dtype],
+    }
+    if args.quick:
+        runs["train_step"] += ["--repeats", "2", "--no-peak"]
+        runs["decode"] += ["--sizes", "tiny", "--repeats", "2"]
+        runs["decoder_vs_encoder"] += ["--lengths", "128,256", "--steps", "64,128,256"]
+    summary = []
+    for name in args.only.split(","):
+        out = args.out / f"{name}.json"
+        extra = ["--json", str(out)]
+        if name == "decoder_vs_encoder":
+            extra += ["--plot", str(args.out / f"{name}.png")]
+        cmd = [sys.executable, str(HERE / f"{name}.py"), *runs[name], *extra]
+        print(f"\n$ {' '.join(cmd)}", flush=True)
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True)
+        print(f"({name}: {time.perf_counter() - start:.0f} s)", flush=True)
+        for t in json.loads(out.read_text()).get("targets", []):
+            summary.append((name, t))
+    print("\nall targets")
+    for name, t in summary:
+        where = ", ".join(f"{k}={t[k]}" for k in ("size", "batch") if k in t)
+        measured = t["measured"]
+        measured = f"{measured:.3f}" if isinstance(measured, float) else str(measured)
+        print(f"  {name:19s} {t['target']:48s} {where:18s} {measured:>8s}  {t['verdict']}")
+
+
+if __name__ == "__main__":
+    main()
