@@ -470,6 +470,15 @@ def test_demo_end_to_end(tmp_path):
     assert "bits per byte" in report and "unigram baseline" in report
     assert (tmp_path / "demo" / "loss.png").stat().st_size > 0
     assert len(info["samples"]) == 5
+    assert "ensemble x8" in report and "Generative metrics" in report and "strided, S=4" in report
+    assert [g["mode"] for g in info["gen"]] == [
+        "sequential, random order",
+        "Lemma 1, T=64",
+        "strided, S=4",
+    ]
+    assert info["gen"][2]["forward_passes"] == 4 + 256 // 4 - 1  # S heads, then S per pass
+    assert info["gen"][1]["forward_passes"] <= 64
+    assert (tmp_path / "demo" / "judge").is_dir()
 
 
 def test_demo_refuses_a_folder_it_did_not_write(tmp_path):
