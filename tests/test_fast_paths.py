@@ -198,3 +198,13 @@ def test_flex_block_mask_has_the_dense_visibility(strict: bool) -> None:
     if dense.empty is not None:
         ref, out = ref.masked_fill(dense.empty, 0.0), out.masked_fill(dense.empty, 0.0)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_rotary_lookup_equals_computing_the_angles() -> None:
+    from anyorder import preset
+    from anyorder.layers import positions
+
+    cfg = preset("tiny", kind="armd", n_layer=1, n_head=2, d_model=16, seq_len=40)
+    pos = torch.stack([torch.randperm(40) for _ in range(3)])
+    for got, want in zip(positions(cfg, pos), rotary(pos, 8, cfg.rope_base)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

@@ -108,10 +108,28 @@ def slice_positions(pos: Positions, start: int, stop: int) -> Positions:
     return pos[0][:, :, start:stop], pos[1][:, :, start:stop]
 
 
+_ROTARY_TABLES: dict[tuple, Rotary] = {}
+
+
+def rotary_table(size: int, head_dim: int, base: float, device: torch.device) -> Rotary:
+    """:func:`rotary` of positions ``0..size-1``, each (size, head_dim); computed once per
+    (size, head_dim, base, device) and kept: the same numbers, element by element."""
+    key = (size, head_dim, base, str(device))
+    table = _ROTARY_TABLES.get(key)
+    if table is None:
+        cos, sin = rotary(torch.arange(size, device=device)[None], head_dim, base)
+        table = _ROTARY_TABLES[key] = (cos[0, 0], sin[0, 0])
+    return table
+
+
 def positions(cfg: ModelConfig, pos: Tensor) -> Positions:
-    """What a model hands its layers for positions ``pos`` (B, T): the RoPE tables, computed
-    once per forward, or the positions themselves when the model has no RoPE."""
-    return rotary(pos, cfg.head_dim, cfg.rope_base) if cfg.positional == "rope" else pos
+    """What a model hands its layers for positions ``pos`` (B, T) (all below
+    ``cfg.seq_len``): their RoPE tables, looked up once per forward, or the positions
+    themselves when the model has no RoPE."""
+    if cfg.positional != "rope":
+        return pos
+    cos, sin = rotary_table(cfg.seq_len, cfg.head_dim, cfg.rope_base, pos.device)
+    return F.embedding(pos, cos)[:, None], F.embedding(pos, sin)[:, None]
 
 
 def sinusoidal(pos: Tensor, dim: int) -> Tensor:

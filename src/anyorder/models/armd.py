@@ -19,6 +19,7 @@ prediction at slot ``t`` depends on the tokens of blocks ``< B(t)`` only.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from anyorder.cache import ARMDCache
@@ -78,8 +79,21 @@ class ARMD(AnyOrderLM):
         h = self.tok_emb(x)
         return h + self.pos_emb(pos) if self.pos_emb is not None else h
 
-    def embed_query(self, target: Tensor, prefix: Tensor) -> Tensor:
-        """Query-stream input from the target positions and the prefix aggregate."""
+    def query_table(self) -> Tensor:
+        """``MLP(sinusoid(p))`` of every position p: (seq_len, d)."""
+        pos = torch.arange(self.cfg.seq_len, device=self.tok_emb.weight.device)
+        return self.query_mlp(sinusoidal(pos, self.cfg.d_model))
+
+    def embed_query(self, target: Tensor, prefix: Tensor, table: Tensor | None = None) -> Tensor:
+        """Query-stream input from the target positions and the prefix aggregate.
+
+        The positional part depends on the position alone: with many slots it is computed
+        once per position (``table``, or :meth:`query_table`) and looked up.
+        """
+        if table is None and target.numel() >= self.cfg.seq_len:
+            table = self.query_table()
+        if table is not None:
+            return F.embedding(target, table).to(prefix.dtype) + prefix
         return self.query_mlp(sinusoidal(target, self.cfg.d_model).to(prefix.dtype)) + prefix
 
     def two_stream_layer(
@@ -169,7 +183,13 @@ class ARMD(AnyOrderLM):
             vis = query_content_mask[:, 0, :, Lc:].to(h0.dtype)  # (B, G, C)
         total = cache.prefix_sum[:, None].to(h0.dtype) + vis @ h0  # (B, G, d)
         count = cache.prefix_count[:, None].to(h0.dtype) + vis.sum(dim=-1)  # (B, G)
-        g = self.embed_query(target, total / count.clamp(min=1)[..., None])
+        aux = cache.content.aux
+        table = aux.get("query_pe")
+        if table is None:  # once per decode (kept only when no graph is recorded)
+            table = self.query_table()
+            if not torch.is_grad_enabled():
+                aux["query_pe"] = table
+        g = self.embed_query(target, total / count.clamp(min=1)[..., None], table)
         # The two-stream layers run the C content rows and the G query rows as one batch of
         # C + G rows: one matmul per weight and one attention call per layer (the query rows
         # read the content keys/values under their own mask, as the training forward does).
