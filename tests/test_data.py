@@ -228,7 +228,7 @@ def test_prepare_is_atomic(tmp_path, monkeypatch):
 
     # Fails after both shards are fully written, just before the manifest.
     with monkeypatch.context() as m:
-        m.setattr(data, "_sha256", fail)
+        m.setattr(data, "sha256_file", fail)
         with pytest.raises(RuntimeError, match="disk on fire"):
             prepare(cfg, 16, progress=False)
     assert not cache.exists()  # a failed first use leaves no cache folder

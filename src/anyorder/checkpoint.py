@@ -26,7 +26,6 @@ Design choices:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -42,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from anyorder.config import RunConfig, load_config, to_dict
+from anyorder.data import sha256_file
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -120,14 +120,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
 # ----------------------------------------------------------------------------- checksums
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def read_manifest(ckpt: str | Path) -> dict[str, Any]:
     """The manifest of a checkpoint folder.
 
@@ -187,7 +179,7 @@ def verify(ckpt: str | Path, files: Iterable[str] | None = None) -> dict[str, An
                 f"checkpoint file {path} is truncated or altered ({size} bytes, the manifest "
                 f"says {info['bytes']}); {fix}"
             )
-        if _sha256(path) != info["sha256"]:
+        if sha256_file(path) != info["sha256"]:
             raise CheckpointError(f"checkpoint file {path} does not match its checksum; {fix}")
     return manifest
 
@@ -273,7 +265,7 @@ def _finalize(folder: Path) -> dict[str, dict[str, Any]]:
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
         rel = path.relative_to(folder).as_posix()
-        files[rel] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        files[rel] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
     for sub in sorted({p.parent for p in folder.rglob("*")}):
         _fsync_dir(sub)
     return files

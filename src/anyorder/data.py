@@ -851,7 +851,8 @@ class _SplitWriter:
             self.file.close()
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB chunks (shards, checkpoints, exports)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -959,7 +960,7 @@ def _pack(
             "kept_tokens": blocks * seq_len,
             "bytes": w.bytes,
             "bytes_per_token": w.bytes / w.tokens if w.tokens else 0.0,
-            "sha256": _sha256(w.path),
+            "sha256": sha256_file(w.path),
         }
     return stats, moved
 
@@ -1124,7 +1125,7 @@ class TokenData:
         """
         for split in SPLITS:
             info = self.manifest["splits"][split]
-            if _sha256(self.path / info["file"]) != info["sha256"]:
+            if sha256_file(self.path / info["file"]) != info["sha256"]:
                 raise DataError(
                     f"shard {self.path / info['file']} does not match its checksum; delete "
                     f"{self.path} and prepare again"

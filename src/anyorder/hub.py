@@ -34,7 +34,6 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -47,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from anyorder.config import MODEL_KINDS, ModelConfig, RunConfig, to_dict
+from anyorder.data import sha256_file
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -72,14 +72,6 @@ def _version() -> str:
     from anyorder import __version__
 
     return __version__
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def is_exported(path: str | Path) -> bool:
@@ -253,7 +245,7 @@ def save_pretrained(
             "tokenizer": tokenizer.name if tokenizer is not None else None,
             "torch_dtype": dtype or str(next(model.parameters()).dtype).replace("torch.", ""),
             **dict(extra or {}),
-            "weights_sha256": _sha256(tmp / WEIGHTS_NAME),
+            "weights_sha256": sha256_file(tmp / WEIGHTS_NAME),
         }
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / CARD_NAME).write_text(_model_card(config, model.num_params(), tokenizer))
@@ -485,7 +477,7 @@ def load_state(model: AnyOrderLM, path: Path, expected_sha256: str | None = None
     fix = "export or download it again"
     if not path.is_file():
         raise CheckpointError(f"{path} is missing; the export is incomplete: {fix}")
-    if expected_sha256 and _sha256(path) != expected_sha256:
+    if expected_sha256 and sha256_file(path) != expected_sha256:
         raise CheckpointError(f"{path} is corrupt (its SHA-256 differs from config.json); {fix}")
     try:
         state = load_file(str(path))
