@@ -28,7 +28,16 @@ import functools
 
 import torch
 
-from _bench import add_common, machine, median, print_table, round_robin, setup, verdict, write_json
+from _bench import (
+    add_common,
+    machine,
+    print_table,
+    round_robin,
+    setup,
+    summary,
+    verdict,
+    write_json,
+)
 from anyorder import build_model, preset
 from anyorder.flops import decode_flops_per_sequence
 from anyorder.sample import lemma1_sample, sequential_sample, strided_sample
@@ -82,7 +91,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256, help="n, tokens per sample")
     ap.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     ap.add_argument("--sizes", default="tiny,4x768", help=f"comma-separated: {', '.join(SIZES)}")
-    ap.add_argument("--repeats", type=int, default=3, help="timed rounds (median reported)")
+    ap.add_argument("--repeats", type=int, default=4, help="timed rounds (see --stat)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--lemma1", action="store_true", help="add Lemma-1 rows (T = n/4)")
     ap.add_argument("--paper", action="store_true", help="the small preset (12x768) at n=1024")
@@ -113,11 +122,11 @@ def main() -> None:
             }
             with ctx:
                 times, last = round_robin(fns, args.repeats, device)
-            ref = median(times["gpt"], args.clock)
+            ref = summary(times["gpt"], args.clock, args.stat)
             table = []
             by_label = {}
             for label, kind, _ in rows:
-                sec = median(times[label], args.clock)
+                sec = summary(times[label], args.clock, args.stat)
                 row = dict(
                     size=size,
                     batch=batch,
@@ -146,7 +155,7 @@ def main() -> None:
                 )
             print_table(
                 f"{size}: n={n}, batch {batch}, {args.dtype}, {device.type}, "
-                f"{args.clock} clock, median of {args.repeats}",
+                f"{args.clock} clock, {args.stat} of {args.repeats}",
                 ["sampler", "ms/token", "time x gpt", "FLOP x gpt", "passes", "tokens/s"],
                 table,
             )
@@ -183,7 +192,9 @@ def main() -> None:
             for c in checks
         ],
     )
-    meta = dict(machine(), device=str(device), dtype=args.dtype, clock=args.clock, n=n)
+    meta = dict(
+        machine(), device=str(device), dtype=args.dtype, clock=args.clock, stat=args.stat, n=n
+    )
     meta["repeats"] = args.repeats
     write_json(args.json, dict(meta=meta, rows=results, targets=checks))
 

@@ -36,7 +36,7 @@ import torch
 from _bench import add_common, machine, print_table, setup, timed, verdict, write_json
 from anyorder import build_model, preset
 from anyorder.flops import decode_flops_per_sequence, decode_flops_per_token
-from anyorder.sample import encoder_sample, lemma1_sample, reveal_counts
+from anyorder.sample import encoder_sample, lemma1_sample
 
 SIZES = {
     "tiny": dict(),  # 4 layers x 256, 4 heads
@@ -50,16 +50,8 @@ def step_grid(n: int, steps: list[int]) -> list[int]:
     return sorted({t for t in steps if t <= n} | {n})
 
 
-def nonempty_steps(n: int, steps: int, batch: int, seed: int, device: torch.device) -> int:
-    """Steps of the T-step schedule in which some row reveals a token (the same draw the
-    samplers make first with this seed)."""
-    gen = torch.Generator(device).manual_seed(seed)
-    counts = reveal_counts(n, steps, batch, "linear", gen)
-    return int((counts.max(dim=1).values > 0).sum())
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+def _stat(xs: list[float], stat: str) -> float:
+    return min(xs) if stat == "min" else sorted(xs)[len(xs) // 2]
 
 
 def main() -> None:
@@ -71,7 +63,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="128,256,512,1024", help="comma-separated n")
     ap.add_argument("--steps", default="64,128,256,512,1024", help="comma-separated T (<= n)")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per point (median)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per point (--stat)")
     ap.add_argument("--encoder-passes", type=int, default=3, help="encoder passes timed")
     ap.add_argument("--full-encoder", action="store_true", help="time whole encoder runs")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
@@ -119,54 +111,54 @@ def main() -> None:
                         device,
                     )
                 samples.append(pick(w, c) / out.forward_passes)
-            enc_pass = _median(samples)
+            enc_pass = _stat(samples, args.stat)
         for T in step_grid(n, steps):
-            dec = {"per-row": [], "shared": []}
-            enc_t, passes = [], []
-            for r in range(args.repeats):
-                for mode in dec:
+            point = dict(n=n, steps=T, batch=B)
+            ok = True
+            for mode in ("per-row", "shared"):
+                dec_t, enc_t = [], []
+                for r in range(args.repeats):
+                    kw = dict(batch=B, shared_counts=mode == "shared")
                     gen = torch.Generator(device).manual_seed(r)
-                    run = partial(
-                        lemma1_sample, model, n, T, batch=B, generator=gen,
-                        shared_counts=mode == "shared",
-                    )  # fmt: skip
                     with ctx:
-                        w, c, out = timed(run, device)
-                    dec[mode].append(pick(w, c))
+                        w, c, out = timed(
+                            partial(lemma1_sample, model, n, T, generator=gen, **kw), device
+                        )
+                    dec_t.append(pick(w, c))
+                    # both samplers draw the order, then the counts, from the same seed: the
+                    # encoder makes one pass per step in which some row reveals a token
                     nonempty = int((out.counts.max(dim=1).values > 0).sum())
-                    passes.append((mode, out.forward_passes, nonempty))
-                if args.full_encoder:
-                    gen = torch.Generator(device).manual_seed(r)
-                    run = partial(encoder_sample, enc, n, steps=T, batch=B, generator=gen)
-                    with ctx:
-                        w, c, _ = timed(run, device)
-                    enc_t.append(pick(w, c))
-                else:
-                    enc_t.append(enc_pass * nonempty_steps(n, T, B, r, device))
-            dec_s = {mode: _median(t) for mode, t in dec.items()}
-            enc_s = _median(enc_t)
-            flop_dec = decode_flops_per_sequence(cfgs[args.decoder], n)
-            flop_enc = nonempty_steps(n, T, B, 0, device) * decode_flops_per_token(cfgs["mdm"], n)
-            rows.append(
-                dict(
-                    n=n,
-                    steps=T,
-                    batch=B,
-                    decoder_s=dec_s["per-row"],
-                    decoder_shared_s=dec_s["shared"],
-                    encoder_s=enc_s,
-                    encoder_timed="full" if args.full_encoder else "per-pass x passes",
-                    speedup=enc_s / dec_s["per-row"],
-                    speedup_shared=enc_s / dec_s["shared"],
-                    flop_ratio=flop_enc / flop_dec,
-                    decoder_passes=[p[1] for p in passes if p[0] == "per-row"][0],
-                    nonempty_steps=[p[2] for p in passes if p[0] == "per-row"][0],
-                    passes_equal_nonempty=all(p[1] == p[2] for p in passes),
-                    decoder_seconds=dec["per-row"],
-                    decoder_shared_seconds=dec["shared"],
-                    encoder_seconds=enc_t,
+                    ok &= out.forward_passes == nonempty
+                    if args.full_encoder:
+                        gen = torch.Generator(device).manual_seed(r)
+                        with ctx:
+                            w, c, eout = timed(
+                                partial(encoder_sample, enc, n, steps=T, generator=gen, **kw),
+                                device,
+                            )
+                        assert eout.forward_passes == nonempty
+                        enc_t.append(pick(w, c))
+                    else:
+                        enc_t.append(enc_pass * nonempty)
+                key = "" if mode == "per-row" else "_shared"
+                dec_s, enc_s = _stat(dec_t, args.stat), _stat(enc_t, args.stat)
+                flop_enc = nonempty * decode_flops_per_token(cfgs["mdm"], n)
+                point.update(
+                    {
+                        f"decoder{key}_s": dec_s,
+                        f"encoder{key}_s": enc_s,
+                        f"speedup{key}": enc_s / dec_s,
+                        f"flop_ratio{key}": flop_enc
+                        / decode_flops_per_sequence(cfgs[args.decoder], n),
+                        f"passes{key}": out.forward_passes,
+                        f"nonempty_steps{key}": nonempty,
+                        f"decoder{key}_seconds": dec_t,
+                        f"encoder{key}_seconds": enc_t,
+                    }
                 )
-            )
+            point["passes_equal_nonempty"] = ok
+            point["encoder_timed"] = "full" if args.full_encoder else "per-pass x passes"
+            rows.append(point)
     print_table(
         f"{args.decoder} (Lemma 1, KV cache) vs mdm encoder: {args.size}, batch {B}, "
         f"{args.dtype}, {device.type}, {clock} clock"
@@ -175,27 +167,29 @@ def main() -> None:
             "n",
             "T",
             "decoder s",
-            "shared s",
             "encoder s",
             "speed-up",
-            "shared",
             "FLOP x",
             "passes",
-            "non-empty",
-            "=",
+            "| shared:",
+            "encoder s",
+            "speed-up",
+            "passes",
+            "= steps",
         ],
         [
             [
                 r["n"],
                 r["steps"],
                 r["decoder_s"],
-                r["decoder_shared_s"],
                 r["encoder_s"],
                 r["speedup"],
-                r["speedup_shared"],
                 r["flop_ratio"],
-                r["decoder_passes"],
-                r["nonempty_steps"],
+                r["passes"],
+                f"| {r['decoder_shared_s']:.3f}",
+                r["encoder_shared_s"],
+                r["speedup_shared"],
+                r["passes_shared"],
                 "yes" if r["passes_equal_nonempty"] else "NO",
             ]
             for r in rows
@@ -213,7 +207,7 @@ def main() -> None:
             for key, what in (("speedup", "per-row counts"), ("speedup_shared", "shared counts")):
                 checks.append(
                     dict(
-                        target=f"encoder/decoder time, T=n=256, batch {B}, {what}: >= 64",
+                        target=f"encoder/decoder, T=n=256, batch {B}, {args.size}, {what}: >= 64",
                         measured=r[key],
                         verdict=verdict(r[key], r["n"] / 4, at_most=False),
                     )
@@ -251,6 +245,7 @@ def plot(rows: list[dict], args, meta: dict) -> None:
         color = line.get_color()
         a.plot(T, [r["decoder_s"] for r in pts], "o-", color=color, label=f"{args.decoder}, n={n}")
         a.plot(T, [r["decoder_shared_s"] for r in pts], "^:", color=color)
+        a.plot(T, [r["encoder_shared_s"] for r in pts], "s:", color=color, alpha=0.5)
     a.set(xscale="log", yscale="log", xlabel="steps T", ylabel="seconds per batch")
     _ticks(a, sorted({r["steps"] for r in rows}))
     a.set_title(f"time vs steps, batch {args.batch} (dotted: shared reveal counts)", fontsize=9)
@@ -261,6 +256,7 @@ def plot(rows: list[dict], args, meta: dict) -> None:
     b.plot(
         ns, [r["decoder_s"] for r in diag], "o-", label=f"{args.decoder} Lemma 1, per-row counts"
     )
+    b.plot(ns, [r["encoder_shared_s"] for r in diag], "s:", label="mdm encoder, shared counts")
     b.plot(ns, [r["decoder_shared_s"] for r in diag], "^:", label=f"{args.decoder}, shared counts")
     for r in diag:
         b.annotate(

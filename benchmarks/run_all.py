@@ -33,22 +33,31 @@ def main() -> None:
     args = ap.parse_args()
     common = ["--device", args.device]
     size = ["--paper"] if args.paper else []
-    runs = {
-        "train_step": common + size + ["--dtype", args.dtype],
-        "decode": common + size + ["--dtype", args.dtype],
-        "decoder_vs_encoder": common + size + ["--dtype", args.dtype],
+    dt = ["--dtype", args.dtype]
+    runs = {  # output name: (script, arguments)
+        "train_step": ("train_step", common + size + dt),
+        "decode": ("decode", common + size + dt),
+        "decoder_vs_encoder": ("decoder_vs_encoder", common + size + dt),
     }
+    if not args.paper:  # the curve is at the tiny size; the target row also at the small width
+        runs["decoder_vs_encoder_4x768"] = (
+            "decoder_vs_encoder",
+            common + dt + ["--size", "4x768", "--lengths", "256", "--steps", "64,256"],
+        )
     if args.quick:
-        runs["train_step"] += ["--repeats", "2", "--no-peak"]
-        runs["decode"] += ["--sizes", "tiny", "--repeats", "2"]
-        runs["decoder_vs_encoder"] += ["--lengths", "128,256", "--steps", "64,128,256"]
+        runs["train_step"][1].extend(["--repeats", "2", "--no-peak"])
+        runs["decode"][1].extend(["--sizes", "tiny", "--repeats", "2"])
+        runs["decoder_vs_encoder"][1].extend(["--lengths", "128,256", "--steps", "64,128,256"])
+        runs.pop("decoder_vs_encoder_4x768", None)
     summary = []
-    for name in args.only.split(","):
+    for name, (script, arguments) in runs.items():
+        if script not in args.only.split(","):
+            continue
         out = args.out / f"{name}.json"
         extra = ["--json", str(out)]
-        if name == "decoder_vs_encoder":
+        if script == "decoder_vs_encoder":
             extra += ["--plot", str(args.out / f"{name}.png")]
-        cmd = [sys.executable, str(HERE / f"{name}.py"), *runs[name], *extra]
+        cmd = [sys.executable, str(HERE / f"{script}.py"), *arguments, *extra]
         print(f"\n$ {' '.join(cmd)}", flush=True)
         start = time.perf_counter()
         subprocess.run(cmd, check=True)
@@ -60,7 +69,7 @@ def main() -> None:
         where = ", ".join(f"{k}={t[k]}" for k in ("size", "batch") if k in t)
         measured = t["measured"]
         measured = f"{measured:.3f}" if isinstance(measured, float) else str(measured)
-        print(f"  {name:19s} {t['target']:48s} {where:18s} {measured:>8s}  {t['verdict']}")
+        print(f"  {name:24s} {t['target']:62s} {where:20s} {measured:>6s}  {t['verdict']}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Training-step time, memory and FLOPs: aogpt and armd against gpt, side by side in one run.
 
 Every model is built at the same width and depth and timed round-robin (gpt, aogpt, armd,
-gpt, ...) so that machine noise hits all sides alike; the table reports the median step
-time (forward, backward, AdamW), its ratio to gpt, the FLOP ratio counted from the
-architecture (:mod:`anyorder.flops`, as ARMD App. B.2 counts), and two memory ratios:
+gpt, ...) so that machine noise hits all sides alike; the table reports the step time
+(forward, backward, AdamW; the best round, see ``--stat``), its ratio to gpt, the FLOP
+ratio counted from the architecture (:mod:`anyorder.flops`, as ARMD App. B.2 counts), and
+two memory ratios:
 
 * ``act x``: bytes autograd saves for backward (measured with ``saved_tensors_hooks``,
   deduplicated by storage): the stored activations;
@@ -34,7 +35,16 @@ from pathlib import Path
 
 import torch
 
-from _bench import add_common, machine, median, print_table, round_robin, setup, verdict, write_json
+from _bench import (
+    add_common,
+    machine,
+    print_table,
+    round_robin,
+    setup,
+    summary,
+    verdict,
+    write_json,
+)
 from anyorder import build_model, orders, preset
 from anyorder.flops import train_flops_per_token
 
@@ -206,11 +216,11 @@ def main() -> None:
             peak[name] = peak_memory(
                 name, shape, kw, n, B, args.vocab, device, bf16, (tokens, order)
             )
-    base_t = median(times["gpt"], args.clock)
+    base_t = summary(times["gpt"], args.clock, args.stat)
     base_f = train_flops_per_token(built["gpt"][0], n)
     rows, table = [], []
     for name, (cfg, _, _, _) in built.items():
-        t = median(times[name], args.clock)
+        t = summary(times[name], args.clock, args.stat)
         f = train_flops_per_token(cfg, n) / base_f
         row = dict(
             model=name,
@@ -244,7 +254,7 @@ def main() -> None:
     print_table(
         f"train step: {L} layers, d={args.d_model}, n={n}, batch {B}, {args.dtype}, "
         f"{device.type}{', compiled' if args.compile else ''}, {args.clock} clock, "
-        f"median of {args.repeats}",
+        f"{args.stat} of {args.repeats}",
         ["model", "ms/step", "time x", "FLOP x", "t/F", "act MB", "act x", "peak x"],
         table,
     )
@@ -274,7 +284,7 @@ def main() -> None:
         ["target", "measured", "bound", "verdict"],
         [[c["target"], c["measured"], c["bound"], c["verdict"]] for c in checks],
     )
-    meta = dict(machine(), device=str(device), dtype=args.dtype, clock=args.clock)
+    meta = dict(machine(), device=str(device), dtype=args.dtype, clock=args.clock, stat=args.stat)
     meta.update(compile=args.compile, repeats=args.repeats, argv=sys.argv[1:])
     meta["shape"] = dict(shape, batch=B)
     write_json(args.json, dict(meta=meta, rows=rows, targets=checks))
