@@ -222,6 +222,22 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     from safetensors.torch import load_file
 
     state = load_file(str(path))
+    detail = fit_state(model, state)
+    if detail:
+        raise CheckpointError(
+            f"weights in {path} do not fit the model its config.yaml describes ({detail}); "
+            "the checkpoint was altered or written by another version"
+        )
+    model.load_state_dict(state, strict=True)
+
+
+def fit_state(model: nn.Module, state: dict[str, Tensor]) -> str:
+    """Restore tied copies in ``state`` (in place) and say how it does not fit ``model``.
+
+    Returns:
+        "" when every key is there with the right shape, else a short description of the
+        missing, unexpected and wrongly shaped keys (for the caller's error message).
+    """
     for alias, canonical in tied_aliases(model).items():
         if alias not in state and canonical in state:
             state[alias] = state[canonical]
@@ -229,17 +245,11 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     missing = sorted(set(want) - set(state))
     unexpected = sorted(set(state) - set(want))
     wrong = sorted(k for k in set(want) & set(state) if want[k].shape != state[k].shape)
-    if missing or unexpected or wrong:
-        detail = "; ".join(
-            f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
-            for what, names in (("missing", missing), ("unexpected", unexpected), ("shape", wrong))
-            if names
-        )
-        raise CheckpointError(
-            f"weights in {path} do not fit the model its config.yaml describes ({detail}); "
-            "the checkpoint was altered or written by another version"
-        )
-    model.load_state_dict(state, strict=True)
+    return "; ".join(
+        f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+        for what, names in (("missing", missing), ("unexpected", unexpected), ("shape", wrong))
+        if names
+    )
 
 
 # ----------------------------------------------------------------------------- saving

@@ -472,7 +472,7 @@ def load_state(model: AnyOrderLM, path: Path, expected_sha256: str | None = None
     """
     from safetensors.torch import load_file
 
-    from anyorder.checkpoint import tied_aliases
+    from anyorder.checkpoint import fit_state
 
     fix = "export or download it again"
     if not path.is_file():
@@ -483,19 +483,8 @@ def load_state(model: AnyOrderLM, path: Path, expected_sha256: str | None = None
         state = load_file(str(path))
     except Exception as e:
         raise CheckpointError(f"{path} is corrupt ({_first_line(e)}); {fix}") from None
-    for alias, canonical in tied_aliases(model).items():
-        if alias not in state and canonical in state:
-            state[alias] = state[canonical]
-    want = model.state_dict()
-    missing = sorted(set(want) - set(state))
-    unexpected = sorted(set(state) - set(want))
-    wrong = sorted(k for k in set(want) & set(state) if want[k].shape != state[k].shape)
-    if missing or unexpected or wrong:
-        detail = "; ".join(
-            f"{what}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
-            for what, names in (("missing", missing), ("unexpected", unexpected), ("shape", wrong))
-            if names
-        )
+    detail = fit_state(model, state)
+    if detail:
         raise CheckpointError(f"{path} does not fit the model config.json describes ({detail})")
     model.load_state_dict(state, strict=True)
 
