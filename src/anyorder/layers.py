@@ -433,7 +433,8 @@ class AdaLN(nn.Module):
     def _offset(self, out: Tensor) -> Tensor:
         d = out.shape[-1] // self.chunks
         offset = torch.zeros(self.chunks, d, dtype=out.dtype, device=out.device)
-        offset[list(self.ones)] = 1.0
+        for i in self.ones:  # scalar fills: no index tensor copied to the device, no sync
+            offset[i] = 1.0
         return out + offset.view(-1)
 
     def table(self, emb: Tensor) -> Tensor:
