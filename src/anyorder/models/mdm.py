@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from anyorder.config import ModelConfig
-from anyorder.layers import Block, init_weights, make_norm
+from anyorder.layers import Block, init_weights, make_norm, positions
 from anyorder.models.base import AnyOrderLM
 from anyorder.orders import inverse
 
@@ -52,6 +52,7 @@ class MDM(AnyOrderLM):
         h = self.tok_emb(x_t)
         if self.pos_emb is not None:
             h = h + self.pos_emb(pos)
+        pos = positions(self.cfg, pos)  # RoPE tables once, for every layer
         for block in self.blocks:
             h = block(h, pos, None)
         h = self.norm_f(h)
