@@ -252,8 +252,9 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, skipping EOS, special tokens and out-of-range ids."""
-        keep = [i for i in (int(x) for x in ids) if 0 <= i < self.vocab_size and i != self.eos_id]
-        return self.tok.decode(keep, skip_special_tokens=True)
+        return self.tok.decode(
+            _text_ids(ids, self.vocab_size, self.eos_id), skip_special_tokens=True
+        )
 
     def save(self, folder: Path) -> None:
         """``save_pretrained`` into ``folder`` plus the marker that records the EOS id."""
@@ -338,8 +339,9 @@ class BPETokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, skipping EOS, special tokens and out-of-range ids."""
-        keep = [i for i in (int(x) for x in ids) if 0 <= i < self.vocab_size and i != self.eos_id]
-        return self.tok.decode(keep, skip_special_tokens=True)
+        return self.tok.decode(
+            _text_ids(ids, self.vocab_size, self.eos_id), skip_special_tokens=True
+        )
 
     def save(self, folder: Path) -> None:
         """Write ``tokenizer.json`` and the marker that records the EOS id."""
@@ -849,6 +851,11 @@ class _SplitWriter:
             self.flush()
         finally:
             self.file.close()
+
+
+def _text_ids(ids: Sequence[int], vocab_size: int, eos_id: int) -> list[int]:
+    """The ids worth decoding to text: in range and not EOS."""
+    return [i for i in (int(x) for x in ids) if 0 <= i < vocab_size and i != eos_id]
 
 
 def sha256_file(path: Path) -> str:
