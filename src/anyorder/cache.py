@@ -106,6 +106,32 @@ class KVCache:
             self.pos[:, self.length : end] = pos[:, :count]
         self.length = end
 
+    def compact(self, index: Tensor, real: Tensor, dense: bool) -> None:
+        """Move each row's kept slots to the front: row ``b`` keeps slots ``index[b]``.
+
+        Rows that keep different slots (padding) make ``length`` outgrow what any row holds,
+        and every later call attends over the gaps; a compaction closes them. Attention does
+        not care where a key sits (its position is in the key), so nothing else changes.
+
+        Args:
+            index: (B, M) the slots to keep, in order, per row (any slot where ``real`` is
+                False).
+            real: (B, M) which of them are kept; the rest become invisible.
+            dense: every entry of ``real`` is True (known on the host: no sync).
+        """
+        M = index.shape[1]
+        for buffers in (self.k, self.v):
+            for t in buffers:
+                if t is not None:
+                    B, H, _, D = t.shape
+                    rows = t[:, :, : self.length].gather(
+                        2, index[:, None, :, None].expand(B, H, M, D)
+                    )
+                    t[:, :, :M] = rows
+        self.pos[:, :M] = self.pos.gather(1, index)
+        self.valid[:, :M] = real
+        self.length, self.dense = M, dense
+
     # -- reading ------------------------------------------------------------------------
 
     def mask(self, new: Tensor) -> Tensor:

@@ -167,6 +167,33 @@ def strict_causal_mask(n: int, device: torch.device | None = None) -> Tensor:
 
 
 @dataclass
+class Packing:
+    """The real slots of a padded (B, T) decoding call, run through the per-slot layers as
+    one row of N.
+
+    Per-row reveal counts pad most rows of a Lemma-1 pass to the row that reveals most; a
+    matmul over the padding is wasted work. With a packing, embeddings, norms, adaLN, the
+    projections and the MLP see the N real slots only; attention unpacks its queries, keys
+    and values to (B, T) (zeros in the padding, which the mask hides) and packs its output.
+    """
+
+    index: Tensor
+    """(N,) flat indices ``b * T + t`` of the real slots."""
+    batch: int
+    length: int
+
+    def pack(self, x: Tensor) -> Tensor:
+        """(B, T, ...) -> (1, N, ...)."""
+        return x.flatten(0, 1).index_select(0, self.index)[None]
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """(1, N, F) -> (B, T, F), zeros in the padding."""
+        out = x.new_zeros(self.batch * self.length, x.shape[-1])
+        out.index_copy_(0, self.index, x[0])
+        return out.view(self.batch, self.length, -1)
+
+
+@dataclass
 class PreparedMask:
     """A mask worked out once per forward (or decoding call) and shared by every layer.
 
@@ -298,9 +325,15 @@ class Attention(nn.Module):
             pos = rotary(pos, self.head_dim, self.rope_base)
         return rotate(x, pos)
 
-    def project(self, x: Tensor, pos: Positions) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys and values (each (B, H, T, D)), normed and rotated to ``pos``."""
-        q, k, v = self.qkv(x).split(x.shape[-1], dim=-1)
+    def project(
+        self, x: Tensor, pos: Positions, packing: Packing | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values (each (B, H, T, D)), normed and rotated to ``pos``
+        (with a ``packing``: ``x`` is packed, the outputs are not)."""
+        qkv = self.qkv(x)
+        if packing is not None:
+            qkv = packing.unpack(qkv)
+        q, k, v = qkv.split(x.shape[-1], dim=-1)
         q = self._rotate(self.q_norm(self._heads(q)), pos)
         k = self._rotate(self.k_norm(self._heads(k)), pos)
         return q, k, self._heads(v)
@@ -320,7 +353,14 @@ class Attention(nn.Module):
         return self._rotate(self.k_norm(self._heads(k)), pos), self._heads(v)
 
     def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: Mask, *, empty: Tensor | bool | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Mask,
+        *,
+        empty: Tensor | bool | None = None,
+        packing: Packing | None = None,
     ) -> Tensor:
         """SDPA of (B, H, Tq, D) queries over (B, H, Tk, D) keys/values, merged and projected.
 
@@ -329,6 +369,7 @@ class Attention(nn.Module):
         visible key give zeros. ``empty`` spares the host-device sync of looking for such rows
         in a boolean mask (the KV-cache decoders know): ``False`` promises there are none, a
         (B, 1, Tq, 1) tensor names them; ``None`` checks. A :class:`PreparedMask` names them.
+        With a ``packing`` the output is packed (1, N, d).
         """
         p = self.dropout if self.training else 0.0
         if isinstance(mask, PreparedMask):
@@ -374,16 +415,25 @@ class Attention(nn.Module):
             else:
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         B, H, T, D = y.shape
-        return self.proj(y.transpose(1, 2).reshape(B, T, H * D))
+        y = y.transpose(1, 2).reshape(B, T, H * D)
+        return self.proj(y if packing is None else packing.pack(y))
 
-    def forward(self, x: Tensor, pos: Positions, mask: Mask, kv: KVHook | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        pos: Positions,
+        mask: Mask,
+        kv: KVHook | None = None,
+        packing: Packing | None = None,
+    ) -> Tensor:
         """Self-attention; ``kv`` (a KV-cache hook) swaps the new keys/values for the cached
-        ones plus the new, and then every query must see at least itself in ``mask``."""
-        q, k, v = self.project(x, pos)
+        ones plus the new, and then every query must see at least itself in ``mask``.
+        ``packing`` (decoding only): ``x`` and the output hold the real slots only."""
+        q, k, v = self.project(x, pos, packing)
         if kv is None:
-            return self.attend(q, k, v, mask)
+            return self.attend(q, k, v, mask, packing=packing)
         k, v = kv(k, v)
-        return self.attend(q, k, v, mask, empty=False)
+        return self.attend(q, k, v, mask, empty=False, packing=packing)
 
 
 class MLP(nn.Module):
@@ -569,9 +619,10 @@ class Block(nn.Module):
         mask: Mask,
         cond: Tensor | TargetCondition | None = None,
         kv: KVHook | None = None,
+        packing: Packing | None = None,
     ) -> Tensor:
         if self.ada is None:
-            x = x + self.attn(self.norm1(x), pos, mask, kv)
+            x = x + self.attn(self.norm1(x), pos, mask, kv, packing)
             return x + self.mlp(self.norm2(x))
         if isinstance(cond, TargetCondition) and torch.is_grad_enabled():
             # training on a table: the same numbers, but autograd keeps the table and the
@@ -579,12 +630,12 @@ class Block(nn.Module):
             shift1, mul1, gate1, shift2, mul2, gate2 = self.ada.table_of(cond).chunk(6, dim=-1)
             i = cond.target
             h = modulate_rows(self.norm1(x), shift1, mul1, i)
-            x = gate_rows(x, self.attn(h, pos, mask, kv), gate1, i)
+            x = gate_rows(x, self.attn(h, pos, mask, kv, packing), gate1, i)
             return gate_rows(x, self.mlp(modulate_rows(self.norm2(x), shift2, mul2, i)), gate2, i)
         # factors: mul = 1 + scale, gate = 1 + gate; addcmul(a, b, c) = a + b * c in one kernel
         shift1, mul1, gate1, shift2, mul2, gate2 = self.ada(cond)
         x = torch.addcmul(
-            x, gate1, self.attn(torch.addcmul(shift1, self.norm1(x), mul1), pos, mask, kv)
+            x, gate1, self.attn(torch.addcmul(shift1, self.norm1(x), mul1), pos, mask, kv, packing)
         )
         return torch.addcmul(x, gate2, self.mlp(torch.addcmul(shift2, self.norm2(x), mul2)))
 

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from anyorder.cache import ARMDCache, KVCache
 from anyorder.errors import ConfigError, SamplingError
+from anyorder.layers import Packing
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.models.gpt import BOS, GPT
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
 StepHook = Callable[[Tensor, Tensor, int], None]
 """``on_step(positions, tokens, step)`` after every pass that draws tokens: (B, Q) positions
 (padding = n) and tokens on the model's device, and the step recorded in ``step_of``."""
+_COMPACT_MIN = 16  # cache gaps (slots) below which a compaction is not worth a pass
+_PACK_BELOW = 0.75  # pack a pass's real slots when at most this fraction of its slots is real
 _EOS_EVERY = 8  # passes between the early-stop checks (each is a host-device sync)
 
 
@@ -300,8 +303,8 @@ class _Bank:
 
     def __init__(self, batch: int) -> None:
         self.batch = batch
-        self.parts: dict[str, list[np.ndarray]] = {"i": [], "b": []}
-        self.size = {"i": 0, "b": 0}
+        self.parts: dict[str, list[np.ndarray]] = {"i": [], "b": [], "f": []}
+        self.size = {"i": 0, "b": 0, "f": 0}
         self.dev: dict[str, Tensor] = {}
 
     def add(self, a: np.ndarray) -> tuple[str, int, tuple[int, ...]]:
@@ -312,16 +315,28 @@ class _Bank:
         self.size[kind] += flat.shape[1]
         return kind, start, a.shape
 
+    def add_flat(self, a: np.ndarray) -> tuple[str, int, tuple[int, ...]]:
+        """A 1-D integer array of any length (not one entry per row)."""
+        start = self.size["f"]
+        self.parts["f"].append(a.astype(np.int64))
+        self.size["f"] += a.shape[0]
+        return "f", start, a.shape
+
     def ship(self, device: torch.device) -> None:
         for kind, dtype in (("i", np.int64), ("b", np.bool_)):
             parts = self.parts[kind]
             arr = np.concatenate(parts, axis=1) if parts else np.zeros((self.batch, 0), dtype)
             self.dev[kind] = torch.from_numpy(arr.astype(dtype)).to(device)
+        flat = self.parts["f"]
+        arr = np.concatenate(flat) if flat else np.zeros(0, np.int64)
+        self.dev["f"] = torch.from_numpy(arr).to(device)
 
     def get(self, handle: tuple[str, int, tuple[int, ...]] | None) -> Tensor | None:
         if handle is None:
             return None
         kind, start, shape = handle
+        if kind == "f":
+            return self.dev["f"][start : start + shape[0]]
         width = math.prod(shape[1:])  # not np.prod: this runs every pass
         return self.dev[kind][:, start : start + width].view(shape)
 
@@ -353,6 +368,7 @@ class _Pass:
     n_query: int
     keep: int  # entries kept in the cache (AO-GPT) / query-stream entries kept (ARMD)
     h: dict = field(default_factory=dict)  # bank handles
+    compact: dict = field(default_factory=dict)  # cache key -> (index, real, dense), first
 
 
 class _Plan:
@@ -388,23 +404,43 @@ class _Plan:
         self.len = {"w": 0, "c": 0}
         self.cap = 1
         self.dense = {"w": True, "c": True}
+        self.valid = {key: np.zeros((batch, 0), dtype=bool) for key in ("w", "c")}
         if prefill and k > 0:
             self._add(np.zeros(batch, dtype=np.int64), -1, prefill=True)
         for step, c in enumerate(counts):
             if c.max() > 0:
                 self._add(c.astype(np.int64), step)
 
-    def _grow(self, key: str, keep: int, written: int, real: np.ndarray | None) -> None:
+    def _grow(self, key: str, keep: int, written: int, real: np.ndarray) -> None:
         self.cap = max(self.cap, self.len[key] + written)
         self.len[key] += keep
-        if real is not None and not real.all():
+        self.valid[key] = np.concatenate([self.valid[key], real], axis=1)
+        if not real.all():
             self.dense[key] = False
 
+    def _compact(self) -> dict:
+        """Compactions worth doing before the next pass: a cache whose rows kept different
+        numbers of slots has gaps that every later pass would attend over."""
+        out = {}
+        for key in ("w", "c") if self.armd else ("w",):
+            valid = self.valid[key]
+            length, count = valid.shape[1], valid.sum(axis=1)
+            M = int(count.max()) if length else 0
+            if M == 0 or length - M < max(_COMPACT_MIN, length // 4):
+                continue
+            index = np.argsort(~valid, axis=1, kind="stable")[:, :M]  # kept slots, in order
+            real = np.arange(M)[None, :] < count[:, None]
+            self.valid[key], self.len[key], self.dense[key] = real, M, bool(real.all())
+            out[key] = (self.bank.add(np.where(real, index, 0)), self.bank.add(real), real.all())
+        return out
+
     def _add(self, c: np.ndarray, step: int, prefill: bool = False) -> None:
+        compact = self._compact()
         if self.armd:
             self._add_armd(c, step, prefill)
         else:
             self._add_gpt(c, step, prefill)
+        self.passes[-1].compact = compact
         self.d = self.d + c
 
     def _add_gpt(self, c: np.ndarray, step: int, prefill: bool) -> None:
@@ -423,6 +459,8 @@ class _Plan:
         p.h["tgt_slot"] = b.add(np.concatenate([ws, qs], axis=1))
         p.h["mask"] = None if self.dense["w"] and new.all() else b.add(new)
         p.h["keep"] = None if real[:, :keep].all() else b.add(real[:, :keep])
+        if real.sum() <= _PACK_BELOW * real.size:  # mostly padding: run the real slots only
+            p.h["pack"] = b.add_flat(np.flatnonzero(real))
         self._grow("w", keep, W + Q, real[:, :keep])
         self.w = np.where(c > 0, d + 1, d)
         self.passes.append(p)
@@ -480,10 +518,12 @@ def _gpt_pass(
     target = order.gather(1, tgt_slot).clamp(max=n - 1)
     new = bank.get(p.h["mask"])
     mask = None if new is None else cache.mask(new[:rows])
-    logits = model.decode(cache, x_in, pos_in, target, mask)
+    pack = p.h.get("pack")
+    packing = None if pack is None else Packing(bank.get(pack), rows, in_slot.shape[1])
+    logits = model.decode(cache, x_in, pos_in, target, mask, queries=p.n_query, packing=packing)
     keep = bank.get(p.h["keep"])
     cache.advance(p.keep, None if keep is None else keep[:rows], pos_in)
-    return logits[:, p.n_write :]
+    return logits
 
 
 def _armd_pass(
@@ -545,6 +585,9 @@ def _run_plan(
     passes = 0
     for i, p in enumerate(plan.passes):
         rows = 1 if p.prefill else B
+        for key, (index, real, dense) in p.compact.items():
+            kv = (cache.content if key == "c" else cache.query) if armd else cache
+            kv.compact(plan.bank.get(index)[:rows], plan.bank.get(real)[:rows], dense)
         logits = step_fn(model, cache, p, plan.bank, tok[:rows], order_ext[:rows], n)
         passes += 1
         if p.prefill:

@@ -14,7 +14,15 @@ from torch import Tensor, nn
 from anyorder.cache import KVCache
 from anyorder.config import ModelConfig
 from anyorder.errors import ConfigError
-from anyorder.layers import Block, Mask, TargetCondition, init_weights, make_norm, positions
+from anyorder.layers import (
+    Block,
+    Mask,
+    Packing,
+    TargetCondition,
+    init_weights,
+    make_norm,
+    positions,
+)
 from anyorder.models.base import AnyOrderLM
 
 BOS = -1  # slot-input id of the learned BOS vector
@@ -115,7 +123,15 @@ class GPT(AnyOrderLM):
         return KVCache(self.cfg.n_layer, batch, capacity, self.device)
 
     def decode(
-        self, cache: KVCache, x_in: Tensor, pos_in: Tensor, target: Tensor, mask: Tensor | None
+        self,
+        cache: KVCache,
+        x_in: Tensor,
+        pos_in: Tensor,
+        target: Tensor,
+        mask: Tensor | None,
+        *,
+        queries: int | None = None,
+        packing: Packing | None = None,
     ) -> Tensor:
         """Logits (B, T, V) of ``T`` new slots that read the cache: the training forward's
         computation for those slots, one slot-input each.
@@ -129,10 +145,19 @@ class GPT(AnyOrderLM):
             target: (B, T) the positions each slot predicts (AO-GPT's adaLN condition).
             mask: (B, 1, T, cache.length + T) boolean from :meth:`KVCache.mask`, every row
                 seeing at least its own slot; ``None``: every slot sees everything.
+            queries: logits of the last ``queries`` slots only, (B, queries, V) (the others
+                are only written to the cache); None: all ``T``.
+            packing: the real slots of a padded call (:class:`anyorder.layers.Packing`):
+                only they go through the per-slot layers; the padding's logits are zeros.
         """
+        pos = positions(self.cfg, pos_in)  # attention works on the padded (B, T) layout
+        if packing is not None:
+            x_in, pos_in, target = packing.pack(x_in), packing.pack(pos_in), packing.pack(target)
         h = self.inject(self.embed(x_in, pos_in), target)
         cond = self.decode_condition(cache, target)
-        pos = positions(self.cfg, pos_in)
         for i, block in enumerate(self.blocks):
-            h = block(h, pos, mask, cond, kv=cache.hook(i))
-        return self.head(self.final_norm(h, cond))
+            h = block(h, pos, mask, cond, kv=cache.hook(i), packing=packing)
+        h = self.final_norm(h, cond)
+        if packing is not None:
+            h = packing.unpack(h)
+        return self.head(h if queries is None else h[:, h.shape[1] - queries :])
