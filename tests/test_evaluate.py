@@ -221,10 +221,11 @@ def reference_member_logprobs(model, x, order, keys, slots) -> Tensor:
     return out
 
 
-@pytest.mark.parametrize("kind", ["aogpt", "armd"])
+@pytest.mark.parametrize("kind", ["aogpt", "armd", "aogpt-rope-target"])
 def test_batched_ensemble_equals_one_pass_per_context(kind: str, gen: torch.Generator) -> None:
     n, M = 9, 4
-    model = perturbed(kind, vocab_size=7, seq_len=n)
+    extra = {"pos_emb": "rope", "rope_query": "target"} if kind == "aogpt-rope-target" else {}
+    model = perturbed(kind.split("-")[0], vocab_size=7, seq_len=n, **extra)
     x = torch.randint(0, 7, (2, n), generator=gen)
     order = torch.rand(2, n, generator=gen).argsort(-1)
     keys = torch.rand(2, M - 1, n, generator=gen, dtype=torch.float64)

@@ -197,6 +197,26 @@ def test_aogpt_additive_injection_runs_and_depends_on_target(gen: torch.Generato
     assert (a[:, 4] - b[:, 4]).abs().max() > 1e-4  # slot 4 now targets position 5
 
 
+def test_aogpt_queries_rotated_to_their_targets(gen: torch.Generator) -> None:
+    """``rope_query=target``: in a fresh model (adaLN zero) a slot's prediction depends on its
+    target position only through its query's rotation. It moves when the target moves;
+    rotated at the input position (as published) nothing else carries the target."""
+    tokens = torch.randint(0, 11, (2, 6), generator=gen)
+    o1, o2 = torch.tensor([[0, 1, 2, 3, 4, 5]]), torch.tensor([[0, 1, 2, 3, 5, 4]])
+    for rope_query in ("input", "target"):
+        model = tiny_model("aogpt", pos_emb="rope", rope_query=rope_query)
+        with torch.no_grad():
+            a, b = model(tokens, o1.expand(2, 6)), model(tokens, o2.expand(2, 6))
+        assert_close(a[:, :4], b[:, :4], atol=1e-6, rtol=0)  # same slots, same targets
+        moved = float((a[:, 4] - b[:, 4]).abs().max())
+        assert moved > 1e-4 if rope_query == "target" else moved < 1e-6
+    for kw in ({"kind": "gpt", "pos_emb": "rope"}, {"kind": "aogpt"}):  # not aogpt; not rope
+        with pytest.raises(ConfigError, match="model.rope_query=target rotates aogpt's queries"):
+            preset("tiny", rope_query="target", **kw)
+    with pytest.raises(ConfigError, match="model.rope_query='key': use input or target"):
+        preset("tiny", kind="aogpt", rope_query="key")
+
+
 def test_gpt_refuses_other_orders_and_blocks(gen: torch.Generator) -> None:
     gpt = tiny_model("gpt")
     tokens = torch.randint(0, 11, (1, 5), generator=gen)

@@ -75,6 +75,10 @@ class ModelConfig:
     """aogpt: how the target position enters: adaln (AO-GPT) or add (sigma-GPT-style ablation)."""
     l2s: int | None = None
     """armd: number of two-stream layers at the bottom (default n_layer // 2)."""
+    rope_query: str = "input"
+    """aogpt with rope: where a slot's query is rotated: input (the position of the token it
+    reads, like its key: AO-GPT as published) or target (the position it predicts: scores
+    then depend on the offset from the target to each context token; our extension)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -108,6 +112,13 @@ class ModelConfig:
             raise ConfigError(f"model.mlp={self.mlp!r}: use gelu or swiglu")
         if self.target_injection not in ("adaln", "add"):
             raise ConfigError(f"model.target_injection={self.target_injection!r}: use adaln or add")
+        if self.rope_query not in ("input", "target"):
+            raise ConfigError(f"model.rope_query={self.rope_query!r}: use input or target")
+        if self.rope_query == "target" and (self.kind != "aogpt" or self.positional != "rope"):
+            raise ConfigError(
+                "model.rope_query=target rotates aogpt's queries: it needs model.kind=aogpt "
+                "and model.pos_emb=rope"
+            )
         if self.positional == "rope" and self.head_dim % 2:
             raise ConfigError("rope needs an even head dimension (d_model / n_head)")
         if self.l2s is not None and not 1 <= self.l2s <= self.n_layer:

@@ -198,7 +198,7 @@ def _slot_logprob(model: AnyOrderLM, tokens: Tensor, order: Tensor, slot: Tensor
         model.check_tokens(tokens)
         x_in, pos_in = model.slot_inputs(tokens, order)
         h = model.inject(model.embed(x_in, pos_in), order)
-        h = model.trunk(h, pos_in, "causal", model.condition(order))
+        h = model.trunk(h, pos_in, "causal", model.condition(order), order)
         logits = model.head(h[rows, slot])
     else:
         logits = model(tokens, order)[rows, slot]

@@ -326,15 +326,20 @@ class Attention(nn.Module):
         return rotate(x, pos)
 
     def project(
-        self, x: Tensor, pos: Positions, packing: Packing | None = None
+        self,
+        x: Tensor,
+        pos: Positions,
+        packing: Packing | None = None,
+        qpos: Positions = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries, keys and values (each (B, H, T, D)), normed and rotated to ``pos``
-        (with a ``packing``: ``x`` is packed, the outputs are not)."""
+        (the queries to ``qpos`` where given; with a ``packing``: ``x`` is packed, the
+        outputs are not)."""
         qkv = self.qkv(x)
         if packing is not None:
             qkv = packing.unpack(qkv)
         q, k, v = qkv.split(x.shape[-1], dim=-1)
-        q = self._rotate(self.q_norm(self._heads(q)), pos)
+        q = self._rotate(self.q_norm(self._heads(q)), pos if qpos is None else qpos)
         k = self._rotate(self.k_norm(self._heads(k)), pos)
         return q, k, self._heads(v)
 
@@ -425,11 +430,13 @@ class Attention(nn.Module):
         mask: Mask,
         kv: KVHook | None = None,
         packing: Packing | None = None,
+        qpos: Positions = None,
     ) -> Tensor:
         """Self-attention; ``kv`` (a KV-cache hook) swaps the new keys/values for the cached
         ones plus the new, and then every query must see at least itself in ``mask``.
-        ``packing`` (decoding only): ``x`` and the output hold the real slots only."""
-        q, k, v = self.project(x, pos, packing)
+        ``packing`` (decoding only): ``x`` and the output hold the real slots only.
+        ``qpos``: the queries' positions where they differ from the keys' (``pos``)."""
+        q, k, v = self.project(x, pos, packing, qpos)
         if kv is None:
             return self.attend(q, k, v, mask, packing=packing)
         k, v = kv(k, v)
@@ -620,9 +627,10 @@ class Block(nn.Module):
         cond: Tensor | TargetCondition | None = None,
         kv: KVHook | None = None,
         packing: Packing | None = None,
+        qpos: Positions = None,
     ) -> Tensor:
         if self.ada is None:
-            x = x + self.attn(self.norm1(x), pos, mask, kv, packing)
+            x = x + self.attn(self.norm1(x), pos, mask, kv, packing, qpos)
             return x + self.mlp(self.norm2(x))
         if isinstance(cond, TargetCondition) and torch.is_grad_enabled():
             # training on a table: the same numbers, but autograd keeps the table and the
@@ -630,12 +638,14 @@ class Block(nn.Module):
             shift1, mul1, gate1, shift2, mul2, gate2 = self.ada.table_of(cond).chunk(6, dim=-1)
             i = cond.target
             h = modulate_rows(self.norm1(x), shift1, mul1, i)
-            x = gate_rows(x, self.attn(h, pos, mask, kv, packing), gate1, i)
+            x = gate_rows(x, self.attn(h, pos, mask, kv, packing, qpos), gate1, i)
             return gate_rows(x, self.mlp(modulate_rows(self.norm2(x), shift2, mul2, i)), gate2, i)
         # factors: mul = 1 + scale, gate = 1 + gate; addcmul(a, b, c) = a + b * c in one kernel
         shift1, mul1, gate1, shift2, mul2, gate2 = self.ada(cond)
         x = torch.addcmul(
-            x, gate1, self.attn(torch.addcmul(shift1, self.norm1(x), mul1), pos, mask, kv, packing)
+            x,
+            gate1,
+            self.attn(torch.addcmul(shift1, self.norm1(x), mul1), pos, mask, kv, packing, qpos),
         )
         return torch.addcmul(x, gate2, self.mlp(torch.addcmul(shift2, self.norm2(x), mul2)))
 

@@ -18,6 +18,7 @@ from anyorder.layers import (
     Block,
     Mask,
     Packing,
+    Positions,
     TargetCondition,
     init_weights,
     make_norm,
@@ -83,12 +84,22 @@ class GPT(AnyOrderLM):
         """Additive target injection (only AO-GPT's ``add`` ablation uses it)."""
         return h
 
-    def trunk(self, h: Tensor, pos: Tensor, mask: Mask, cond: Condition) -> Tensor:
-        """All blocks and the final norm: (B, T, d) -> (B, T, d)."""
+    def trunk(
+        self, h: Tensor, pos: Tensor, mask: Mask, cond: Condition, target: Tensor | None = None
+    ) -> Tensor:
+        """All blocks and the final norm: (B, T, d) -> (B, T, d). ``target``: the slots'
+        target positions (queries are rotated there under ``model.rope_query=target``)."""
+        qpos = self.query_positions(target)
         pos = positions(self.cfg, pos)  # RoPE tables once, for every layer
         for block in self.blocks:
-            h = block(h, pos, mask, cond)
+            h = block(h, pos, mask, cond, qpos=qpos)
         return self.final_norm(h, cond)
+
+    def query_positions(self, target: Tensor | None) -> Positions:
+        """RoPE tables of the queries when they differ from the keys' (else None)."""
+        if target is None or self.cfg.rope_query != "target":
+            return None
+        return positions(self.cfg, target)
 
     def final_norm(self, h: Tensor, cond: Condition) -> Tensor:
         return self.norm_f(h)
@@ -114,7 +125,7 @@ class GPT(AnyOrderLM):
     def _forward(self, tokens: Tensor, order: Tensor) -> Tensor:
         x_in, pos_in = self.slot_inputs(tokens, order)
         h = self.inject(self.embed(x_in, pos_in), order)
-        return self.head(self.trunk(h, pos_in, "causal", self.condition(order)))
+        return self.head(self.trunk(h, pos_in, "causal", self.condition(order), order))
 
     # -- cached decoding (see anyorder.sample) ------------------------------------------
 
@@ -151,12 +162,13 @@ class GPT(AnyOrderLM):
                 only they go through the per-slot layers; the padding's logits are zeros.
         """
         pos = positions(self.cfg, pos_in)  # attention works on the padded (B, T) layout
+        qpos = self.query_positions(target)
         if packing is not None:
             x_in, pos_in, target = packing.pack(x_in), packing.pack(pos_in), packing.pack(target)
         h = self.inject(self.embed(x_in, pos_in), target)
         cond = self.decode_condition(cache, target)
         for i, block in enumerate(self.blocks):
-            h = block(h, pos, mask, cond, kv=cache.hook(i), packing=packing)
+            h = block(h, pos, mask, cond, kv=cache.hook(i), packing=packing, qpos=qpos)
         h = self.final_norm(h, cond)
         if packing is not None:
             h = packing.unpack(h)
