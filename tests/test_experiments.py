@@ -152,3 +152,20 @@ def test_target_position_kl(gen) -> None:
     assert target_position_kl(tiny_model("aogpt"), x) == pytest.approx(0.0, abs=1e-7)
     assert target_position_kl(tiny_model("armd"), x) > 1e-4
     assert target_position_kl(tiny_model("mdm"), x) > 1e-4
+
+
+def test_a_finished_run_is_reused_across_new_default_off_fields() -> None:
+    """A run saved before a config field existed still matches (the field takes its
+    default); a changed value, or a key the config no longer has, does not."""
+    from anyorder.config import load_config, to_dict
+    from anyorder.experiments import _same_config
+
+    cfg = to_dict(load_config(None, ["model.kind=aogpt"]))
+    want = json.dumps(cfg, sort_keys=True)
+    old = json.loads(want)
+    del old["model"]["rope_query"]  # saved before the field existed
+    assert _same_config(old, want)
+    old["model"]["n_layer"] = 3
+    assert not _same_config(old, want)
+    assert not _same_config({**cfg, "model": {**cfg["model"], "retired": 1}}, want)
+    assert not _same_config(None, want)

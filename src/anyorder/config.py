@@ -458,6 +458,15 @@ def load_config(
                 raise ConfigError(f"override {item!r}: {p!r} is not a section")
             node = child
         node[parts[-1]] = value
+    return config_from_dict(values)
+
+
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    """A :class:`RunConfig` from a nested mapping (a saved config, or sections of one):
+    fields it lacks take today's defaults, so configs saved before a field existed still
+    load. Raises :class:`ConfigError` on an unknown key or a wrongly typed value."""
+    if not isinstance(values, dict):
+        raise ConfigError("a config must be a mapping of sections")
     try:
         return _build_run(values)
     except TypeError as e:  # a section given as a scalar, etc.

@@ -132,6 +132,19 @@ def run_name(kind: str, order: list[str]) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
 
 
+def _same_config(stored: Any, want: str) -> bool:
+    """Whether a finished run's saved config is the one wanted (JSON, sorted keys). Fields
+    added to the config since the run count with their defaults: a new option that is off
+    by default does not make every earlier run train again."""
+    from anyorder.config import config_from_dict, to_dict
+
+    try:
+        have = to_dict(config_from_dict(json.loads(json.dumps(stored))))
+    except ConfigError:
+        return False
+    return json.dumps(have, sort_keys=True) == want
+
+
 def train_run(
     ctx: Context,
     name: str,
@@ -161,7 +174,7 @@ def train_run(
     want = json.dumps(to_dict(cfg), sort_keys=True)
     if done.exists():
         info = json.loads(done.read_text())
-        if json.dumps(info.get("config"), sort_keys=True) == want:
+        if _same_config(info.get("config"), want):
             return info | {"rows": read_metrics(out_dir), "run_dir": str(out_dir)}
     if ctx.progress:
         print(f"experiment: training {out_dir.name} ({cfg.train.steps} steps)", flush=True)
