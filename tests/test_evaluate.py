@@ -264,8 +264,16 @@ def test_ensemble_on_sampled_targets_runs_the_plain_estimate_on_all(gen) -> None
     plain = pooled_estimate(corpus_any_order(model, x, 2, progress=False))
     assert res["any_order"]["nats_per_token"] == pytest.approx(plain.mean)
     assert res["l2r"] is None and res["ensemble"]["targets"] == 5
-    assert set(res["ensemble"]["by_size"]) == {1, 2, 4}
-    assert res["ensemble"]["passes_per_block"] > 1.0
+    ens = res["ensemble"]
+    assert set(ens["by_size"]) == set(ens["gain_by_size"]) == {1, 2, 4}
+    assert ens["gain_by_size"][1] == {"nats": 0.0, "stderr": 0.0}
+    assert ens["gain_by_size"][4]["nats"] == ens["gain_nats"]
+    # paired: the gain is the difference of the two sizes' means on the same targets
+    by = ens["by_size"]
+    assert ens["gain_by_size"][2]["nats"] == pytest.approx(
+        by[1]["nats_per_token"] - by[2]["nats_per_token"], abs=1e-9
+    )
+    assert ens["passes_per_block"] > 1.0
 
 
 def test_left_to_right_is_exact(gen: torch.Generator) -> None:

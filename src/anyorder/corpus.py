@@ -370,13 +370,18 @@ def likelihood_suite(
         m: metric(pooled_estimate(run.values[..., i]), bytes_per_token)
         for i, m in enumerate(run.sizes)
     }
-    gain = pooled_estimate(run.values[..., 0] - run.values[..., -1])
+    gains = {}  # paired over the same blocks, orders and targets: M = 1 minus M = m
+    for i, m in enumerate(run.sizes):
+        g = pooled_estimate(run.values[..., 0] - run.values[..., i])
+        gains[m] = {"nats": g.mean, "stderr": g.stderr}
+    gain = gains[run.sizes[-1]]
     res["ensemble"] = by_size[run.sizes[-1]] | {
         "members": ensemble,
         "targets": targets,
         "by_size": by_size,
-        "gain_nats": gain.mean,
-        "gain_stderr": gain.stderr,
+        "gain_by_size": gains,
+        "gain_nats": gain["nats"],
+        "gain_stderr": gain["stderr"],
         "passes_per_block": run.passes_per_block,
         "passes_formula": run.expected_passes,
     }
