@@ -50,6 +50,30 @@ def step_grid(n: int, steps: list[int]) -> list[int]:
     return sorted({t for t in steps if t <= n} | {n})
 
 
+@torch.no_grad()
+def floor_pass(model, B: int, n: int, k: int, device, ctx, pick, rounds: int = 3) -> float:
+    """Seconds of one KV-cache pass of ``k`` new slots per row over ``n // 2`` cached slots
+    (the mean cache length of a decode): what a Lemma-1 pass costs at least when it carries
+    ``k`` real slots per row, with no padding, no mask and nothing drawn."""
+    L, reps = n // 2, 10
+    cache = model.new_cache(B, L + k)
+    pos = torch.arange(L, device=device).expand(B, L)
+    x = torch.zeros(B, k, dtype=torch.long, device=device)
+    p = torch.full((B, k), L, dtype=torch.long, device=device)
+    target = (p + torch.arange(k, device=device)).clamp(max=n - 1)
+    with ctx:
+        model.decode(cache, pos % model.cfg.vocab_size, pos, pos, None)
+        cache.advance(L)
+
+        def run() -> None:  # writes at the same scratch slots every time
+            for _ in range(reps):
+                model.decode(cache, x, p, target, None, queries=k)
+
+        run()
+        times = [pick(*timed(run, device)[:2]) for _ in range(rounds)]
+    return min(times) / reps
+
+
 def _stat(xs: list[float], stat: str) -> float:
     return min(xs) if stat == "min" else sorted(xs)[len(xs) // 2]
 
@@ -95,7 +119,7 @@ def main() -> None:
     with ctx:  # warm-up: lazy inits, allocator
         lemma1_sample(model, 32, 8, batch=B, generator=torch.Generator(device).manual_seed(0))
         encoder_sample(enc, 32, steps=2, batch=B, generator=torch.Generator(device).manual_seed(0))
-    rows = []
+    rows, floors = [], {}
     for n in lengths:
         enc_pass = None
         if not args.full_encoder:  # seconds per encoder pass at this n
@@ -112,6 +136,10 @@ def main() -> None:
                     )
                 samples.append(pick(w, c) / out.forward_passes)
             enc_pass = _stat(samples, args.stat)
+            if args.decoder == "aogpt":  # the floor of a decoder pass (ARMD's differs)
+                floors[n] = {
+                    k: floor_pass(model, B, n, k, device, ctx, pick) for k in (1, 2, 4)
+                } | {"encoder_pass": enc_pass}
         for T in step_grid(n, steps):
             point = dict(n=n, steps=T, batch=B)
             ok = True
@@ -195,6 +223,17 @@ def main() -> None:
             for r in rows
         ],
     )
+    if floors:
+        print_table(
+            "floor: one pass of k real slots per row over n/2 cached slots (no padding, no "
+            "mask); ceiling = encoder pass / 2-slot pass (a Lemma-1 pass at T = n carries 2 "
+            "real slots per row on average: every token is written once and predicted once)",
+            ["n", "encoder pass ms", "1 slot ms", "2 slots ms", "4 slots ms", "ceiling"],
+            [
+                [n, *(1e3 * f[key] for key in ("encoder_pass", 1, 2, 4)), f["encoder_pass"] / f[2]]
+                for n, f in floors.items()
+            ],
+        )
     checks = [
         dict(
             target="Lemma 1 passes == non-empty steps (every point)",
@@ -215,7 +254,8 @@ def main() -> None:
     print_table("targets", ["target", "measured", "verdict"], [list(c.values()) for c in checks])
     meta = dict(machine(), device=str(device), dtype=args.dtype, clock=clock, size=args.size)
     meta.update(decoder=args.decoder, batch=B, full_encoder=args.full_encoder)
-    write_json(args.json, dict(meta=meta, rows=rows, targets=checks))
+    floor_rows = [{"n": n, **{str(k): v for k, v in f.items()}} for n, f in floors.items()]
+    write_json(args.json, dict(meta=meta, rows=rows, floors=floor_rows, targets=checks))
     plot(rows, args, meta)
 
 

@@ -134,7 +134,10 @@ def test_cli_experiment_print_only(tmp_path: Path) -> None:
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("torchrun --standalone --nproc_per_node=2") == 4
+    lines = [ln for ln in out.stdout.splitlines() if "torchrun --standalone" in ln]
+    assert len(lines) == 5 and all("--nproc_per_node=2" in ln for ln in lines)
+    ours = [ln for ln in lines if "model.rope_query=target" in ln]  # our extension's arm
+    assert len(ours) == 1 and "configs/aogpt-small-owt.yaml" in ours[0]
     bad = subprocess.run(
         [sys.executable, "-m", "anyorder.cli", "experiment", "nope", "--out", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=120,

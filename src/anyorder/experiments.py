@@ -1060,15 +1060,17 @@ def _paper(
 
 
 def _paper_four(ctx: Context) -> dict[str, Any]:
-    cfgs = {"gpt": "gpt-small-owt.yaml", "aogpt": "aogpt-small-owt.yaml",
-            "armd": "armd-small-owt.yaml", "mdm": "mdm-small-owt.yaml"}  # fmt: skip
+    rope = ["model.pos_emb=rope", "model.rope_query=target"]  # our extension
+    cfgs = {"gpt": ("gpt-small-owt.yaml", []), "aogpt": ("aogpt-small-owt.yaml", []),
+            "armd": ("armd-small-owt.yaml", []), "mdm": ("mdm-small-owt.yaml", []),
+            "aogpt-rope-target": ("aogpt-small-owt.yaml", rope)}  # fmt: skip
     root = str(ctx.out / "runs")
     cmds = []
-    for kind, cfg in cfgs.items():
+    for name, (cfg, extra) in cfgs.items():
         for s in range(ctx.seeds):
             # equal tokens: every run takes ARMD's 180K steps of 512 x 1024 tokens
-            ov = [f"train.seed={s}", "train.steps=180000", f"train.out_dir={root}/{kind}-s{s}"]
-            cmds.append(torchrun_command(cfg, ov, ctx.nproc))
+            ov = [f"train.seed={s}", "train.steps=180000", f"train.out_dir={root}/{name}-s{s}"]
+            cmds.append(torchrun_command(cfg, ov + extra, ctx.nproc))
     return _run_commands(ctx, cmds, "Budget: 180K steps x 512 x 1024 tokens for every model.\n")
 
 
