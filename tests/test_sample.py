@@ -379,6 +379,18 @@ def test_lemma1_compacted_and_packed_passes_keep_every_conditional(kind: str, mo
     torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=0)
     assert calls["compact"] > 0
     assert (calls["pack"] > 0) == (kind == "aogpt")  # ARMD's two streams are not packed
+    # with prompts: scattered known positions per row, and one prompt shared by every row
+    # (prefilled once on one row, then forked)
+    known = torch.zeros(4, N, dtype=torch.bool)
+    known[:, [0, 5, 9]] = True
+    prompt = torch.randint(0, 11, (4, N), generator=g)
+    for p in (prompt, prompt[:1]):
+        out = lemma1_sample(
+            model, N, N - 3, prompt=p, known=known, batch=4, generator=g, keep_logits=True
+        )
+        assert torch.equal(out.tokens[known], p.expand(4, N)[known])
+        ref = slot_oracle(model, out.tokens, out.order, out.step_of)
+        torch.testing.assert_close(out.logits[:, 3:], ref[:, 3:], atol=1e-5, rtol=0)
 
 
 def test_packed_decode_equals_the_padded_one() -> None:

@@ -459,7 +459,8 @@ class _Plan:
         p.h["tgt_slot"] = b.add(np.concatenate([ws, qs], axis=1))
         p.h["mask"] = None if self.dense["w"] and new.all() else b.add(new)
         p.h["keep"] = None if real[:, :keep].all() else b.add(real[:, :keep])
-        if real.sum() <= _PACK_BELOW * real.size:  # mostly padding: run the real slots only
+        if not prefill and not real.all() and real.sum() <= _PACK_BELOW * real.size:
+            # mostly padding: run the real slots only (a prefill runs on one row, unpadded)
             p.h["pack"] = b.add_flat(np.flatnonzero(real))
         self._grow("w", keep, W + Q, real[:, :keep])
         self.w = np.where(c > 0, d + 1, d)
