@@ -587,6 +587,24 @@ def _add_target_kl(
 # ============================================================================ 2. Finding 1
 
 
+BPB_KEYS = ["val/l2r_bpb", "val/ao_bpb"]
+ROPE_TARGET = ["model.pos_emb=rope", "model.rope_query=target"]
+"""Our extension's overrides: AO-GPT with RoPE, each query rotated to its target position."""
+
+
+def _bpb_experiment(
+    ctx: Context, arms: dict[str, tuple[str, list[str]]], title: str, note: str = ""
+) -> dict[str, Any]:
+    """Train every arm for ``ctx.seeds`` seeds; validation bits/byte (left to right and any
+    order) vs tokens as a plot, and the final values as a table after the budget line and
+    ``note``."""
+    res = _arms_curves(ctx, arms, BPB_KEYS, ctx.seeds)
+    plot = _plot_curves(res["curves"], "validation bits/byte", title, ctx.out / "plot.png")
+    md = _budget_line(ctx, len(arms) * ctx.seeds) + " " + _seeds_note(ctx, ctx.seeds)
+    md += note + "\n\n" + _arms_table(res, BPB_KEYS, ["l2r bits/byte", "any-order bits/byte"])
+    return res | {"plot": plot, "markdown": md}
+
+
 def exp_finding1(ctx: Context) -> dict[str, Any]:
     """AO-GPT Finding 1: left-to-right vs uniform any-order training, same architecture."""
     arms = {
@@ -595,23 +613,14 @@ def exp_finding1(ctx: Context) -> dict[str, Any]:
     }
     if ctx.scale == "paper":
         return _paper(ctx, "aogpt-small-owt.yaml", arms)
-    keys = ["val/l2r_bpb", "val/ao_bpb"]
-    seeds = ctx.seeds
-    res = _arms_curves(ctx, arms, keys, seeds)
-    plot = _plot_curves(
-        {k: v for k, v in res["curves"].items() if k.endswith(("l2r_bpb", "ao_bpb"))},
-        "validation bits/byte",
-        "Finding 1: l2r vs uniform-order training (aogpt)",
-        ctx.out / "plot.png",
-    )
-    md = _budget_line(ctx, 2 * seeds) + " " + _seeds_note(ctx, seeds) + "\n\n"
-    md += _arms_table(res, keys, ["l2r bits/byte", "any-order bits/byte"])
+    res = _bpb_experiment(ctx, arms, "Finding 1: l2r vs uniform-order training (aogpt)")
+    md = res["markdown"]
     md += (
         "\nDiagnostic: mean KL between the predictions for two target positions with the same "
         "context (`target_position_kl`, 32 validation blocks x 8 slots, seed-0 models).\n"
     )
     md += _add_target_kl(ctx, res, arms)
-    return res | {"plot": plot, "markdown": md}
+    return res | {"markdown": md}
 
 
 # ============================================================================ 3. Finding 3
@@ -628,21 +637,13 @@ def exp_finding3(ctx: Context) -> dict[str, Any]:
         return _paper(ctx, "aogpt-small-owt.yaml", arms)
     # the same mixes with our extension (RoPE queries at their targets), which does learn
     # uniform orders at this budget (experiment 5): is there any-order skill to help?
-    rope = ["model.pos_emb=rope", "model.rope_query=target"]
     for label, (kind, order) in list(arms.items()):
-        arms[label.replace("aogpt", "aogpt, RoPE at targets,")] = (kind, [*order, *rope])
-    keys = ["val/l2r_bpb", "val/ao_bpb"]
-    res = _arms_curves(ctx, arms, keys, ctx.seeds)
-    plot = _plot_curves(
-        res["curves"], "validation bits/byte", "Finding 3: left-to-right mix", ctx.out / "plot.png"
-    )
-    md = _budget_line(ctx, len(arms) * ctx.seeds) + " " + _seeds_note(ctx, ctx.seeds)
-    md += (
+        arms[label.replace("aogpt", "aogpt, RoPE at targets,")] = (kind, [*order, *ROPE_TARGET])
+    note = (
         " The last three arms repeat the mixes with our extension (`model.pos_emb=rope "
-        "model.rope_query=target`, experiment 5).\n\n"
+        "model.rope_query=target`, experiment 5)."
     )
-    md += _arms_table(res, keys, ["l2r bits/byte", "any-order bits/byte"])
-    return res | {"plot": plot, "markdown": md}
+    return _bpb_experiment(ctx, arms, "Finding 3: left-to-right mix", note)
 
 
 # ============================================================================ 4. Finding 5
@@ -660,7 +661,7 @@ def exp_finding5(ctx: Context) -> dict[str, Any]:
     # uniform orders (experiment 5), so that there is order-dependent skill to average
     arms["aogpt (10% l2r), RoPE queries at targets"] = (
         "aogpt",
-        [*mix, "model.pos_emb=rope", "model.rope_query=target"],
+        [*mix, *ROPE_TARGET],
     )
     sizes = [1, 2, 4] if ctx.smoke else [1, 2, 4, 8, 16]
     data = _val_data(ctx)
@@ -736,7 +737,7 @@ _FOUR = {
     ),
     "aogpt (10% l2r), RoPE queries at targets": (
         "aogpt",
-        ["order.kind=mix", "order.p_l2r=0.1", "model.pos_emb=rope", "model.rope_query=target"],
+        ["order.kind=mix", "order.p_l2r=0.1", *ROPE_TARGET],
     ),
 }
 
@@ -763,22 +764,15 @@ def exp_four(ctx: Context) -> dict[str, Any]:
     arms = _four(ctx)
     if ctx.scale == "paper":
         return _paper_four(ctx)
-    keys = ["val/l2r_bpb", "val/ao_bpb"]
-    res = _arms_curves(ctx, arms, keys, ctx.seeds)
-    plot = _plot_curves(
-        res["curves"], "validation bits/byte", "Equal tokens: every model", ctx.out / "plot.png"
-    )
-    md = _budget_line(ctx, len(arms) * ctx.seeds) + " " + _seeds_note(ctx, ctx.seeds)
-    md += (
+    note = (
         " The mdm's any-order figure is its ELBO; its left-to-right figure is on "
         "4 sequences only (one encoder pass per token). The last arm is our extension "
         "(`model.pos_emb=rope model.rope_query=target`): AO-GPT whose queries are rotated "
         "to the positions they predict, so that attention sees target-to-context offsets "
         "as ARMD's query stream does; the one before it is its control (RoPE, queries "
-        "rotated to the positions of the tokens they read, like the keys).\n\n"
+        "rotated to the positions of the tokens they read, like the keys)."
     )
-    md += _arms_table(res, keys, ["l2r bits/byte", "any-order bits/byte"])
-    return res | {"plot": plot, "markdown": md}
+    return _bpb_experiment(ctx, arms, "Equal tokens: every model", note)
 
 
 # ============================================================================ 6. progressive
@@ -792,18 +786,10 @@ def exp_progressive(ctx: Context) -> dict[str, Any]:
     }
     if ctx.scale == "paper":
         return _paper(ctx, "armd-small-owt.yaml", arms)
-    keys = ["val/l2r_bpb", "val/ao_bpb"]
-    res = _arms_curves(ctx, arms, keys, ctx.seeds)
-    plot = _plot_curves(
-        res["curves"], "validation bits/byte", "ARMD: progressive vs uniform",
-        ctx.out / "plot.png",
-    )  # fmt: skip
-    md = _budget_line(ctx, 2 * ctx.seeds) + " " + _seeds_note(ctx, ctx.seeds)
-    md += f" Progressive: `{' '.join(_progressive(ctx))}`.\n\n"
-    md += _arms_table(res, keys, ["l2r bits/byte", "any-order bits/byte"])
-    md += "\nDiagnostic: target-position KL as in experiment 2 (seed-0 models).\n"
-    md += _add_target_kl(ctx, res, arms)
-    return res | {"plot": plot, "markdown": md}
+    note = f" Progressive: `{' '.join(_progressive(ctx))}`."
+    res = _bpb_experiment(ctx, arms, "ARMD: progressive vs uniform", note)
+    md = res["markdown"] + "\nDiagnostic: target-position KL as in experiment 2 (seed-0 models).\n"
+    return res | {"markdown": md + _add_target_kl(ctx, res, arms)}
 
 
 # ============================================================================ 7. SBP
@@ -1060,10 +1046,9 @@ def _paper(
 
 
 def _paper_four(ctx: Context) -> dict[str, Any]:
-    rope = ["model.pos_emb=rope", "model.rope_query=target"]  # our extension
     cfgs = {"gpt": ("gpt-small-owt.yaml", []), "aogpt": ("aogpt-small-owt.yaml", []),
             "armd": ("armd-small-owt.yaml", []), "mdm": ("mdm-small-owt.yaml", []),
-            "aogpt-rope-target": ("aogpt-small-owt.yaml", rope)}  # fmt: skip
+            "aogpt-rope-target": ("aogpt-small-owt.yaml", ROPE_TARGET)}  # fmt: skip
     root = str(ctx.out / "runs")
     cmds = []
     for name, (cfg, extra) in cfgs.items():
