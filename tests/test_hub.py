@@ -33,9 +33,11 @@ def logits_of(model, kind: str, seed: int = 0) -> torch.Tensor:
         return model(x, order)
 
 
-@pytest.mark.parametrize("kind", MODEL_KINDS)
+@pytest.mark.parametrize("kind", [*MODEL_KINDS, "aogpt-rope-target"])
 def test_round_trip_gives_identical_logits(tmp_path, kind: str) -> None:
-    model = tiny_model(kind, seed=3, vocab_size=257)
+    extra = {"pos_emb": "rope", "rope_query": "target"} if kind == "aogpt-rope-target" else {}
+    kind = kind.split("-")[0]
+    model = tiny_model(kind, seed=3, vocab_size=257, **extra)
     folder = save_pretrained(model, tmp_path / "m", ByteTokenizer(), weights="raw", step=7)
     loaded = from_pretrained(folder)
     assert loaded.model.kind == kind and loaded.step == 7 and loaded.weights == "raw"
