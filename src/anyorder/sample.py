@@ -368,7 +368,7 @@ class _Pass:
     n_query: int
     keep: int  # entries kept in the cache (AO-GPT) / query-stream entries kept (ARMD)
     h: dict = field(default_factory=dict)  # bank handles
-    compact: dict = field(default_factory=dict)  # cache key -> (index, real, dense), first
+    compact: dict = field(default_factory=dict)  # run before the pass: key -> (index, real, dense)
 
 
 class _Plan:
