@@ -913,8 +913,15 @@ def exp_decode(ctx: Context) -> dict[str, Any]:
     qsteps = [2, 4, 16] if ctx.smoke else [4, 8, 16, 32, 64]
     num = 4 if ctx.smoke else 48
     quality = []
-    for label, (kind, order) in (("aogpt (10% l2r)", _FOUR["aogpt (10% l2r)"]),
-                                 ("mdm", _FOUR["mdm"])):  # fmt: skip
+    qarms = [
+        "aogpt (10% l2r)",
+        "mdm",
+        "armd (progressive)",
+        "aogpt (10% l2r), RoPE queries at targets",
+    ]
+    four = _four(ctx)
+    for label in qarms:
+        kind, order = four[label]
         loaded = _load(train_run(ctx, run_name(kind, order), kind, order, 0))
         for T in qsteps:
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -935,7 +942,8 @@ def exp_decode(ctx: Context) -> dict[str, Any]:
         md += f"| {r['kind']} | {r['steps']} | {r['seconds']:.3f} |\n"
     md += (
         f"\nQuality vs steps: the trained runs of experiment 5, {num} samples of {qn} bytes at "
-        "temperature 1, random order, judged by experiment 5's gpt.\n\n"
+        "temperature 1, random order, judged by experiment 5's gpt (T = n: one token per pass, "
+        "the KV-cached sequential sampler for the decoders).\n\n"
         "| model | steps T | gen NLL (nats/token, ± over samples) | entropy (nats) |\n"
         "|---|---|---|---|\n"
     )
@@ -949,10 +957,14 @@ def exp_decode(ctx: Context) -> dict[str, Any]:
     plot = _plot_xy(series, "steps T", "seconds per batch", "Generation time vs steps",
                     ctx.out / "plot.png", logx=True)  # fmt: skip
     qseries = {}
-    for label in ("aogpt (10% l2r)", "mdm"):
+    for label in qarms:
         pts = [r for r in quality if r["model"] == label]
-        qseries[label] = ([r["steps"] for r in pts], [r["nll_per_token"] for r in pts], None)
-    _plot_xy(qseries, "steps T", "generative NLL (judge)", "Quality vs steps (T = 1.0)",
+        qseries[label] = (
+            [r["steps"] for r in pts],
+            [r["nll_per_token"] for r in pts],
+            [r["nll_se"] for r in pts],
+        )
+    _plot_xy(qseries, "steps T", "generative NLL (judge)", "Quality vs steps (temperature 1)",
              ctx.out / "quality.png", logx=True)  # fmt: skip
     return {"timing": timing, "quality": quality, "plot": plot, "markdown": md}
 
