@@ -378,7 +378,7 @@ def test_lemma1_compacted_and_packed_passes_keep_every_conditional(kind: str, mo
     ref = slot_oracle(model, out.tokens, out.order, out.step_of)
     torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=0)
     assert calls["compact"] > 0
-    assert (calls["pack"] > 0) == (kind == "aogpt")  # ARMD's two streams are not packed
+    assert calls["pack"] > 0
     # with prompts: scattered known positions per row, and one prompt shared by every row
     # (prefilled once on one row, then forked)
     known = torch.zeros(4, N, dtype=torch.bool)

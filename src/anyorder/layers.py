@@ -190,7 +190,23 @@ class Packing:
         """(1, N, F) -> (B, T, F), zeros in the padding."""
         out = x.new_zeros(self.batch * self.length, x.shape[-1])
         out.index_copy_(0, self.index, x[0])
-        return out.view(self.batch, self.length, -1)
+        return out.view(self.batch, self.length, x.shape[-1])
+
+
+@dataclass
+class StreamPacking:
+    """:class:`Packing` for ARMD's decoding call: its two-stream layers run ``C`` content rows
+    and ``G`` query rows as one (B, C + G) batch, its other layers the query rows alone.
+    Packed, the real content rows come first (``n_content`` of them), then the real query
+    rows, so that slicing the packed row splits the streams."""
+
+    rows: Packing
+    """Both streams, (B, C + G), content rows first."""
+    content: Packing
+    """The content rows, (B, C), in the same order."""
+    query: Packing
+    """The query rows, (B, G), in the same order."""
+    n_content: int
 
 
 @dataclass
@@ -343,18 +359,22 @@ class Attention(nn.Module):
         k = self._rotate(self.k_norm(self._heads(k)), pos)
         return q, k, self._heads(v)
 
-    def project_q(self, x: Tensor, pos: Positions) -> Tensor:
+    def project_q(self, x: Tensor, pos: Positions, packing: Packing | None = None) -> Tensor:
         """Queries only (the ARMD query stream reads the content stream's keys and values)."""
         d = x.shape[-1]
         bias = self.qkv.bias[:d] if self.qkv.bias is not None else None
         q = F.linear(x, self.qkv.weight[:d], bias)
+        q = q if packing is None else packing.unpack(q)
         return self._rotate(self.q_norm(self._heads(q)), pos)
 
-    def project_kv(self, x: Tensor, pos: Positions) -> tuple[Tensor, Tensor]:
+    def project_kv(
+        self, x: Tensor, pos: Positions, packing: Packing | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Keys and values only (the rows whose queries nobody reads)."""
         d = x.shape[-1]
         bias = self.qkv.bias[d:] if self.qkv.bias is not None else None
-        k, v = F.linear(x, self.qkv.weight[d:], bias).split(d, dim=-1)
+        kv = F.linear(x, self.qkv.weight[d:], bias)
+        k, v = (kv if packing is None else packing.unpack(kv)).split(d, dim=-1)
         return self._rotate(self.k_norm(self._heads(k)), pos), self._heads(v)
 
     def attend(

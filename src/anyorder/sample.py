@@ -43,7 +43,7 @@ from torch import Tensor
 
 from anyorder.cache import ARMDCache, KVCache
 from anyorder.errors import ConfigError, SamplingError
-from anyorder.layers import Packing
+from anyorder.layers import Packing, StreamPacking
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.models.gpt import BOS, GPT
@@ -490,6 +490,17 @@ class _Plan:
         p.h["qc_mask"] = None if dense_c and qc_new.all() else b.add(qc_new)
         p.h["qq_mask"] = None if self.dense["w"] and qq_new.all() else b.add(qq_new)
         p.h["keep"] = None if greal[:, :keep].all() else b.add(greal[:, :keep])
+        real = np.concatenate([cr, greal], axis=1)  # the two-stream layers' rows
+        if not prefill and not real.all() and real.sum() <= _PACK_BELOW * real.size:
+            # mostly padding: the real content rows first, then the real query rows
+            G, (bc, jc), (bg, jg) = Wg + Q, np.nonzero(cr), np.nonzero(greal)
+            both = np.concatenate([bc * (C + G) + jc, bg * (C + G) + C + jg])
+            p.h["pack"] = (
+                b.add_flat(both),
+                b.add_flat(bc * C + jc),
+                b.add_flat(bg * G + jg),
+                len(bc),
+            )
         self._grow("c", C, C, cr)
         self._grow("w", keep, Wg + Q, greal[:, :keep])
         self.cc = d.copy()
@@ -541,6 +552,16 @@ def _armd_pass(
     c_pos = c_pos.clamp(max=n - 1)
     target = order.gather(1, get("g_slot")).clamp(max=n - 1)
     c_new, qc_new, qq_new = get("c_mask"), get("qc_mask"), get("qq_mask")
+    packing = None
+    if p.h.get("pack") is not None:
+        both, cont, query, n_content = p.h["pack"]
+        C, G = content.shape[1], target.shape[1]
+        packing = StreamPacking(
+            Packing(bank.get(both), rows, C + G),
+            Packing(bank.get(cont), rows, C),
+            Packing(bank.get(query), rows, G),
+            n_content,
+        )
     logits = model.decode(
         cache,
         content,
@@ -550,6 +571,7 @@ def _armd_pass(
         query_content_mask=None if qc_new is None else cache.content.mask(qc_new),
         query_mask=None if qq_new is None else cache.query.mask(qq_new),
         keep_content=get("c_keep"),
+        packing=packing,
     )
     cache.query.advance(p.keep, get("keep"), target)
     return logits[:, p.n_write :]

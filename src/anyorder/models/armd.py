@@ -27,6 +27,7 @@ from anyorder.config import ModelConfig
 from anyorder.layers import (
     Block,
     PreparedMask,
+    StreamPacking,
     block_visibility,
     init_weights,
     make_norm,
@@ -150,6 +151,7 @@ class ARMD(AnyOrderLM):
         query_content_mask: Tensor | None = None,
         query_mask: Tensor | None = None,
         keep_content: Tensor | None = None,
+        packing: StreamPacking | None = None,
     ) -> Tensor:
         """Logits (B, G, V) of ``G`` query-stream slots, after adding ``C`` decided tokens.
 
@@ -172,6 +174,8 @@ class ARMD(AnyOrderLM):
             query_mask: (B, 1, G, Lg + G) which query-stream slots each query slot sees in
                 the ordinary layers, at least itself; None: all.
             keep_content: (B, C) False at padding tokens (not kept, not aggregated).
+            packing: the real rows of a padded call (:class:`anyorder.layers.StreamPacking`):
+                only they go through the per-row layers; the padding's logits are zeros.
         """
         B, C = content.shape
         G = target.shape[1]
@@ -197,29 +201,38 @@ class ARMD(AnyOrderLM):
         pos = positions(self.cfg, torch.cat([content_pos, target], dim=1))
         pos_c, pos_g = slice_positions(pos, 0, C), slice_positions(pos, C, C + G)
         mask, mask_g = self._two_stream_masks(content_mask, query_content_mask, B, C, G, Lc)
+        # with a packing, x holds the real rows only, (1, N, d), content first; attention
+        # unpacks to the padded layout its masks and the cache need
+        P = packing
+        nc, rows_pk = (C, None) if P is None else (P.n_content, P.rows)
+        if P is not None:
+            x = P.rows.pack(x)
         for i, block in enumerate(self.blocks):
             if i >= self.l2s:  # the query stream alone (sliced out by the last 2-stream layer)
-                x = block(x, pos_g, query_mask, kv=cache.query.hook(i - self.l2s))
+                q_pk = None if P is None else P.query
+                x = block(x, pos_g, query_mask, kv=cache.query.hook(i - self.l2s), packing=q_pk)
                 continue
             attn = block.attn
             xn = block.norm1(x)
-            k, v = attn.project_kv(xn[:, :C], pos_c)
+            k, v = attn.project_kv(xn[:, :nc], pos_c, None if P is None else P.content)
             k, v = cache.content.write(i, k, v)  # (B, H, Lc + C, D)
             if i == self.l2s - 1:  # the last content update is never read: query rows only
-                x, xn, rows_pos, rows_mask = x[:, C:], xn[:, C:], pos_g, mask_g
+                x, xn, rows_pos, rows_mask = x[:, nc:], xn[:, nc:], pos_g, mask_g
+                rows_pk = None if P is None else P.query
             else:
                 rows_pos, rows_mask = pos, mask
             if Lc + C > 0:  # else nothing to read: a zero attention output
-                x = x + attn.attend(attn.project_q(xn, rows_pos), k, v, rows_mask)
+                q = attn.project_q(xn, rows_pos, rows_pk)
+                x = x + attn.attend(q, k, v, rows_mask, packing=rows_pk)
             x = x + block.mlp(block.norm2(x))
-        g = x  # (B, G, d)
+        g = self.norm_f(x)  # (B, G, d), or the packed query rows
         cache.content.advance(C, keep_content, content_pos)
         kept = h0 if keep_content is None else h0 * keep_content[..., None].to(h0.dtype)
         cache.prefix_sum += kept.sum(dim=1).to(cache.prefix_sum.dtype)
         cache.prefix_count += (
             C if keep_content is None else keep_content.sum(dim=1).to(cache.prefix_count.dtype)
         )
-        return self.head(self.norm_f(g))
+        return self.head(g if P is None else P.query.unpack(g))
 
     @staticmethod
     def _two_stream_masks(
