@@ -613,7 +613,15 @@ def exp_finding1(ctx: Context) -> dict[str, Any]:
     }
     if ctx.scale == "paper":
         return _paper(ctx, "aogpt-small-owt.yaml", arms)
-    res = _bpb_experiment(ctx, arms, "Finding 1: l2r vs uniform-order training (aogpt)")
+    # the same comparison with our extension (RoPE queries at targets), which does learn
+    # uniform orders at this budget (experiment 5)
+    for label, (kind, order) in list(arms.items()):
+        arms[label.replace("aogpt", "aogpt, RoPE at targets,")] = (kind, [*order, *ROPE_TARGET])
+    note = (
+        " The last two arms repeat the comparison with our extension (`model.pos_emb=rope "
+        "model.rope_query=target`, experiment 5)."
+    )
+    res = _bpb_experiment(ctx, arms, "Finding 1: l2r vs uniform-order training (aogpt)", note)
     md = res["markdown"]
     md += (
         "\nDiagnostic: mean KL between the predictions for two target positions with the same "
