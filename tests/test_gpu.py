@@ -1,0 +1,146 @@
+"""The GPU paths on a CUDA device: what the CPU tests check, again where the kernels differ
+(cuBLAS, SDPA's fused kernels, FlexAttention, bf16 autocast, device-side generators).
+
+Marked ``gpu`` and so deselected by default; on a machine with a GPU run ``pytest -m gpu``
+(``benchmarks/gpu_check.sh`` runs them with the GPU benchmarks). To check the tests' own
+logic where there is no GPU, ``ANYORDER_GPU_TEST_DEVICE=cpu pytest -m gpu tests/test_gpu.py``
+runs them on the CPU (the FlexAttention test then checks the fallback).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from anyorder.config import load_config
+from anyorder.layers import flex_enabled, set_attention_backend
+from anyorder.orders import strided
+from anyorder.sample import encoder_sample, lemma1_sample, sequential_sample, strided_sample
+from anyorder.train import train
+from test_sample import slot_oracle
+
+from conftest import tiny_model
+
+DEVICE = torch.device(os.environ.get("ANYORDER_GPU_TEST_DEVICE", "cuda"))
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"
+    ),
+]
+N = 12
+ATOL = 1e-4  # fp32, but other kernels sum in other orders
+
+
+@pytest.fixture(autouse=True)
+def exact_matmuls():
+    """TF32 would make fp32 matmuls on Ampere+ agree to 1e-3 only: keep full fp32."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def on_device(kind: str, **overrides):
+    """A tiny model with every weight moved off its initialisation (adaLN too), on DEVICE."""
+    model = tiny_model(kind, **overrides)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model.to(DEVICE)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(DEVICE).manual_seed(seed)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "aogpt", "armd"])
+def test_cached_sequential_decoding_equals_the_forward(kind: str) -> None:
+    model = on_device(kind)
+    out = sequential_sample(model, N, batch=3, generator=gen(0), keep_logits=True)
+    assert out.tokens.device.type == DEVICE.type
+    ref = model(out.tokens, None if kind == "gpt" else out.order)
+    torch.testing.assert_close(out.logits, ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["aogpt", "armd"])
+def test_lemma1_packed_and_compacted_equals_the_oracle(kind: str, monkeypatch) -> None:
+    """Per-row counts with every gap compacted and every padded pass packed."""
+    import anyorder.sample as sample_mod
+
+    monkeypatch.setattr(sample_mod, "_COMPACT_MIN", 1)
+    monkeypatch.setattr(sample_mod, "_PACK_BELOW", 1.0)
+    model = on_device(kind)
+    out = lemma1_sample(model, N, N // 2, batch=4, generator=gen(1), keep_logits=True)
+    ref = slot_oracle(model, out.tokens, out.order, out.step_of)
+    torch.testing.assert_close(out.logits.cpu(), ref, atol=ATOL, rtol=0)
+
+
+def test_aogpt_with_queries_at_targets_decodes_like_its_forward() -> None:
+    model = on_device("aogpt", pos_emb="rope", rope_query="target")
+    out = sequential_sample(model, N, batch=3, generator=gen(2), keep_logits=True)
+    torch.testing.assert_close(out.logits, model(out.tokens, out.order), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("streams", [2, 4])
+def test_strided_decoding_equals_the_blocked_forward(streams: int) -> None:
+    model = on_device("armd")
+    out = strided_sample(model, N, streams, batch=2, generator=gen(3), keep_logits=True)
+    o = strided(2, N, streams)
+    ref = model(out.tokens, o.order.to(DEVICE), o.model_blocks.to(DEVICE))
+    torch.testing.assert_close(out.logits, ref, atol=ATOL, rtol=0)
+    assert out.forward_passes == streams + N // streams - 1
+
+
+def test_flex_attention_equals_sdpa_for_block_masks() -> None:
+    model = on_device("armd")
+    tokens = torch.randint(0, 11, (2, N), generator=torch.Generator().manual_seed(4))
+    o = strided(2, N, 3)
+    args = tokens.to(DEVICE), o.order.to(DEVICE), o.model_blocks.to(DEVICE)
+    with torch.no_grad():
+        sdpa = model(*args)
+        set_attention_backend("flex")
+        try:
+            assert flex_enabled(DEVICE) == (DEVICE.type == "cuda")
+            flex = model(*args)
+        finally:
+            set_attention_backend("sdpa")
+    torch.testing.assert_close(flex, sdpa, atol=ATOL, rtol=0)
+
+
+def test_encoder_sampler_on_the_device() -> None:
+    model = on_device("mdm")
+    out = encoder_sample(model, N, steps=4, batch=3, generator=gen(5))
+    assert out.tokens.device.type == DEVICE.type
+    assert out.forward_passes <= 4
+    assert bool(((out.tokens >= 0) & (out.tokens < model.cfg.vocab_size)).all())
+
+
+@pytest.mark.parametrize("kind", ["aogpt", "armd"])
+def test_bf16_training_runs_and_saves(tmp_path, kind: str) -> None:
+    run = tmp_path / "run"
+    overrides = {
+        "model.kind": kind,
+        "model.n_layer": 2,
+        "model.n_head": 2,
+        "model.d_model": 32,
+        "model.seq_len": 32,
+        "data.source": "builtin:pydoc",
+        "data.max_documents": 40,
+        "data.cache_dir": str(tmp_path / "cache"),
+        "train.out_dir": str(run),
+        "train.steps": 6,
+        "train.batch_size": 8,
+        "train.eval_every": 3,
+        "train.eval_batches": 1,
+        "train.device": DEVICE.type,
+        "train.dtype": "bf16",
+    }
+    summary = train(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), progress=False)
+    assert summary["step"] == 6
+    assert all(math.isfinite(v) for v in summary["val"].values() if isinstance(v, float))
+    assert (run / "checkpoints").is_dir()
