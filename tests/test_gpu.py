@@ -15,12 +15,12 @@ import os
 import pytest
 import torch
 
-from anyorder.config import load_config
 from anyorder.layers import flex_enabled, set_attention_backend
 from anyorder.orders import strided
 from anyorder.sample import encoder_sample, lemma1_sample, sequential_sample, strided_sample
 from anyorder.train import train
 from test_sample import slot_oracle
+from test_train import _cfg
 
 from conftest import tiny_model
 
@@ -123,24 +123,8 @@ def test_encoder_sampler_on_the_device() -> None:
 @pytest.mark.parametrize("kind", ["aogpt", "armd"])
 def test_bf16_training_runs_and_saves(tmp_path, kind: str) -> None:
     run = tmp_path / "run"
-    overrides = {
-        "model.kind": kind,
-        "model.n_layer": 2,
-        "model.n_head": 2,
-        "model.d_model": 32,
-        "model.seq_len": 32,
-        "data.source": "builtin:pydoc",
-        "data.max_documents": 40,
-        "data.cache_dir": str(tmp_path / "cache"),
-        "train.out_dir": str(run),
-        "train.steps": 6,
-        "train.batch_size": 8,
-        "train.eval_every": 3,
-        "train.eval_batches": 1,
-        "train.device": DEVICE.type,
-        "train.dtype": "bf16",
-    }
-    summary = train(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), progress=False)
+    on = {"train.device": DEVICE.type, "train.dtype": "bf16", "train.eval_every": 3}
+    summary = train(_cfg(run, tmp_path / "cache", kind, **on), progress=False)
     assert summary["step"] == 6
     assert all(math.isfinite(v) for v in summary["val"].values() if isinstance(v, float))
     assert (run / "checkpoints").is_dir()

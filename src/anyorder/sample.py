@@ -355,6 +355,12 @@ def _see(rank_q: np.ndarray, rank_k: np.ndarray, real_k: np.ndarray, same: bool)
     return vis & real_k[:, None, :]
 
 
+def _worth_packing(real: np.ndarray, prefill: bool) -> bool:
+    """Whether a pass with these real slots (B, T) runs packed: mostly padding, and not a
+    prefill (which runs on one row, unpadded)."""
+    return not prefill and not real.all() and real.sum() <= _PACK_BELOW * real.size
+
+
 def _with_self(m: np.ndarray) -> np.ndarray:
     """Add the diagonal: every slot sees itself (no empty rows, padding included)."""
     return m | np.eye(m.shape[1], m.shape[2], dtype=bool)[None]
@@ -459,8 +465,8 @@ class _Plan:
         p.h["tgt_slot"] = b.add(np.concatenate([ws, qs], axis=1))
         p.h["mask"] = None if self.dense["w"] and new.all() else b.add(new)
         p.h["keep"] = None if real[:, :keep].all() else b.add(real[:, :keep])
-        if not prefill and not real.all() and real.sum() <= _PACK_BELOW * real.size:
-            # mostly padding: run the real slots only (a prefill runs on one row, unpadded)
+        if _worth_packing(real, prefill):
+            # run the real slots only
             p.h["pack"] = b.add_flat(np.flatnonzero(real))
         self._grow("w", keep, W + Q, real[:, :keep])
         self.w = np.where(c > 0, d + 1, d)
@@ -491,7 +497,7 @@ class _Plan:
         p.h["qq_mask"] = None if self.dense["w"] and qq_new.all() else b.add(qq_new)
         p.h["keep"] = None if greal[:, :keep].all() else b.add(greal[:, :keep])
         real = np.concatenate([cr, greal], axis=1)  # the two-stream layers' rows
-        if not prefill and not real.all() and real.sum() <= _PACK_BELOW * real.size:
+        if _worth_packing(real, prefill):
             # mostly padding: the real content rows first, then the real query rows
             G, (bc, jc), (bg, jg) = Wg + Q, np.nonzero(cr), np.nonzero(greal)
             both = np.concatenate([bc * (C + G) + jc, bg * (C + G) + C + jg])
