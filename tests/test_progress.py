@@ -1,0 +1,71 @@
+"""Progress reporting: a line every few seconds or percent when the stream is not a terminal."""
+
+from __future__ import annotations
+
+import io
+
+from anyorder.progress import LineProgress, estimate, format_duration, progress
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_non_tty_gets_lines_by_fraction_and_at_close():
+    out = io.StringIO()
+    bar = progress(total=100, desc="eval", unit="passes", stream=out, every_s=1e9, every_frac=0.25)
+    assert isinstance(bar, LineProgress)
+    for _ in range(100):
+        bar.update(1)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert [ln.split(":")[1].split()[0] for ln in lines] == [
+        "25/100",
+        "50/100",
+        "75/100",
+        "100/100",
+    ]
+    assert lines[0].startswith("eval: 25/100 passes (25%)")
+
+
+def test_non_tty_lines_by_time(monkeypatch):
+    clock = iter(range(0, 10_000, 5))  # 5 s per call to perf_counter
+    monkeypatch.setattr("anyorder.progress.time.perf_counter", lambda: float(next(clock)))
+    out = io.StringIO()
+    bar = progress(total=1000, desc="train", unit="steps", stream=out, every_s=9.0)
+    for _ in range(4):
+        bar.update(1)  # 5 s, 10 s, 15 s, 20 s after the start: lines at 10 s and 20 s
+    assert len(out.getvalue().splitlines()) == 2
+    assert "left" in out.getvalue()
+
+
+def test_iteration_and_disabled():
+    out = io.StringIO()
+    assert list(progress(range(7), desc="x", stream=out, every_s=1e9, every_frac=2.0)) == list(
+        range(7)
+    )
+    assert out.getvalue().splitlines() == [out.getvalue().splitlines()[-1]]  # only at close
+    assert out.getvalue().startswith("x: 7/7 it (100%)")
+    quiet = io.StringIO()
+    bar = progress(total=3, stream=quiet, enabled=False)
+    bar.update(3)
+    bar.close()
+    assert quiet.getvalue() == ""
+
+
+def test_terminal_gets_tqdm():
+    from tqdm import tqdm
+
+    bar = progress(total=3, stream=_Tty())
+    assert isinstance(bar, tqdm)
+    bar.close()
+
+
+def test_estimate_and_durations():
+    out = io.StringIO()
+    seconds = estimate("ensemble x8", 1200, 0.175, stream=out)
+    assert seconds == 1200 * 0.175
+    assert out.getvalue() == "ensemble x8: about 3.5 min (1,200 passes x 0.175 s measured)\n"
+    assert [format_duration(s) for s in (42, 210, 7200)] == ["42 s", "3.5 min", "2.0 h"]
