@@ -533,7 +533,10 @@ class AdaLN(nn.Module):
         """The per-slot chunks (B, T, d) each (``1 + chunk`` for those in ``ones``)."""
         if isinstance(cond, Tensor):
             return self._offset(self.linear(F.silu(cond))).chunk(self.chunks, dim=-1)
-        return F.embedding(cond.target, self.table_of(cond)).chunk(self.chunks, dim=-1)
+        rows = cond.rows.get(self) if cond.rows is not None else None
+        if rows is None:
+            rows = F.embedding(cond.target, self.table_of(cond))
+        return rows.chunk(self.chunks, dim=-1)
 
 
 def _rows_grad(g: Tensor, idx: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
@@ -615,6 +618,9 @@ class TargetCondition:
     """(P, c) the condition table (the target-position embedding's weight)."""
     tables: dict | None = None
     """Per-AdaLN tables kept across calls (filled under ``torch.no_grad`` only), or None."""
+    rows: dict | None = None
+    """Per-AdaLN rows of ``target`` gathered already (decoding gathers every layer's rows in
+    one lookup per pass), or None."""
 
 
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ position table added to the input instead.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from anyorder.cache import KVCache
@@ -50,7 +51,17 @@ class AOGPT(GPT):
         if self.cfg.target_injection != "adaln":
             return None
         # the tables of every AdaLN, computed on the first decoding call and kept in the cache
-        return TargetCondition(target, self.tgt_emb.weight, cache.aux.setdefault("adaln", {}))
+        cond = TargetCondition(target, self.tgt_emb.weight, cache.aux.setdefault("adaln", {}))
+        if torch.is_grad_enabled():
+            return cond
+        # every layer's rows in one lookup per call, from the tables joined once per decode
+        mods = [b.ada for b in self.blocks] + [self.final_ada]
+        joint = cache.aux.get("adaln_joint")
+        if joint is None:
+            joint = cache.aux["adaln_joint"] = torch.cat([m.table_of(cond) for m in mods], -1)
+        rows = F.embedding(target, joint).split([m.linear.out_features for m in mods], -1)
+        cond.rows = dict(zip(mods, rows, strict=True))
+        return cond
 
     def inject(self, h: Tensor, target: Tensor) -> Tensor:
         return h + self.tgt_emb(target) if self.cfg.target_injection == "add" else h

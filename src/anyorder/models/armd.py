@@ -152,6 +152,9 @@ class ARMD(AnyOrderLM):
         query_mask: Tensor | None = None,
         keep_content: Tensor | None = None,
         packing: StreamPacking | None = None,
+        content_vis: Tensor | None = None,
+        two_stream_mask: PreparedMask | None = None,
+        queries: slice | None = None,
     ) -> Tensor:
         """Logits (B, G, V) of ``G`` query-stream slots, after adding ``C`` decided tokens.
 
@@ -176,15 +179,23 @@ class ARMD(AnyOrderLM):
             keep_content: (B, C) False at padding tokens (not kept, not aggregated).
             packing: the real rows of a padded call (:class:`anyorder.layers.StreamPacking`):
                 only they go through the per-row layers; the padding's logits are zeros.
+            content_vis: (B, G, C) which new content each query slot aggregates; None: the
+                new-content part of ``query_content_mask`` (a cache that appends at its end).
+            two_stream_mask: the mask of the two-stream rows (content, then query) over the
+                content keys, prepared already (in place of ``content_mask`` and
+                ``query_content_mask``).
+            queries: logits of these query slots only; None: all ``G``.
         """
         B, C = content.shape
         G = target.shape[1]
         Lc = cache.content.length
         h0 = self.embed_content(content, content_pos)  # (B, C, d)
-        if query_content_mask is None:
+        if content_vis is not None:
+            vis = content_vis.to(h0.dtype)  # (B, G, C)
+        elif query_content_mask is None:
             vis = h0.new_ones(B, G, C)
         else:
-            vis = query_content_mask[:, 0, :, Lc:].to(h0.dtype)  # (B, G, C)
+            vis = query_content_mask[:, 0, :, Lc:].to(h0.dtype)
         total = cache.prefix_sum[:, None].to(h0.dtype) + vis @ h0  # (B, G, d)
         count = cache.prefix_count[:, None].to(h0.dtype) + vis.sum(dim=-1)  # (B, G)
         aux = cache.content.aux
@@ -200,7 +211,12 @@ class ARMD(AnyOrderLM):
         x = torch.cat([h0, g], dim=1)  # (B, C + G, d)
         pos = positions(self.cfg, torch.cat([content_pos, target], dim=1))
         pos_c, pos_g = slice_positions(pos, 0, C), slice_positions(pos, C, C + G)
-        mask, mask_g = self._two_stream_masks(content_mask, query_content_mask, B, C, G, Lc)
+        if two_stream_mask is not None:
+            mask = two_stream_mask
+            empty_g = None if mask.empty is None else mask.empty[:, :, C:]
+            mask_g = PreparedMask(mask.dense[:, :, C:], empty_g)
+        else:
+            mask, mask_g = self._two_stream_masks(content_mask, query_content_mask, B, C, G, Lc)
         # with a packing, x holds the real rows only, (1, N, d), content first; attention
         # unpacks to the padded layout its masks and the cache need
         P = packing
@@ -221,7 +237,7 @@ class ARMD(AnyOrderLM):
                 rows_pk = None if P is None else P.query
             else:
                 rows_pos, rows_mask = pos, mask
-            if Lc + C > 0:  # else nothing to read: a zero attention output
+            if k.shape[2] > 0:  # else nothing to read: a zero attention output
                 q = attn.project_q(xn, rows_pos, rows_pk)
                 x = x + attn.attend(q, k, v, rows_mask, packing=rows_pk)
             x = x + block.mlp(block.norm2(x))
@@ -232,7 +248,8 @@ class ARMD(AnyOrderLM):
         cache.prefix_count += (
             C if keep_content is None else keep_content.sum(dim=1).to(cache.prefix_count.dtype)
         )
-        return self.head(g if P is None else P.query.unpack(g))
+        g = g if P is None else P.query.unpack(g)
+        return self.head(g if queries is None else g[:, queries])
 
     @staticmethod
     def _two_stream_masks(

@@ -141,7 +141,7 @@ class GPT(AnyOrderLM):
         target: Tensor,
         mask: Tensor | None,
         *,
-        queries: int | None = None,
+        queries: int | slice | None = None,
         packing: Packing | None = None,
     ) -> Tensor:
         """Logits (B, T, V) of ``T`` new slots that read the cache: the training forward's
@@ -156,8 +156,8 @@ class GPT(AnyOrderLM):
             target: (B, T) the positions each slot predicts (AO-GPT's adaLN condition).
             mask: (B, 1, T, cache.length + T) boolean from :meth:`KVCache.mask`, every row
                 seeing at least its own slot; ``None``: every slot sees everything.
-            queries: logits of the last ``queries`` slots only, (B, queries, V) (the others
-                are only written to the cache); None: all ``T``.
+            queries: logits of the last ``queries`` slots only, (B, queries, V), or of the
+                slots of a slice (the others are only written to the cache); None: all ``T``.
             packing: the real slots of a padded call (:class:`anyorder.layers.Packing`):
                 only they go through the per-slot layers; the padding's logits are zeros.
         """
@@ -172,4 +172,6 @@ class GPT(AnyOrderLM):
         h = self.final_norm(h, cond)
         if packing is not None:
             h = packing.unpack(h)
-        return self.head(h if queries is None else h[:, h.shape[1] - queries :])
+        if isinstance(queries, int):
+            queries = slice(h.shape[1] - queries, None)
+        return self.head(h if queries is None else h[:, queries])
