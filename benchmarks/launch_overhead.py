@@ -7,8 +7,11 @@ each sampler, at the ``tiny`` preset, batch 8, n = 256 by default, this prints
 
 * ``ops/pass``: every aten op dispatched during one generation, over its forward passes;
 * ``launch/pass``: the same without views and allocations (ops that launch no kernel on a
-  GPU: ``view``, ``expand``, ``slice``, ``empty``, ...; see :func:`launches_kernel`);
-* ``x gpt``: ``launch/pass`` over that of the left-to-right GPT's sequential decoding;
+  GPU: ``view``, ``expand``, ``slice``, ``empty``, ...; see :func:`launches_kernel`), on the
+  CPU's path (which packs the real entries of mostly padded passes: fewer matmul rows,
+  more index ops) and on the GPU's path (``gpu launch``: no packing, as CUDA runs it, and
+  what a CUDA graph captures);
+* ``x gpt``: ``gpu launch`` over that of the left-to-right GPT's sequential decoding;
 * ``syncs/pass`` inside the decode loop: ops and calls that make the host wait for the
   device (``item``, ``bool()``, ``nonzero``, ``equal``, ``unique``, ``tolist``, ``.cpu()``,
   ``.numpy()``; :data:`SYNC_OPS`, and the Python-level reads patched in :func:`host_reads`).
@@ -96,7 +99,11 @@ class Counter(TorchDispatchMode):
             self.events.append(("attn", f"{q.shape[-2]}x{k.shape[-2]}"))
         elif name == "multinomial":
             self.events.append(("draw", ""))
-        elif any(name == s or name.startswith(s) for s in SYNC_OPS):
+        elif any(name == s or name.startswith(s) for s in SYNC_OPS) and not getattr(
+            args[0],
+            "_anyorder_host_staging",
+            False,  # host memory: reading it waits for nothing
+        ):
             self.events.append(("sync", name))
         return func(*args, **kwargs)
 
@@ -154,6 +161,22 @@ def measure(fn: Callable[[], int]) -> dict:
     )
 
 
+@contextlib.contextmanager
+def gpu_path():
+    """Decode as on a GPU: never pack (the threshold lives in the plan; before the
+    sampling package, in ``anyorder.sample``)."""
+    try:
+        import anyorder.sampling.plan as where
+    except ImportError:
+        import anyorder.sample as where
+    saved = where._PACK_BELOW
+    where._PACK_BELOW = -1.0
+    try:
+        yield
+    finally:
+        where._PACK_BELOW = saved
+
+
 def samplers(n: int) -> dict[str, tuple[str, dict]]:
     """name -> (model kind, keyword arguments of :func:`anyorder.sample.sample`)."""
     T = n // 4
@@ -171,6 +194,7 @@ def samplers(n: int) -> dict[str, tuple[str, dict]]:
         "armd-infill": ("armd", dict(prompt="infill")),
         f"aogpt-infill-lemma1-T{T}": ("aogpt", dict(prompt="infill", steps=T)),
         "gpt-prompt": ("gpt", dict(prompt="prefix")),
+        "gpt-seq-stop-at-eos": ("gpt", dict(stop_at_eos=256)),
     }
     if "reveal" in inspect.signature(sample).parameters:  # the reference's counts (issue 15)
         rows[f"aogpt-lemma1-T{T}-reference"] = ("aogpt", dict(steps=T, reveal="reference"))
@@ -224,6 +248,10 @@ def main() -> None:
 
         run()  # warm-up: lazy tables, allocator
         rows[name] = measure(run)
+        with gpu_path():
+            gpu = measure(run)
+        rows[name]["gpu_launches_per_pass"] = gpu["launches_per_pass"]
+        rows[name]["gpu_ops_per_pass"] = gpu["ops_per_pass"]
     if not args.no_train:
         for kind in ("gpt", "aogpt", "armd"):
             model = models[kind].train()
@@ -238,20 +266,23 @@ def main() -> None:
 
             step()
             rows[f"train-{kind}"] = measure(step)
+            rows[f"train-{kind}"]["gpu_launches_per_pass"] = rows[f"train-{kind}"]["launches"]
             model.eval()
-    ref = rows.get("gpt-seq", {}).get("launches_per_pass")
+    ref = rows.get("gpt-seq", {}).get("gpu_launches_per_pass")
     print(f"\ntiny preset, batch {B}, n = {n}: per forward pass (training: per step)")
     head = (
-        f"{'sampler':30s} {'passes':>6s} {'ops/pass':>9s} {'launch/pass':>11s} {'x gpt':>6s} "
-        f"{'syncs/pass':>10s} {'setup syncs':>11s} {'shapes':>6s}"
+        f"{'sampler':30s} {'passes':>6s} {'ops/pass':>9s} {'launch/pass':>11s} "
+        f"{'gpu launch':>10s} {'x gpt':>6s} {'syncs/pass':>10s} {'setup syncs':>11s} "
+        f"{'shapes':>6s}"
     )
     print(head)
     print("-" * len(head))
     for name, r in rows.items():
-        ratio = f"{r['launches_per_pass'] / ref:6.2f}" if ref and "train" not in name else ""
+        gpu = r["gpu_launches_per_pass"]
+        ratio = f"{gpu / ref:6.2f}" if ref and "train" not in name else ""
         print(
             f"{name:30s} {r['passes']:6d} {r['ops_per_pass']:9.1f} {r['launches_per_pass']:11.1f} "
-            f"{ratio:>6s} {r['loop_syncs_per_pass']:10.2f} {r['setup_syncs']:11d} "
+            f"{gpu:10.1f} {ratio:>6s} {r['loop_syncs_per_pass']:10.2f} {r['setup_syncs']:11d} "
             f"{r['shapes']:6d}"
         )
         if r["loop_sync_ops"]:
@@ -270,10 +301,10 @@ def main() -> None:
         ),
     ]
     if ref:
-        worst = max(r["launches_per_pass"] / ref for r in decode.values())
+        worst = max(r["gpu_launches_per_pass"] / ref for r in decode.values())
         checks.append(
             dict(
-                target="kernel-launching ops per pass <= 1.3 x gpt's (every sampler)",
+                target="kernel-launching ops per pass, GPU path, <= 1.3 x gpt's (every sampler)",
                 measured=worst,
                 verdict="met" if worst <= 1.3 else "NOT met",
             )

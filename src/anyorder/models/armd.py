@@ -18,6 +18,8 @@ prediction at slot ``t`` depends on the tokens of blocks ``< B(t)`` only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -152,7 +154,7 @@ class ARMD(AnyOrderLM):
         query_mask: Tensor | None = None,
         keep_content: Tensor | None = None,
         packing: StreamPacking | None = None,
-        content_vis: Tensor | None = None,
+        prefix: Callable[[Tensor], Tensor] | None = None,
         two_stream_mask: PreparedMask | None = None,
         queries: slice | None = None,
     ) -> Tensor:
@@ -179,8 +181,9 @@ class ARMD(AnyOrderLM):
             keep_content: (B, C) False at padding tokens (not kept, not aggregated).
             packing: the real rows of a padded call (:class:`anyorder.layers.StreamPacking`):
                 only they go through the per-row layers; the padding's logits are zeros.
-            content_vis: (B, G, C) which new content each query slot aggregates; None: the
-                new-content part of ``query_content_mask`` (a cache that appends at its end).
+            prefix: the prefix aggregate of the query slots from the new content embeddings,
+                ``prefix(h0 (B, C, d)) -> (B, G, d)``, for a cache that keeps the embeddings
+                itself; None: the running sum and count in ``cache``, updated here.
             two_stream_mask: the mask of the two-stream rows (content, then query) over the
                 content keys, prepared already (in place of ``content_mask`` and
                 ``query_content_mask``).
@@ -190,21 +193,23 @@ class ARMD(AnyOrderLM):
         G = target.shape[1]
         Lc = cache.content.length
         h0 = self.embed_content(content, content_pos)  # (B, C, d)
-        if content_vis is not None:
-            vis = content_vis.to(h0.dtype)  # (B, G, C)
-        elif query_content_mask is None:
-            vis = h0.new_ones(B, G, C)
+        if prefix is not None:
+            mean = prefix(h0)
         else:
-            vis = query_content_mask[:, 0, :, Lc:].to(h0.dtype)
-        total = cache.prefix_sum[:, None].to(h0.dtype) + vis @ h0  # (B, G, d)
-        count = cache.prefix_count[:, None].to(h0.dtype) + vis.sum(dim=-1)  # (B, G)
+            if query_content_mask is None:
+                vis = h0.new_ones(B, G, C)
+            else:
+                vis = query_content_mask[:, 0, :, Lc:].to(h0.dtype)  # (B, G, C)
+            total = cache.prefix_sum[:, None].to(h0.dtype) + vis @ h0  # (B, G, d)
+            count = cache.prefix_count[:, None].to(h0.dtype) + vis.sum(dim=-1)  # (B, G)
+            mean = total / count.clamp(min=1)[..., None]
         aux = cache.content.aux
         table = aux.get("query_pe")
         if table is None:  # once per decode (kept only when no graph is recorded)
             table = self.query_table()
             if not torch.is_grad_enabled():
                 aux["query_pe"] = table
-        g = self.embed_query(target, total / count.clamp(min=1)[..., None], table)
+        g = self.embed_query(target, mean, table)
         # The two-stream layers run the C content rows and the G query rows as one batch of
         # C + G rows: one matmul per weight and one attention call per layer (the query rows
         # read the content keys/values under their own mask, as the training forward does).
@@ -243,11 +248,12 @@ class ARMD(AnyOrderLM):
             x = x + block.mlp(block.norm2(x))
         g = self.norm_f(x)  # (B, G, d), or the packed query rows
         cache.content.advance(C, keep_content, content_pos)
-        kept = h0 if keep_content is None else h0 * keep_content[..., None].to(h0.dtype)
-        cache.prefix_sum += kept.sum(dim=1).to(cache.prefix_sum.dtype)
-        cache.prefix_count += (
-            C if keep_content is None else keep_content.sum(dim=1).to(cache.prefix_count.dtype)
-        )
+        if prefix is None:
+            kept = h0 if keep_content is None else h0 * keep_content[..., None].to(h0.dtype)
+            cache.prefix_sum += kept.sum(dim=1).to(cache.prefix_sum.dtype)
+            cache.prefix_count += (
+                C if keep_content is None else keep_content.sum(dim=1).to(cache.prefix_count.dtype)
+            )
         g = g if P is None else P.query.unpack(g)
         return self.head(g if queries is None else g[:, queries])
 

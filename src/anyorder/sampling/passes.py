@@ -104,11 +104,16 @@ class ARMDPasses:
         self.cache = ARMDCache(
             StaticKV(model.l2s, batch, cap, shape, dtype, device),
             StaticKV(cfg.n_layer - model.l2s, batch, cap, shape, dtype, device),
-            torch.zeros(batch, cfg.d_model, device=device),
-            torch.zeros(batch, device=device),
+            torch.zeros(0, device=device),  # the prefix aggregate comes from ``emb``
+            torch.zeros(0, device=device),
         )
         self.masks = _Masks(dtype, device)
-        self.batch = batch
+        self.batch, self.block = batch, plan.block_mode
+        # the content embeddings of the decided tokens, at their content slots: a query
+        # row's prefix aggregate is their mean under its mask (counts come with the plan)
+        self.emb = torch.zeros(
+            batch, cap, cfg.d_model, device=device, dtype=model.tok_emb.weight.dtype
+        )
         for g in plan.groups + ([plan.prefill] if plan.prefill else []):
             g.has_empty = bool(g.table[:, :, A_EMPTY].any())  # once, before decoding
 
@@ -127,23 +132,31 @@ class ARMDPasses:
             cache = ARMDCache(
                 cache.content.head(rows),
                 cache.query.head(rows),
-                cache.prefix_sum[:rows],
-                cache.prefix_count[:rows],
+                cache.prefix_sum,
+                cache.prefix_count,
             )
-        col, pos, lim, empty, slot, keep, qlim, real = tab.unbind(1)  # (rows, C + G) each
-        cache.content.begin(slot[:, :C], keep[:, :C], group.keys)
-        cache.query.begin(slot[:, C:], keep[:, C:], group.keys)
+        col, pos, lim, empty, slot, keep, qlim, count = tab.unbind(1)  # (rows, C + G) each
+        K = group.keys
+        cache.content.begin(slot[:, :C], keep[:, :C], K)
+        cache.query.begin(slot[:, C:], keep[:, C:], K)
         # two-stream rows over the content: content rows see rank <= their own (lim =
         # rank + 1), query rows rank < theirs; a query row that sees nothing reads slot 0
         # and is zeroed (ARMD's first block)
         vis = cache.content.visible(lim)
+        emb, seen = self.emb[:rows], vis[:, C:]
+
+        def prefix(h0: Tensor) -> Tensor:  # (rows, G, d): mean of the earlier tokens
+            emb.scatter_(1, slot[:, :C, None].expand_as(h0), h0)
+            return (seen.to(h0.dtype) @ emb[:, :K]) / count[:, C:, None]
+
         rows_empty = None
         if group.has_empty:
             rows_empty = empty.bool()[:, None, :, None]  # (rows, 1, C + G, 1)
             vis = vis | (empty.bool()[:, :, None] & (cache.content.slot_ids[: group.keys] == 0))
         two = PreparedMask(self.masks(vis), rows_empty)
-        query_mask = self.masks(cache.query.visible(qlim[:, C:], slot[:, C:]))
-        content_vis = keep[:, None, :C] < lim[:, C:, None]  # (rows, G, C): earlier tokens
+        # the query stream: rank < own (and itself) token by token; <= in block mode
+        own = None if self.block else slot[:, C:]
+        query_mask = self.masks(cache.query.visible(qlim[:, C:], own))
         pk = None
         if packing is not None:
             both, cont, query, n_content = packing
@@ -158,9 +171,8 @@ class ARMDPasses:
             pos[:, :C],
             pos[:, C:],
             query_mask=query_mask,
-            keep_content=real[:, :C],
             packing=pk,
-            content_vis=content_vis,
+            prefix=prefix,
             two_stream_mask=two,
             queries=queries,
         )
@@ -169,8 +181,7 @@ class ARMDPasses:
         c = self.cache
         c.content.fork_first()
         c.query.fork_first()
-        for t in (c.prefix_sum, c.prefix_count):
-            t[1:].copy_(t[:1].expand_as(t[1:]))
+        self.emb[1:].copy_(self.emb[:1].expand_as(self.emb[1:]))
 
 
 class _EosWatch:

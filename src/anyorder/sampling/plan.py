@@ -52,7 +52,7 @@ _ALIGN = 8  # key levels are multiples of this
 # into tok columns or positions)
 G_TOK, G_POS, G_TGT, G_RANK, G_SLOT, G_KEEP = range(6)
 # ARMD table fields over [content rows | query rows]
-A_TOK, A_POS, A_LIM, A_EMPTY, A_SLOT, A_KEEP, A_QLIM, A_REAL = range(8)
+A_TOK, A_POS, A_LIM, A_EMPTY, A_SLOT, A_KEEP, A_QLIM, A_COUNT = range(8)
 
 
 def _pow2(x: int) -> int:
@@ -360,7 +360,7 @@ def _armd_entries(state, dims, widths, n: int, rank_of: np.ndarray, block: bool)
     crank = np.where(creal, rank_of[np.minimum(s, n)], BIG)
     code = np.where(creal, s, n)
     big = np.full_like(s, BIG)
-    content = [code, code, crank + 1, 0 * s, s, crank, big, creal.astype(np.int64)]
+    content = [code, code, crank + 1, 0 * s, s, crank, big, 1 + 0 * s]
     # query rows: catch-up writes, then the queries
     j = np.arange(Gw)[None]
     wreal = (j < Wg) & (j < d_ - w_)
@@ -372,7 +372,9 @@ def _armd_entries(state, dims, widths, n: int, rank_of: np.ndarray, block: bool)
     grank = np.where(real, grank, BIG)
     empty = (d_ == 0) | (real & (grank <= rank_of[0]))
     kept = wreal | (qreal & (block | (q == 0)))
-    qlim = np.where(real, grank + int(block), BIG)
+    qlim = np.where(real, grank, BIG) + int(block)  # block mode: <= (padding sees all)
+    # how many decided tokens a query row averages (prefix aggregation): those of lower rank
+    count = np.minimum(np.searchsorted(rank_of[:n], np.minimum(grank, BIG - 1)), d_)
     query = [
         np.full_like(slot, n),
         slot,
@@ -381,7 +383,7 @@ def _armd_entries(state, dims, widths, n: int, rank_of: np.ndarray, block: bool)
         _slots(kept, gptr),
         np.where(kept, grank, BIG),
         qlim,
-        0 * slot,
+        np.maximum(count, 1),
     ]
     tab = np.concatenate([np.stack(content, 1), np.stack(query, 1)], axis=2)
     return tab.astype(np.int64), np.concatenate([creal, real], axis=1)

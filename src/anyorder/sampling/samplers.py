@@ -202,13 +202,14 @@ def _decode(
     graphs: bool | str,
     **kw,
 ) -> SampleResult:
-    """Plan the passes of a decode and run them."""
+    """Plan the passes of a decode and run them. Packing (fewer matmul rows, more index ops
+    per layer) pays on the CPU only; a GPU is bound by launches at these sizes."""
     mode = resolve_mode(graphs, tokens.device)
     B = tokens.shape[0]
     prefill = block_of is None and _shared_prompt(tokens, order, k)
     plan = Plan(
         isinstance(model, ARMD), B, tokens.shape[1], k, reveals.counts, reveals.step,
-        block_of, prefill, pack=mode == "off",
+        block_of, prefill, pack=mode == "off" and tokens.device.type == "cpu",
     )  # fmt: skip
     return run_plan(model, tokens, order, k, plan, ctl, generator, graphs=mode, **kw)
 
