@@ -14,8 +14,9 @@ Design choices:
   takes no arguments. The caches, the tokens and the tables are static tensors.
 * Capture: the group's first pass runs eagerly on a side stream (it warms up cuBLAS and
   allocates the adaLN and RoPE tables), then the same callable is recorded (recording
-  runs nothing). All groups share one memory pool. Under autocast the weight-cast cache is
-  off while recording (a cached cast would be freed under the graph).
+  runs nothing). Each graph has its own memory pool (groups replay interleaved; a pass's
+  intermediates are a few MB). Under autocast the weight-cast cache is off while recording
+  (a cached cast would be freed under the graph).
 * ``mode="emulate"`` runs the same bookkeeping on any device without a graph: the first
   call records, a replay re-runs the callable through the device counter and copies into
   the static output. This is how the CPU tests cover the replay logic.
@@ -39,11 +40,10 @@ class PassRunner:
         fn: one pass, ``fn(table_row) -> logits``; it may only read and write static tensors.
         table: (P, rows, F, width) the group's table on the device.
         mode: ``cuda`` (capture and replay) or ``emulate`` (the same logic, no graph).
-        pool: a CUDA graph memory pool shared by the groups of one decode.
     """
 
-    def __init__(self, fn: Callable[[Tensor], Tensor], table: Tensor, mode: str, pool=None):
-        self.fn, self.table, self.mode, self.pool = fn, table, mode, pool
+    def __init__(self, fn: Callable[[Tensor], Tensor], table: Tensor, mode: str) -> None:
+        self.fn, self.table, self.mode = fn, table, mode
         self.counter = torch.zeros(1, dtype=torch.long, device=table.device)
         self.graph = None
         self.out: Tensor | None = None
@@ -76,7 +76,7 @@ class PassRunner:
         torch.cuda.current_stream().wait_stream(side)
         out.record_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
-        with _no_cast_cache(), torch.cuda.graph(graph, pool=self.pool):
+        with _no_cast_cache(), torch.cuda.graph(graph):
             self.out = self.fn(self._select())  # recorded only: runs at each replay
         self.graph = graph
         return out

@@ -238,10 +238,8 @@ def run_plan(
     engine = ARMDPasses(model, plan, B) if isinstance(model, ARMD) else GPTPasses(model, plan, B)
     runners = []
     if graphs != "off":
-        pool = torch.cuda.graph_pool_handle() if graphs == "cuda" else None
         for g in plan.groups:
-            fn = partial(engine.run, tok=tok, group=g)
-            runners.append(PassRunner(fn, g.table, graphs, pool))
+            runners.append(PassRunner(partial(engine.run, tok=tok, group=g), g.table, graphs))
     watch = _EosWatch(B, stop_at_eos, device) if stop_at_eos is not None else None
     passes = 0
     for i, p in enumerate(plan.passes):

@@ -47,7 +47,7 @@ from anyorder.cache import BIG
 BUDGET = 8
 """Most distinct attention (queries, keys) shapes in one decode."""
 _PACK_BELOW = 0.75  # pack a pass's real entries when at most this fraction of them is real
-_ALIGN = 8  # key levels are multiples of this
+_ALIGN = 16  # key levels are multiples of this (aligned masks for fused GPU kernels)
 # GPT/AO-GPT table fields (codes are order slots: PAD = n, BOS = n + 1; the device turns them
 # into tok columns or positions)
 G_TOK, G_POS, G_TGT, G_RANK, G_SLOT, G_KEEP = range(6)
