@@ -243,3 +243,24 @@ def test_graphs_need_a_cuda_device() -> None:
     model = tiny_model("gpt")
     with pytest.raises(SamplingError, match="CUDA graphs need a CUDA device; the model is on cpu"):
         sequential_sample(model, N, graphs=True, generator=torch.Generator())
+
+
+def test_reference_counts_and_cosine_through_the_cli_and_api(tmp_path, capsys) -> None:
+    import json
+
+    import anyorder
+    from anyorder.cli import main
+    from test_sample import _save_run
+
+    _save_run(tmp_path / "aogpt", "aogpt")
+    argv = ["sample", str(tmp_path / "aogpt"), "--steps", "5", "--length", "12", "--json"]
+    assert main([*argv, "--reveal", "reference", "--num-samples", "2"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["counts"] == [[2, 2, 3, 2, 3]] * 2 and res["forward_passes"] == 5
+    assert main([*argv, "--schedule", "cosine", "--reveal", "reference"]) == 0
+    counts = json.loads(capsys.readouterr().out)["counts"][0]
+    assert counts == reference_reveals(12, 5, "cosine").dense()[:, 0].tolist()
+    assert counts[0] < counts[-1]  # the cosine schedule reveals few tokens first
+    model = anyorder.load(tmp_path / "aogpt")
+    texts = model.generate(12, 2, steps=5, reveal="reference", schedule="cosine", seed=1)
+    assert len(texts) == 2
