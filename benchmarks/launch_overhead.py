@@ -163,18 +163,18 @@ def measure(fn: Callable[[], int]) -> dict:
 
 @contextlib.contextmanager
 def gpu_path():
-    """Decode as on a GPU: never pack (the threshold lives in the plan; before the
-    sampling package, in ``anyorder.sample``)."""
+    """Decode as on a GPU: never pack, bucket the key levels (both live in the plan; before
+    the sampling package, the packing threshold was in ``anyorder.sample``)."""
     try:
         import anyorder.sampling.plan as where
     except ImportError:
         import anyorder.sample as where
-    saved = where._PACK_BELOW
-    where._PACK_BELOW = -1.0
+    saved = where._PACK_BELOW, getattr(where, "BUCKET_ON_CPU", None)
+    where._PACK_BELOW, where.BUCKET_ON_CPU = -1.0, True
     try:
         yield
     finally:
-        where._PACK_BELOW = saved
+        where._PACK_BELOW, where.BUCKET_ON_CPU = saved
 
 
 def samplers(n: int) -> dict[str, tuple[str, dict]]:

@@ -145,7 +145,13 @@ class _Ops(TorchDispatchMode):
         ("gpt", dict(stop_at_eos=3)),
     ],
 )
-def test_at_most_eight_attention_shapes_and_no_sync_in_the_loop(kind: str, kw: dict) -> None:
+def test_at_most_eight_attention_shapes_and_no_sync_in_the_loop(
+    kind: str, kw: dict, monkeypatch
+) -> None:
+    """As a GPU runs them (bucketed; the CPU's eager path reads exactly the keys it needs)."""
+    import anyorder.sampling.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "BUCKET_ON_CPU", True)
     model = tiny_model(kind, seq_len=64, vocab_size=11)
     ops = _Ops()
     with ops:

@@ -245,13 +245,17 @@ class StaticKV:
         self.aux: dict = {}
         self.keys = capacity  # leading slots the current pass reads
         self.slots: Tensor | None = None  # (B, T) the current pass's write slots
+        self.index: Tensor | None = None  # (B, H, T, D) the same, for the buffers
         self.length = 0  # KVCache's fill; a static cache reads ``keys`` slots instead
+        self._read: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (layer, keys) views
 
     def begin(self, slots: Tensor, keep: Tensor, keys: int) -> None:
         """Start a pass: its entries go to ``slots`` (B, T) and keep the ranks ``keep`` (B, T)
         (``BIG`` for scratch: no later pass sees them); it reads slots ``[0, keys)``."""
         self.rank.scatter_(1, slots, keep)
         self.slots, self.keys = slots, keys
+        B, H, _, D = self.k[0].shape if self.k else (0, 0, 0, 0)
+        self.index = slots[:, None, :, None].expand(B, H, slots.shape[1], D)
 
     def visible(self, limit: Tensor, self_slots: Tensor | None = None) -> Tensor:
         """(B, Tq, keys) boolean: slot rank ``< limit`` (B, Tq) per query, or the query's own
@@ -263,11 +267,13 @@ class StaticKV:
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write ``k``, ``v`` (B, H, T, D) at the pass's slots; return slots ``[0, keys)``."""
-        kb, vb = self.k[layer], self.v[layer]
-        index = self.slots[:, None, :, None].expand_as(k)
-        kb.scatter_(2, index, k)
-        vb.scatter_(2, index, v)
-        return kb[:, :, : self.keys], vb[:, :, : self.keys]
+        self.k[layer].scatter_(2, self.index, k)
+        self.v[layer].scatter_(2, self.index, v)
+        read = self._read.get((layer, self.keys))
+        if read is None:  # the views a pass reads, made once per key level
+            K = self.keys
+            read = self._read[layer, K] = (self.k[layer][:, :, :K], self.v[layer][:, :, :K])
+        return read
 
     def hook(self, layer: int) -> KVHook:
         """The cache hook of one layer, for :meth:`anyorder.layers.Attention.forward`."""
@@ -286,6 +292,7 @@ class StaticKV:
         out.__dict__.update(self.__dict__)
         out.batch, out.rank = rows, self.rank[:rows]
         out.k, out.v = [t[:rows] for t in self.k], [t[:rows] for t in self.v]
+        out._read = {}
         return out
 
     def fork_first(self) -> None:

@@ -420,7 +420,7 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, dropout_p=p)
             if mask.empty is not None:
                 y = y.masked_fill(mask.empty, 0.0)
-        elif mask == "strict":
+        elif isinstance(mask, str) and mask == "strict":
             # key < query is causal attention of queries 1.. over keys ..n-2 (the same
             # softmax sets), so SDPA's causal kernel skips the masked half here too; query 0
             # sees nothing and gets zeros

@@ -79,13 +79,15 @@ class GPTPasses:
         group: Group,
         queries: slice | None = None,
         packing: tuple | None = None,
+        dense: bool = False,
     ) -> Tensor:
-        """Logits of one pass: ``tab`` (rows, F, T) its table row (see plan.G_*)."""
+        """Logits of one pass: ``tab`` (rows, F, T) its table row (see plan.G_*); ``dense``:
+        every query sees every slot read (no mask)."""
         rows, _, T = tab.shape
         cache = self.cache if rows == self.cache.batch else self.cache.head(rows)
         x_col, pos, target, rank, slot, keep = tab.unbind(1)  # (rows, T) each
         cache.begin(slot, keep, group.keys)
-        mask = self.masks(cache.visible(rank, slot))
+        mask = None if dense else self.masks(cache.visible(rank, slot))
         pk = None if packing is None else Packing(packing[0], rows, T)
         x_in = tok[:rows].gather(1, x_col)
         return self.model.decode(cache, x_in, pos, target, mask, queries=queries, packing=pk)
@@ -124,6 +126,7 @@ class ARMDPasses:
         group: Group,
         queries: slice | None = None,
         packing: tuple | None = None,
+        dense: bool = False,
     ) -> Tensor:
         """Logits of one pass: ``tab`` (rows, F, C + G) its table row (see plan.A_*)."""
         rows, C = tab.shape[0], group.widths[0]
@@ -138,7 +141,18 @@ class ARMDPasses:
         col, pos, lim, empty, slot, keep, qlim, count = tab.unbind(1)  # (rows, C + G) each
         K = group.keys
         cache.content.begin(slot[:, :C], keep[:, :C], K)
-        cache.query.begin(slot[:, C:], keep[:, C:], K)
+        cache.query.begin(slot[:, C:], keep[:, C:], group.keys_q)
+        if dense:  # one query row per row, seeing all the content read: no masks
+            emb = self.emb[:rows]
+
+            def mean(h0: Tensor) -> Tensor:
+                emb.scatter_(1, slot[:, :C, None].expand_as(h0), h0)
+                return emb[:, :K].sum(dim=1, keepdim=True) / count[:, C:, None]
+
+            return self.model.decode(
+                cache, tok[:rows].gather(1, col[:, :C]), pos[:, :C], pos[:, C:],
+                prefix=mean, queries=queries,
+            )  # fmt: skip
         # two-stream rows over the content: content rows see rank <= their own (lim =
         # rank + 1), query rows rank < theirs; a query row that sees nothing reads slot 0
         # and is zeroed (ARMD's first block)
@@ -254,7 +268,9 @@ def run_plan(
         else:
             g = plan.groups[p.group]
             rows = slice(start, start + Q)
-            logits = engine.run(g.table[p.index], tok, g, queries=rows, packing=p.pack_dev)
+            logits = engine.run(
+                g.table[p.index], tok, g, queries=rows, packing=p.pack_dev, dense=p.dense
+            )
         q = samp[:, :, p.q_offset : p.q_offset + Q]
         q_pos, q_slot = q[:, 0], q[:, 1]  # (B, Q); padding -> column n
         new = sample_logits(logits, generator, ctl.temperature, ctl.top_k, ctl.top_p)

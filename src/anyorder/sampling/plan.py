@@ -45,7 +45,11 @@ from torch import Tensor
 from anyorder.cache import BIG
 
 BUDGET = 8
-"""Most distinct attention (queries, keys) shapes in one decode."""
+"""Most distinct attention (queries, keys) shapes in one decode (a bucketed plan)."""
+BUCKET_ON_CPU = False
+"""Bucket key levels on the CPU's eager path too (off: there a pass reads the keys it needs,
+rounded up to a multiple of 16, since a CPU pays for every key it reads and nothing for a
+new shape; the benchmarks switch it on to count what a GPU runs)."""
 _PACK_BELOW = 0.75  # pack a pass's real entries when at most this fraction of them is real
 _ALIGN = 16  # key levels are multiples of this (aligned masks for fused GPU kernels)
 # GPT/AO-GPT table fields (codes are order slots: PAD = n, BOS = n + 1; the device turns them
@@ -74,6 +78,7 @@ class Pass:
     group: int = -1
     index: int = -1  # its row in the group's table
     keys: int = 0  # cache slots it needs to read (set with its group's widths)
+    dense: bool = False  # every query sees every slot it reads: no mask (the CPU's path)
     q_offset: int = 0  # its columns in the sampling table
     pack: tuple | None = None  # host packing indices (eager CPU path)
     pack_dev: tuple | None = None
@@ -84,7 +89,8 @@ class Group:
     """Passes of one shape: one table, one key level, one CUDA graph."""
 
     widths: tuple[int, ...]  # (T,) or (C, G)
-    keys: int = 0
+    keys: int = 0  # slots read (ARMD: of the content cache)
+    keys_q: int = -1  # ARMD: slots read of the query-stream cache (-1: ``keys``)
     passes: list[Pass] = field(default_factory=list)
     table: Tensor | None = None  # (P, rows, F, width) on the device
     has_empty: bool = False  # ARMD: some query row sees no content (the first block)
@@ -105,7 +111,9 @@ class Plan:
         block_of: (n,) block id per slot for block mode (ARMD's strided order); None: token
             level with the parallel prediction mask.
         prefill: put the prompt in a pass of its own (run on one row, then forked).
-        pack: allow packing (the eager path; CUDA graphs need fixed shapes).
+        pack: allow packing (the CPU's eager path; CUDA graphs need fixed shapes).
+        bucket: at most :data:`BUDGET` attention shapes (a GPU, CUDA graphs); else the
+            key level of a pass is the keys it needs (the CPU's eager path).
     """
 
     def __init__(
@@ -119,6 +127,7 @@ class Plan:
         block_of: np.ndarray | None = None,
         prefill: bool = False,
         pack: bool = True,
+        bucket: bool = True,
     ) -> None:
         self.armd, self.batch, self.n, self.k = armd, batch, n, k
         self.block_mode = block_of is not None
@@ -136,7 +145,7 @@ class Plan:
             state = self._add(state, c.astype(np.int64), step, False)
         self.groups: list[Group] = []
         self.prefill: Group | None = None
-        self._group(pack)
+        self._group(pack, bucket)
 
     # -- building --------------------------------------------------------------------------
 
@@ -176,13 +185,13 @@ class Plan:
         rows over the content in the last two-stream layer and over the query stream)."""
         return 2 if self.armd and widths[0] > 0 else 1
 
-    def _group(self, pack: bool) -> None:
+    def _group(self, pack: bool, bucket: bool) -> None:
         main = [p for p in self.passes if not p.prefill]
         budget = BUDGET
         for p in self.passes:
             if p.prefill:
                 widths = self._widths(p, exact=True)
-                self.prefill = Group(widths, _align(self._keys(p, widths)), [p])
+                self.prefill = Group(widths, _align(self._keys(p, widths)), passes=[p])
                 budget -= self._shapes(widths)
         groups: dict[tuple[int, ...], list[Pass]] = {}
         for p in main:
@@ -195,20 +204,50 @@ class Plan:
             merged = tuple(max(x, y) for x, y in zip(a, b))
             groups[merged] = groups.pop(a) + groups.pop(b) + groups.pop(merged, [])
             keys = sorted(groups)
-        levels = _key_levels(
-            {w: [self._keys(p, w) for p in groups[w]] for w in keys},
-            {w: self._shapes(w) for w in keys},
-            budget,
-        )
+        if not bucket:
+            self._exact(groups)
+            return self._finish(pack)
+        needs = {w: [self._keys(p, w) for p in groups[w]] for w in keys}
+        levels = _key_levels(needs, {w: self._shapes(w) for w in keys}, budget)
         for w in keys:
-            for level in levels[w]:
-                self.groups.append(Group(w, level))
-            for p in groups[w]:
-                need = self._keys(p, w)
-                g = next(g for g in self.groups if g.widths == w and g.keys >= need)
+            mine = [Group(w, level) for level in levels[w]]  # ascending
+            self.groups += mine
+            bounds = np.array([g.keys for g in mine])
+            for p, need in zip(groups[w], needs[w]):
+                g = mine[int(np.searchsorted(bounds, need))]
                 p.keys = g.keys
                 g.passes.append(p)
+        self._finish(pack)
+
+    def _exact(self, groups: dict[tuple[int, ...], list[Pass]]) -> None:
+        """The CPU's eager path: each pass reads exactly the slots it needs (one group per
+        widths and key counts), and a dense pass needs no mask at all."""
+        exact: dict[tuple, Group] = {}
+        for w, passes in groups.items():
+            for p in passes:
+                ks = tuple(b + x for b, x in zip(self._base(p), w))  # (K,) or (Kc, Kg)
+                g = exact.get((w, ks))
+                if g is None:
+                    g = exact[w, ks] = Group(w, ks[0], ks[-1])
+                g.passes.append(p)
+                p.keys, p.dense = g.keys, self._dense(p)
+        self.groups = list(exact.values())
+
+    def _dense(self, p: Pass) -> bool:
+        """One query per row, every row alike and real, nothing written beside it but the
+        newest content (ARMD): the query sees every slot before it, and itself."""
+        d, w, ptr, cc, gptr, c = p.state
+        if not bool((c == 1).all()) or p.dims[-2] != 0:
+            return False
+        if self.armd:
+            C = p.dims[0]
+            return C <= 1 and bool((d - cc == C).all() and (cc == cc[0]).all())
+        return bool((ptr == ptr[0]).all())
+
+    def _finish(self, pack: bool) -> None:
         self.groups = [g for g in self.groups if g.passes]
+        for g in self.groups + ([self.prefill] if self.prefill else []):
+            g.keys_q = g.keys if g.keys_q < 0 else g.keys_q
         for gi, g in enumerate(self.groups):
             for j, p in enumerate(g.passes):
                 p.group, p.index = gi, j
@@ -218,9 +257,9 @@ class Plan:
 
     @property
     def capacity(self) -> int:
-        """Cache slots to allocate: the largest key level."""
-        levels = [g.keys for g in self.groups] + ([self.prefill.keys] if self.prefill else [])
-        return max(levels, default=_ALIGN)
+        """Cache slots to allocate: the most any pass reads (it writes no further)."""
+        groups = self.groups + ([self.prefill] if self.prefill else [])
+        return max([max(g.keys, g.keys_q) for g in groups], default=_ALIGN)
 
     def shapes(self) -> set[tuple[int, int]]:
         """The distinct attention (queries, keys) shapes of the decode."""
@@ -228,7 +267,7 @@ class Plan:
         for g in self.groups + ([self.prefill] if self.prefill else []):
             if self.armd:
                 C, G = g.widths
-                out |= {(C + G, g.keys), (G, g.keys)}
+                out |= {(C + G, g.keys), (G, g.keys), (G, g.keys_q)}
             else:
                 out.add((g.width, g.keys))
         return out

@@ -34,6 +34,7 @@ from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.models.mdm import MDM
 from anyorder.orders import is_permutation, strided
+from anyorder.sampling import plan as plan_mod
 from anyorder.sampling.draws import (
     SampleResult,
     StepHook,
@@ -202,14 +203,17 @@ def _decode(
     graphs: bool | str,
     **kw,
 ) -> SampleResult:
-    """Plan the passes of a decode and run them. Packing (fewer matmul rows, more index ops
-    per layer) pays on the CPU only; a GPU is bound by launches at these sizes."""
+    """Plan the passes of a decode and run them. On the CPU's eager path the passes are packed
+    (fewer matmul rows, more index ops) and read the keys they need; on a GPU, bound by
+    launches and planning at these sizes, and under CUDA graphs they are bucketed into at
+    most eight attention shapes and never packed."""
     mode = resolve_mode(graphs, tokens.device)
     B = tokens.shape[0]
     prefill = block_of is None and _shared_prompt(tokens, order, k)
+    cpu = mode == "off" and tokens.device.type == "cpu"
     plan = Plan(
         isinstance(model, ARMD), B, tokens.shape[1], k, reveals.counts, reveals.step,
-        block_of, prefill, pack=mode == "off" and tokens.device.type == "cpu",
+        block_of, prefill, pack=cpu, bucket=not cpu or plan_mod.BUCKET_ON_CPU,
     )  # fmt: skip
     return run_plan(model, tokens, order, k, plan, ctl, generator, graphs=mode, **kw)
 
