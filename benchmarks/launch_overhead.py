@@ -18,7 +18,9 @@ each sampler, at the ``tiny`` preset, batch 8, n = 256 by default, this prints
   The loop is the span from the first attention call to the last token draw; ``setup syncs``
   are the ones before and after it (checking the request, building the plan);
 * ``shapes``: distinct attention ``(queries, keys)`` shapes per generation (each needs its own
-  CUDA graph and its own plan in shape-specialised attention backends).
+  CUDA graph and its own plan in shape-specialised attention backends), on the CPU's path
+  (which reads exactly the keys a pass needs: a CPU pays per key, not per shape) and on the
+  GPU's (``gpu shapes``: key levels bucketed, at most eight).
 
 The training rows count one forward + backward of ``model.loss`` (per step).
 
@@ -250,8 +252,12 @@ def main() -> None:
         rows[name] = measure(run)
         with gpu_path():
             gpu = measure(run)
-        rows[name]["gpu_launches_per_pass"] = gpu["launches_per_pass"]
-        rows[name]["gpu_ops_per_pass"] = gpu["ops_per_pass"]
+        rows[name].update(
+            gpu_launches_per_pass=gpu["launches_per_pass"],
+            gpu_ops_per_pass=gpu["ops_per_pass"],
+            gpu_shapes=gpu["shapes"],
+            gpu_loop_syncs=gpu["loop_syncs"],
+        )
     if not args.no_train:
         for kind in ("gpt", "aogpt", "armd"):
             model = models[kind].train()
@@ -266,14 +272,15 @@ def main() -> None:
 
             step()
             rows[f"train-{kind}"] = measure(step)
-            rows[f"train-{kind}"]["gpu_launches_per_pass"] = rows[f"train-{kind}"]["launches"]
+            r = rows[f"train-{kind}"]
+            r.update(gpu_launches_per_pass=r["launches"], gpu_shapes=r["shapes"], gpu_loop_syncs=0)
             model.eval()
     ref = rows.get("gpt-seq", {}).get("gpu_launches_per_pass")
     print(f"\ntiny preset, batch {B}, n = {n}: per forward pass (training: per step)")
     head = (
         f"{'sampler':30s} {'passes':>6s} {'ops/pass':>9s} {'launch/pass':>11s} "
         f"{'gpu launch':>10s} {'x gpt':>6s} {'syncs/pass':>10s} {'setup syncs':>11s} "
-        f"{'shapes':>6s}"
+        f"{'shapes':>6s} {'gpu shapes':>10s}"
     )
     print(head)
     print("-" * len(head))
@@ -283,21 +290,23 @@ def main() -> None:
         print(
             f"{name:30s} {r['passes']:6d} {r['ops_per_pass']:9.1f} {r['launches_per_pass']:11.1f} "
             f"{gpu:10.1f} {ratio:>6s} {r['loop_syncs_per_pass']:10.2f} {r['setup_syncs']:11d} "
-            f"{r['shapes']:6d}"
+            f"{r['shapes']:6d} {r['gpu_shapes']:10d}"
         )
         if r["loop_sync_ops"]:
             print(f"{'':30s} syncs in the loop: {', '.join(r['loop_sync_ops'])}")
     decode = {k: v for k, v in rows.items() if not k.startswith("train")}
     checks = [
         dict(
-            target="distinct attention shapes per generation <= 8 (every sampler)",
-            measured=max(r["shapes"] for r in decode.values()),
-            verdict="met" if all(r["shapes"] <= 8 for r in decode.values()) else "NOT met",
+            target="distinct attention shapes per generation, GPU path, <= 8 (every sampler)",
+            measured=max(r["gpu_shapes"] for r in decode.values()),
+            verdict="met" if all(r["gpu_shapes"] <= 8 for r in decode.values()) else "NOT met",
         ),
         dict(
-            target="no sync point inside the decode loop (every sampler)",
-            measured=sum(r["loop_syncs"] for r in decode.values()),
-            verdict="met" if all(r["loop_syncs"] == 0 for r in decode.values()) else "NOT met",
+            target="no sync point inside the decode loop (every sampler, both paths)",
+            measured=sum(r["loop_syncs"] + r["gpu_loop_syncs"] for r in decode.values()),
+            verdict="met"
+            if all(r["loop_syncs"] + r["gpu_loop_syncs"] == 0 for r in decode.values())
+            else "NOT met",
         ),
     ]
     if ref:

@@ -31,7 +31,7 @@ from anyorder.models.base import AnyOrderLM
 from anyorder.models.gpt import BOS
 from anyorder.sampling.draws import SampleResult, StepHook, sample_logits
 from anyorder.sampling.graphs import PassRunner
-from anyorder.sampling.plan import A_EMPTY, Group, Plan
+from anyorder.sampling.plan import Group, Plan
 
 _EOS_EVERY = 8  # passes between two looks at the early-stop flag
 
@@ -116,8 +116,6 @@ class ARMDPasses:
         self.emb = torch.zeros(
             batch, cap, cfg.d_model, device=device, dtype=model.tok_emb.weight.dtype
         )
-        for g in plan.groups + ([plan.prefill] if plan.prefill else []):
-            g.has_empty = bool(g.table[:, :, A_EMPTY].any())  # once, before decoding
 
     def run(
         self,

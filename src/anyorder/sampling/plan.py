@@ -297,7 +297,9 @@ class Plan:
                 tabs.append(tab)
                 if self._pack and not p.prefill and real.sum() <= _PACK_BELOW * real.size:
                     p.pack = self._packing(real, g.widths, flat)
-            g.table = _convert(torch.from_numpy(np.stack(tabs)).to(device), ext, n, self.armd)
+            tabs = np.stack(tabs)
+            g.has_empty = self.armd and bool(tabs[:, :, A_EMPTY].any())
+            g.table = _convert(torch.from_numpy(tabs).to(device), ext, n, self.armd)
         q_codes, offset = [], 0
         for p in self.passes:
             if p.prefill:
