@@ -274,13 +274,18 @@ class Plan:
 
     # -- tables ----------------------------------------------------------------------------
 
-    def _table(self, p: Pass, widths: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, F, width) int64 entries of a pass and its (rows, width) real mask."""
-        rows = 1 if p.prefill else self.batch
-        state = tuple(a[:rows] for a in p.state)
+    def _tables(self, passes: list[Pass], widths: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+        """(P, rows, F, width) int64 entries of passes of one width and their (P, rows,
+        width) real masks, built in one go (every row of every pass is independent)."""
+        rows = 1 if passes[0].prefill else self.batch
+        state = tuple(np.concatenate([p.state[i][:rows] for p in passes]) for i in range(6))
+        dims = tuple(np.repeat([p.dims[i] for p in passes], rows) for i in range(len(widths) + 1))
         if self.armd:
-            return _armd_entries(state, p.dims, widths, self.n, self.rank_of, self.block_mode)
-        return _gpt_entries(state, p.dims, widths[0], self.n)
+            tab, real = _armd_entries(state, dims, widths, self.n, self.rank_of, self.block_mode)
+        else:
+            tab, real = _gpt_entries(state, dims, widths[0], self.n)
+        P = len(passes)
+        return tab.reshape(P, rows, *tab.shape[1:]), real.reshape(P, rows, -1)
 
     def ship(self, order: Tensor) -> tuple[Tensor, Tensor]:
         """Build every table and move it to the device of ``order`` (B, n), converting slot
@@ -290,16 +295,23 @@ class Plan:
         B = order.shape[0]
         ext = torch.cat([order, torch.tensor([[n, n + 1]], device=device).expand(B, 2)], 1)
         flat: list = [0]  # running length, then the index arrays
+        # groups of one width (and rows) share one table, converted in one go; each group's
+        # table is a slice of it
+        classes: dict[tuple, list[Group]] = {}
         for g in self.groups + ([self.prefill] if self.prefill else []):
-            tabs = []
-            for p in g.passes:
-                tab, real = self._table(p, g.widths)
-                tabs.append(tab)
+            classes.setdefault((g.widths, g.passes[0].prefill), []).append(g)
+        for (widths, _), groups in classes.items():
+            passes = [p for g in groups for p in g.passes]
+            spans = np.cumsum([0] + [len(g.passes) for g in groups]).tolist()
+            tabs, reals = self._tables(passes, widths)
+            for p, real in zip(passes, reals, strict=True):
                 if self._pack and not p.prefill and real.sum() <= _PACK_BELOW * real.size:
-                    p.pack = self._packing(real, g.widths, flat)
-            tabs = np.stack(tabs)
-            g.has_empty = self.armd and bool(tabs[:, :, A_EMPTY].any())
-            g.table = _convert(torch.from_numpy(tabs).to(device), ext, n, self.armd)
+                    p.pack = self._packing(real, widths, flat)
+            table = _convert(torch.from_numpy(tabs).to(device), ext, n, self.armd)
+            for g, start in zip(groups, spans[:-1], strict=True):
+                stop = start + len(g.passes)
+                g.has_empty = self.armd and bool(tabs[start:stop, :, A_EMPTY].any())
+                g.table = table[start:stop]
         q_codes, offset = [], 0
         for p in self.passes:
             if p.prefill:
@@ -361,9 +373,10 @@ def _slots(kept: np.ndarray, base: np.ndarray) -> np.ndarray:
 
 
 def _gpt_entries(state, dims, width: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """AO-GPT/GPT entries: [W writes | Q queries | padding] per row."""
+    """AO-GPT/GPT entries: [W writes | Q queries | padding] per row (``dims``: each row's
+    pass's (W, Q), arrays over rows)."""
     d, w, ptr, _, _, c = state
-    W, Q = dims
+    W = dims[0][:, None]
     j = np.arange(width)[None]
     d_, w_ = d[:, None], w[:, None]
     wreal = (j < W) & (j < d_ - w_)
@@ -389,9 +402,10 @@ def _gpt_entries(state, dims, width: int, n: int) -> tuple[np.ndarray, np.ndarra
 
 
 def _armd_entries(state, dims, widths, n: int, rank_of: np.ndarray, block: bool):
-    """ARMD entries: [content rows | query rows (Wg writes, Q queries, padding)] per row."""
+    """ARMD entries: [content rows | query rows (Wg writes, Q queries, padding)] per row
+    (``dims``: each row's pass's (C, Wg, Q), arrays over rows)."""
     d, w, _, cc, gptr, c = state
-    C, Wg, Q = dims
+    Wg = dims[1][:, None]
     Cw, Gw = widths
     d_, w_, cc_ = d[:, None], w[:, None], cc[:, None]
     # content rows: the tokens decided since the last pass
