@@ -246,14 +246,20 @@ class StaticKV:
         self.keys = capacity  # leading slots the current pass reads
         self.slots: Tensor | None = None  # (B, T) the current pass's write slots
         self.index: Tensor | None = None  # (B, H, T, D) the same, for the buffers
+        self.start: int | None = None  # or the first of them, the same in every row
         self.length = 0  # KVCache's fill; a static cache reads ``keys`` slots instead
         self._read: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (layer, keys) views
 
-    def begin(self, slots: Tensor, keep: Tensor, keys: int) -> None:
+    def begin(self, slots: Tensor, keep: Tensor, keys: int, start: int | None = None) -> None:
         """Start a pass: its entries go to ``slots`` (B, T) and keep the ranks ``keep`` (B, T)
-        (``BIG`` for scratch: no later pass sees them); it reads slots ``[0, keys)``."""
+        (``BIG`` for scratch: no later pass sees them); it reads slots ``[0, keys)``.
+        ``start``: the caller knows the slots are ``start + j`` in every row (an eager pass:
+        a slice copy is cheaper than a scatter on a CPU)."""
+        self.slots, self.keys, self.start = slots, keys, start
+        if start is not None:
+            self.rank[:, start : start + slots.shape[1]] = keep
+            return
         self.rank.scatter_(1, slots, keep)
-        self.slots, self.keys = slots, keys
         B, H, _, D = self.k[0].shape if self.k else (0, 0, 0, 0)
         self.index = slots[:, None, :, None].expand(B, H, slots.shape[1], D)
 
@@ -267,8 +273,13 @@ class StaticKV:
 
     def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write ``k``, ``v`` (B, H, T, D) at the pass's slots; return slots ``[0, keys)``."""
-        self.k[layer].scatter_(2, self.index, k)
-        self.v[layer].scatter_(2, self.index, v)
+        if self.start is not None:
+            stop = self.start + k.shape[2]
+            self.k[layer][:, :, self.start : stop] = k
+            self.v[layer][:, :, self.start : stop] = v
+        else:
+            self.k[layer].scatter_(2, self.index, k)
+            self.v[layer].scatter_(2, self.index, v)
         read = self._read.get((layer, self.keys))
         if read is None:  # the views a pass reads, made once per key level
             K = self.keys

@@ -79,14 +79,16 @@ class GPTPasses:
         group: Group,
         queries: slice | None = None,
         packing: tuple | None = None,
-        dense: bool = False,
+        start: tuple[int, ...] | None = None,
     ) -> Tensor:
-        """Logits of one pass: ``tab`` (rows, F, T) its table row (see plan.G_*); ``dense``:
-        every query sees every slot read (no mask)."""
+        """Logits of one pass: ``tab`` (rows, F, T) its table row (see plan.G_*); ``start``:
+        a dense pass (every query sees every slot read: no mask; the slots of every row
+        start there)."""
         rows, _, T = tab.shape
         cache = self.cache if rows == self.cache.batch else self.cache.head(rows)
         x_col, pos, target, rank, slot, keep = tab.unbind(1)  # (rows, T) each
-        cache.begin(slot, keep, group.keys)
+        dense = start is not None
+        cache.begin(slot, keep, group.keys, start[0] if dense else None)
         mask = None if dense else self.masks(cache.visible(rank, slot))
         pk = None if packing is None else Packing(packing[0], rows, T)
         x_in = tok[:rows].gather(1, x_col)
@@ -124,9 +126,10 @@ class ARMDPasses:
         group: Group,
         queries: slice | None = None,
         packing: tuple | None = None,
-        dense: bool = False,
+        start: tuple[int, ...] | None = None,
     ) -> Tensor:
-        """Logits of one pass: ``tab`` (rows, F, C + G) its table row (see plan.A_*)."""
+        """Logits of one pass: ``tab`` (rows, F, C + G) its table row (see plan.A_*);
+        ``start``: as for :meth:`GPTPasses.run` (content and query-stream slots)."""
         rows, C = tab.shape[0], group.widths[0]
         cache = self.cache
         if rows != self.batch:
@@ -137,14 +140,14 @@ class ARMDPasses:
                 cache.prefix_count,
             )
         col, pos, lim, empty, slot, keep, qlim, count = tab.unbind(1)  # (rows, C + G) each
-        K = group.keys
-        cache.content.begin(slot[:, :C], keep[:, :C], K)
-        cache.query.begin(slot[:, C:], keep[:, C:], group.keys_q)
+        K, dense = group.keys, start is not None
+        cache.content.begin(slot[:, :C], keep[:, :C], K, start[0] if dense else None)
+        cache.query.begin(slot[:, C:], keep[:, C:], group.keys_q, start[1] if dense else None)
         if dense:  # one query row per row, seeing all the content read: no masks
             emb = self.emb[:rows]
 
             def mean(h0: Tensor) -> Tensor:
-                emb.scatter_(1, slot[:, :C, None].expand_as(h0), h0)
+                emb[:, start[0] : start[0] + C] = h0
                 return emb[:, :K].sum(dim=1, keepdim=True) / count[:, C:, None]
 
             return self.model.decode(
@@ -267,7 +270,7 @@ def run_plan(
             g = plan.groups[p.group]
             rows = slice(start, start + Q)
             logits = engine.run(
-                g.table[p.index], tok, g, queries=rows, packing=p.pack_dev, dense=p.dense
+                g.table[p.index], tok, g, queries=rows, packing=p.pack_dev, start=p.start
             )
         q = samp[:, :, p.q_offset : p.q_offset + Q]
         q_pos, q_slot = q[:, 0], q[:, 1]  # (B, Q); padding -> column n
