@@ -477,13 +477,16 @@ def run_sample(args: argparse.Namespace) -> int:
 
     import torch
 
+    from anyorder import bounds
     from anyorder.checkpoint import load_model
     from anyorder.errors import SamplingError
     from anyorder.sample import decode_text, parse_template, sample
     from anyorder.train import resolve_device
 
-    if args.num_samples < 1:
-        raise SamplingError(f"--num-samples={args.num_samples} must be at least 1")
+    bounds.check_controls(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        num_samples=args.num_samples, seed=args.seed, steps=args.steps, length=args.length,
+    )  # fmt: skip
     if args.infill is not None and args.length is not None:
         raise SamplingError("--infill takes its length from the template; leave out --length")
     device = resolve_device(args.device, what="--device")
@@ -497,12 +500,15 @@ def run_sample(args: argparse.Namespace) -> int:
     streams = args.streams
     if streams is not None:
         order = "strided"
-    n = args.length or model.cfg.seq_len
     prompt = known = None
     if args.infill is not None:
+        bounds.check_holes(args.infill, model.cfg.seq_len)
         prompt, known = parse_template(args.infill, tok, model.cfg.seq_len)
         n = len(prompt)
-    elif args.prompt:
+        bounds.check_steps(args.steps, n)
+    else:
+        n = bounds.check_fit(model.cfg.seq_len, length=args.length, steps=args.steps)
+    if args.prompt:
         ids = tok.encode(args.prompt)
         if len(ids) >= n:
             raise SamplingError(
@@ -526,7 +532,7 @@ def run_sample(args: argparse.Namespace) -> int:
     ctx = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
     gen = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
-    with ctx:
+    with ctx, bounds.out_of_memory_as_error(f"--num-samples {args.num_samples} x {n} tokens"):
         result = sample(
             model,
             n,
@@ -615,11 +621,16 @@ def add_serve(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from anyorder.bounds import MAX_NUM_SAMPLES
     from anyorder.errors import ConfigError
     from anyorder.serve import Limits, serve
 
-    if args.max_samples < 1 or not args.time_limit > 0:
-        raise ConfigError("--max-samples must be at least 1 and --time-limit above 0")
+    if not 1 <= args.max_samples <= MAX_NUM_SAMPLES or not args.time_limit > 0:
+        raise ConfigError(
+            f"--max-samples must lie in 1..{MAX_NUM_SAMPLES} and --time-limit be above 0"
+        )
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} must lie in 0..65535 (0: any free port)")
     limits = Limits(max_samples=args.max_samples, time_limit_s=args.time_limit)
     serve(
         args.checkpoint,
