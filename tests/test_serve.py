@@ -255,18 +255,31 @@ def test_other_refusals(server, exports) -> None:
 
 
 @pytest.mark.parametrize("server", [("armd", Limits(time_limit_s=0.0))], indirect=True)
-def test_time_limit_stops_a_generation(server) -> None:
-    status, text = server.post({"mode": "l2r", "length": 24})
-    events = parse_sse(text)
-    assert status == 200 and [e for e, _ in events] == ["start", "step", "error"]
-    assert "this server's limit is 0 s per request" in events[-1][1]["message"]
+def test_time_limit_is_checked_before_planning(server) -> None:
+    status, text = server.post({"mode": "lemma1", "steps": 24, "length": 24})
+    assert status == 503
+    assert "this server's limit is 0 s per request" in json.loads(text)["error"]
     # the slot is free again: the next request runs (and is stopped the same way)
-    assert parse_sse(server.post({"mode": "l2r", "length": 24})[1])[-1][0] == "error"
+    assert server.post({"mode": "l2r", "length": 24})[0] == 503
+
+
+@pytest.mark.parametrize("server", [("armd", Limits(time_limit_s=3.0))], indirect=True)
+def test_time_limit_stops_a_generation_between_passes(server) -> None:
+    # 32 passes with a 0.5 s pause each would take 16 s; the limit stops it after ~3 s
+    status, text = server.post({"mode": "l2r", "length": 32, "delay_ms": 500})
+    events = parse_sse(text)
+    assert status == 200 and events[0][0] == "start" and events[-1][0] == "error"
+    assert 1 <= sum(e == "step" for e, _ in events) < 32
+    assert "this server's limit is 3 s per request" in events[-1][1]["message"]
 
 
 def test_one_generation_at_a_time_and_a_closed_page_frees_the_server(server) -> None:
     slow = {"mode": "l2r", "length": 32, "delay_ms": 200}  # about 6 s if left to run
-    req = urllib.request.Request(f"{server.url}/api/generate", data=json.dumps(slow).encode())
+    req = urllib.request.Request(
+        f"{server.url}/api/generate",
+        data=json.dumps(slow).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     first = urllib.request.urlopen(req, timeout=60)
     assert first.readline().decode().startswith("event: start")  # running now
     status, text = server.post({"mode": "l2r", "length": 8})
