@@ -213,6 +213,26 @@ def _numbers(text: str | None, kind: type, name: str) -> list:
         raise ConfigError(f"--{name} {text!r}: give comma-separated numbers") from None
 
 
+def _check_eval_args(args: argparse.Namespace) -> None:
+    """Counts and controls of ``anyorder eval``, before a model is loaded."""
+    from anyorder import bounds
+    from anyorder.errors import ConfigError
+
+    for name in ("orders", "ensemble", "batch_size", "num_samples", "targets", "max_blocks",
+                 "max_tokens", "length"):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.batch_size > bounds.MAX_NUM_SAMPLES:
+        raise ConfigError(f"--batch-size must be at most {bounds.MAX_NUM_SAMPLES}")
+    bounds.check_seed(args.seed, "--seed")
+    if args.suite == "gen":
+        for temp in _numbers(args.temperature, float, "temperature"):
+            bounds.check_controls(temperature=temp, top_p=args.top_p)
+        for steps in _numbers(args.steps, int, "steps"):
+            bounds.check_controls(steps=steps)
+
+
 def run_eval(args: argparse.Namespace) -> int:
     import contextlib
     import json
@@ -222,10 +242,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from anyorder.checkpoint import load_model
     from anyorder.errors import ConfigError
+    from anyorder.runlock import check_writable_dir
 
-    for name in ("orders", "ensemble", "batch_size", "num_samples"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    _check_eval_args(args)
     name = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     name = "cpu" if name == "auto" else name
     if not (name == "cpu" or (name.startswith("cuda") and torch.cuda.is_available())):
@@ -238,6 +257,7 @@ def run_eval(args: argparse.Namespace) -> int:
     model, progress = ckpt.model, not args.no_progress
     run_dir = ckpt.path.parent.parent if ckpt.path.parent.name == "checkpoints" else ckpt.path
     out = Path(args.out) if args.out else run_dir / "eval"
+    check_writable_dir(out, "--out")
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
     print(f"{model.kind} step {ckpt.step} ({ckpt.weights} weights) from {ckpt.path} on {device}")
@@ -297,7 +317,9 @@ def run_eval(args: argparse.Namespace) -> int:
         judge = load_judge(args.judge, device)
         steps = _numbers(args.steps, int, "steps")
         temps = _numbers(args.temperature, float, "temperature")
-        n = args.length or model.cfg.seq_len
+        from anyorder.bounds import check_length
+
+        n = check_length(args.length, model.cfg.seq_len)
         with ctx:
             rows = gen_sweep(
                 model, ckpt.tokenizer, judge, n=n, num=args.num_samples, steps=steps,

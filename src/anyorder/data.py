@@ -1337,7 +1337,7 @@ def prepare(cfg: DataConfig, seq_len: int, *, progress: bool = True) -> TokenDat
             tmp.mkdir()
         except OSError as e:
             raise DataError(
-                f"data.cache_dir={cfg.cache_dir!r} cannot be written ({e.strerror}); pick a "
+                f"data.cache_dir={cfg.cache_dir!r} cannot be created ({e.strerror}); pick a "
                 "folder you can write"
             ) from None
         try:

@@ -47,22 +47,25 @@ def check_writable_dir(path: str | Path, key: str) -> None:
         ConfigError: naming ``key`` (e.g. ``train.out_dir``) and what is wrong.
     """
     p = Path(path).expanduser()
+    name = _named(key, path)
     base = _nearest_existing(p)
     if base == p and p.is_dir():
         if not os.access(p, os.W_OK | os.X_OK):
-            raise ConfigError(f"{key}={str(path)!r} is not writable; pick a folder you can write")
+            raise ConfigError(f"{name} is not writable; pick a folder you can write")
         return
     if base == p:
-        raise ConfigError(f"{key}={str(path)!r} is a file, not a folder; pick a folder path")
+        raise ConfigError(f"{name} is a file, not a folder; pick a folder path")
     if not base.is_dir():
-        raise ConfigError(
-            f"{key}={str(path)!r} lies under {str(base)!r}, which is a file; pick a folder path"
-        )
+        raise ConfigError(f"{name} lies under {str(base)!r}, which is a file; pick a folder path")
     if not os.access(base, os.W_OK | os.X_OK):
         raise ConfigError(
-            f"{key}={str(path)!r} cannot be created: {str(base)!r} is not writable; pick a "
-            "folder you can write"
+            f"{name} cannot be created ({str(base)!r} is not writable); pick a folder you can write"
         )
+
+
+def _named(key: str, path: str | Path) -> str:
+    """``train.out_dir='x'`` for a config key, ``--out 'x'`` for an option."""
+    return f"{key} {str(path)!r}" if key.startswith("-") else f"{key}={str(path)!r}"
 
 
 def make_dirs(path: Path, key: str) -> list[Path]:
@@ -79,7 +82,7 @@ def make_dirs(path: Path, key: str) -> list[Path]:
             with contextlib.suppress(OSError):
                 p.rmdir()
         raise ConfigError(
-            f"{key}={str(path)!r} cannot be created ({e.strerror}); pick a folder you can write"
+            f"{_named(key, path)} cannot be created ({e.strerror}); pick a folder you can write"
         ) from None
     return made
 
