@@ -140,7 +140,7 @@ def check_holes(template: str, seq_len: int) -> None:
     for m in _HOLE_DIGITS.finditer(template):
         digits = m.group(1).lstrip("0") or "0"
         if len(digits) > len(str(seq_len)) or int(digits) > seq_len:
-            shown = digits if len(digits) <= 12 else f"{digits[:6]}...<{len(digits)} digits>"
+            shown = digits if len(digits) <= 12 else f"{digits[:6]}... ({len(digits)} digits)"
             raise SamplingError(
                 f"hole [MASK:{shown}] is longer than the model's context ({seq_len} tokens)"
             )

@@ -959,34 +959,20 @@ def _pack(
         while tail and sum(t[1] for t in take) < need:
             take.insert(0, tail.pop())
         got = sum(t[1] for t in take)
-        total = train.tokens + val.tokens
-        if got < need or train.tokens - got < seq_len:
-            # Too few documents to move whole ones (one large .txt file is one document):
-            # the last val_fraction of the train tokens, at least one block, is validation.
-            got = min(train.tokens - seq_len, max(need, math.ceil(val_fraction * total)))
-            if got < need:
-                raise DataError(
-                    f"corpus {source!r} has {total} tokens, fewer than one train and one "
-                    f"validation block of seq_len={seq_len} ({2 * seq_len} tokens); use a "
-                    "larger corpus or a smaller model.seq_len"
-                )
-            moved_bytes = _move_tail(train, val, train.tokens - got, dtype, tok)
-            print(
-                f"data: {source!r} has too few documents to hold some out; its last {got:,} "
-                f"tokens ({got / total:.1%}) are the validation split",
-                flush=True,
-            )
-            split_tokens = got
-        else:
+        if got >= need and train.tokens - got >= seq_len:
             _move_tail(train, val, take[0][0], dtype, None)
             moved_bytes = sum(t[2] for t in take)
             moved = len(take)
             train.documents -= moved
             val.documents += moved
-        train.tokens -= got
-        val.tokens += got
-        train.bytes -= moved_bytes
-        val.bytes += moved_bytes
+            train.tokens -= got
+            val.tokens += got
+            train.bytes -= moved_bytes
+            val.bytes += moved_bytes
+    if val_fraction > 0 and min(train.tokens, val.tokens) < seq_len:
+        # Too few documents to split by whole ones (one large .txt file is one document,
+        # and its hash puts it all in one split): split the tokens instead.
+        split_tokens = _split_by_tokens(train, val, seq_len, val_fraction, dtype, tok, source)
     if train.tokens < seq_len:
         raise DataError(
             f"corpus {source!r} has {train.tokens} train tokens, fewer than one block of "
@@ -1010,6 +996,58 @@ def _pack(
         }
     stats["val"]["split_tokens"] = split_tokens  # taken from the end of the train text
     return stats, moved
+
+
+def _split_by_tokens(
+    train: _SplitWriter,
+    val: _SplitWriter,
+    seq_len: int,
+    val_fraction: float,
+    dtype: np.dtype,
+    tok: Tokenizer,
+    source: str,
+) -> int:
+    """Make validation the last ``val_fraction`` of all tokens (at least one block, leaving
+    train one): train's tail moves to val, or val's head to train. Says so in one line.
+    Returns the size of validation in tokens.
+
+    Raises:
+        DataError: fewer than two blocks in all.
+    """
+    total = train.tokens + val.tokens
+    want = min(total - seq_len, max(seq_len, math.ceil(val_fraction * total)))
+    if want < seq_len:
+        raise DataError(
+            f"corpus {source!r} has {total} tokens, fewer than one train and one validation "
+            f"block of seq_len={seq_len} ({2 * seq_len} tokens); use a larger corpus or a "
+            "smaller model.seq_len"
+        )
+    if val.tokens < want:
+        count = want - val.tokens
+        moved_bytes = _move_tail(train, val, train.tokens - count, dtype, tok)
+        train.tokens, val.tokens = train.tokens - count, val.tokens + count
+        train.bytes, val.bytes = train.bytes - moved_bytes, val.bytes + moved_bytes
+    else:
+        count = val.tokens - want
+        itemsize = dtype.itemsize
+        with open(val.path, "rb") as src, open(train.path, "ab") as dst:
+            left = count * itemsize
+            while left:
+                chunk = src.read(min(left, 1 << 22))
+                dst.write(chunk)
+                left -= len(chunk)
+            rest = np.frombuffer(src.read(), dtype=dtype)
+        rest.tofile(val.path)
+        kept = tok.decode(_text_ids(rest, tok.vocab_size, tok.eos_id))
+        moved_bytes = val.bytes - len(kept.encode("utf-8", errors="replace"))
+        train.tokens, val.tokens = train.tokens + count, val.tokens - count
+        train.bytes, val.bytes = train.bytes + moved_bytes, val.bytes - moved_bytes
+    print(
+        f"data: {source!r} has too few documents to hold some out; its last {want:,} tokens "
+        f"({want / total:.1%}) are the validation split",
+        flush=True,
+    )
+    return want
 
 
 def _move_tail(

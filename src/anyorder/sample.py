@@ -1105,7 +1105,7 @@ def parse_template(
             )
         # int() refuses thousands of digits: judge a long number by its length first
         if max_len is not None and (len(digits) > 18 or int(digits) > max_len):
-            shown = digits if len(digits) <= 12 else f"{digits[:6]}...<{len(digits)} digits>"
+            shown = digits if len(digits) <= 12 else f"{digits[:6]}... ({len(digits)} digits)"
             raise SamplingError(
                 f"hole [MASK:{shown}] is longer than the model's context ({max_len} tokens)"
             )

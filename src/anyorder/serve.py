@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import sys
 import threading
 import time
@@ -381,6 +382,7 @@ class App:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     server_version = "anyorder-serve"
+    default_request_version = "HTTP/1.0"  # answers to malformed lines get a status line too
 
     def setup(self) -> None:
         # A per-connection socket timeout: a client that stops sending (a partial request)
@@ -603,8 +605,11 @@ class _Server(ThreadingHTTPServer):
             f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
         )
         with contextlib.suppress(OSError):
-            request.settimeout(1.0)
+            request.settimeout(0.1)  # short: this runs in the accepting thread
             request.sendall(head.encode() + body)
+            request.shutdown(socket.SHUT_WR)
+            while request.recv(65536):  # drain the request, so closing sends no reset
+                pass
         self.shutdown_request(request)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
