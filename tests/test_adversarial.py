@@ -215,7 +215,9 @@ def test_a_corpus_that_is_one_large_text_file_trains(folder, hashed_to: str) -> 
     while is_val_document(text, 0.05) != (hashed_to == "val"):
         text, i = text[:100_000] + f"\n{i}", i + 1
     (folder / "book.txt").write_text(text)
-    out = cli(folder, "train", "cfg.yaml", "--no-progress", "data.source=book.txt")
+    # training on it (the other case only prepares it: the same code, a faster test)
+    command = ["train", "--no-progress"] if hashed_to == "train" else ["data"]
+    out = cli(folder, *command, "cfg.yaml", "data.source=book.txt")
     assert out.returncode == 0, out.stderr
     total = len(text) + 1  # bytes + EOS
     val = math.ceil(0.05 * total)  # the default data.val_fraction
@@ -309,3 +311,27 @@ def test_a_full_disk_during_a_save_is_one_line_and_loses_nothing(trained, tmp_pa
     again = cli(w, *args)  # room again: the same command resumes and finishes
     assert again.returncode == 0, again.stderr
     assert ck.latest_checkpoint(w / "run").name == "step_0000004"
+
+
+def test_a_prune_leaves_a_checkpoint_a_reader_holds(tmp_path) -> None:
+    from anyorder.config import RunConfig
+    from anyorder.data import ByteTokenizer
+
+    from conftest import tiny_model
+
+    model = tiny_model("gpt", vocab_size=257, seq_len=8)
+    cfg, run = RunConfig(model=model.cfg), tmp_path / "run"
+
+    def save(step: int) -> Path:
+        return ck.save_checkpoint(
+            run, step, model=model, config=cfg, tokenizer=ByteTokenizer(), keep_last=1
+        )
+
+    first = save(1)
+    with ck.reading(first):  # as load_model holds it
+        save(2)
+        save(3)
+        assert [p.name for p in ck.list_checkpoints(run)] == ["step_0000001", "step_0000003"]
+        ck.verify(first)
+    save(4)
+    assert [p.name for p in ck.list_checkpoints(run)] == ["step_0000004"]

@@ -448,7 +448,7 @@ def test_huge_steps_are_refused_before_any_work(server) -> None:
         ({"seed": -1}, "seed=-1 must be a whole number in 0.."),
         ({"text": "a[MASK:" + "9" * 5000 + "]"}, "hole [MASK:999999... (5000 digits)] is longer"),
         ({"length": 0}, "length=0 must be at least 1"),
-        ({"temperature": 1e400}, "temperature=inf must be > 0"),
+        ({"temperature": 1e400}, "temperature=inf must be a finite number > 0"),
     ],
 )
 def test_out_of_range_numbers_get_400(server, body, message) -> None:
@@ -464,6 +464,8 @@ def test_malformed_http_gets_json_errors(server) -> None:
         server, post_raw(server, b"{}", Content_Length="\u00b2".encode().decode("latin-1"))
     )
     assert status == 411 and "Content-Length" in json.loads(body)["error"]
+    status, _, body = raw(server, post_raw(server, b'{"steps": ' + b"9" * 5000 + b"}"))
+    assert status == 400 and "Exceeds the limit (4300 digits)" in json.loads(body)["error"]
     status, _, body = raw(server, post_raw(server, b"{}", Content_Length="9" * 5000))
     assert status in (411, 431) and json.loads(body)["error"]
     chunked = post_raw(

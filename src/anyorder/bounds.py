@@ -84,6 +84,8 @@ def check_controls(
     Raises:
         SamplingError: the first value out of range.
     """
+    if isinstance(temperature, (int, float)) and temperature > 0 and not temperature < math.inf:
+        raise SamplingError(f"temperature={temperature} must be a finite number > 0, e.g. 1.0")
     if not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
         raise SamplingError(
             f"temperature={temperature} must be > 0 (use e.g. 0.01 for near-greedy)"

@@ -26,13 +26,14 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -299,7 +300,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
 _MAX_HEADER = 100 * 2**20  # a safetensors header larger than this is not one of ours
 
 
-def read_header_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+def read_header_shapes(path: str | Path, fix: str = "") -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes from a safetensors file's header (nothing else is read).
 
     Raises:
@@ -318,7 +319,7 @@ def read_header_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
         }
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
         raise CheckpointError(
-            f"{path} is not a readable safetensors file ({_first_line(e)})"
+            f"{path} is corrupt (its safetensors header: {_first_line(e)}){fix}"
         ) from None
     return shapes
 
@@ -423,20 +424,65 @@ def _remove_stale_temps(root: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _lock_manifest(ckpt: Path, exclusive: bool) -> int | None:
+    """An open fd of ``ckpt``'s manifest holding a shared (reader) or exclusive (pruner)
+    ``flock``; None where there is no manifest or no ``fcntl``. A pruner does not wait:
+    it raises BlockingIOError when a reader holds the checkpoint. A reader waits for a
+    prune in progress (milliseconds), then finds its checkpoint gone and starts again."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(ckpt / MANIFEST, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def reading(ckpt: Path) -> Iterator[None]:
+    """Hold ``ckpt`` while it is read: a training's prune leaves it for a later save."""
+    fd = _lock_manifest(ckpt, exclusive=False)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def prune(run_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints; returns the deleted folders."""
+    """Delete all but the newest ``keep_last`` checkpoints; returns the deleted folders.
+
+    A checkpoint a reader holds (:func:`reading`) is left for a later prune."""
     found = list_checkpoints(run_dir)
     doomed = found[: max(0, len(found) - max(1, keep_last))]
+    deleted = []
     for p in doomed:
-        # Renamed out of the way first (atomic), so a process killed mid-delete never leaves
-        # a half-deleted step_* folder that still looks complete; the next save sweeps it.
-        gone = p.with_name(f".{p.name}.tmp-del-{os.getpid()}")
         try:
-            os.replace(p, gone)
-        except OSError:
-            gone = p
-        shutil.rmtree(gone, ignore_errors=True)
-    return doomed
+            fd = _lock_manifest(p, exclusive=True)
+        except OSError:  # a reader holds it: next time
+            continue
+        try:
+            # Renamed out of the way first (atomic), so a process killed mid-delete never
+            # leaves a half-deleted step_* folder that still looks complete; the next save
+            # sweeps it.
+            gone = p.with_name(f".{p.name}.tmp-del-{os.getpid()}")
+            try:
+                os.replace(p, gone)
+            except OSError:
+                gone = p
+            shutil.rmtree(gone, ignore_errors=True)
+            deleted.append(p)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return deleted
 
 
 def _first_line(e: BaseException) -> str:
@@ -671,7 +717,8 @@ def load_model(
     for attempt in (1, 2):  # a training may prune the latest checkpoint while it is read
         ckpt = resolve_checkpoint(path)
         try:
-            return _load_checkpoint(ckpt, weights, device)
+            with reading(ckpt):
+                return _load_checkpoint(ckpt, weights, device)
         except CheckpointError:
             if attempt == 2 or ckpt.is_dir() or ckpt == Path(path).expanduser():
                 raise
@@ -693,7 +740,8 @@ def _load_checkpoint(ckpt: Path, weights: str, device: str | torch.device) -> Lo
             "pass --weights raw"
         )
     verify(ckpt, [file.name])
-    problem = header_problem(config.model, read_header_shapes(file))
+    shapes = read_header_shapes(file, f"; delete {ckpt} and use an earlier checkpoint")
+    problem = header_problem(config.model, shapes)
     if problem:
         raise CheckpointError(
             f"weights in {file} do not fit the model its config.yaml describes ({problem}); "

@@ -543,7 +543,8 @@ def from_pretrained(
     if weights.is_file():  # its shapes against the config before anything is allocated
         from anyorder.checkpoint import header_problem, read_header_shapes
 
-        problem = header_problem(model_cfg, read_header_shapes(weights))
+        shapes = read_header_shapes(weights, "; export or download it again")
+        problem = header_problem(model_cfg, shapes)
         if problem:
             raise CheckpointError(
                 f"{weights} does not fit the model {CONFIG_NAME} describes ({problem}); "

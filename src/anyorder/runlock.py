@@ -126,7 +126,9 @@ class RunLock:
             return self
         for _ in range(100):  # another process removing the file at the same moment: retry
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                # O_NOFOLLOW: a lock file planted as a symlink must not truncate its target
+                flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                fd = os.open(self.path, flags, 0o644)
             except OSError as e:
                 self._forget_folders()
                 raise ConfigError(

@@ -510,8 +510,9 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         try:
             return parse_request(json.loads(raw.decode("utf-8")), app.limits)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            self._error(400, f"the body is not JSON ({e}); send a JSON object")
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, a 5000-digit number
+            reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            self._error(400, f"the body is not JSON ({reason}); send a JSON object")
         except AnyorderError as e:
             self._error(400, str(e))
         return None
@@ -630,7 +631,9 @@ def make_server(
     try:
         server = _Server((host, port), _Handler)
     except OSError as e:
-        raise SamplingError(f"cannot listen on {host}:{port} ({e.strerror}); pick --port") from None
+        raise SamplingError(
+            f"cannot listen on {host}:{port} ({e.strerror}); pick another --host or --port"
+        ) from None
     except OverflowError:
         raise SamplingError(f"--port {port} must lie in 0..65535 (0: any free port)") from None
     server.app, server.verbose, server.bound_host = app, verbose, host
