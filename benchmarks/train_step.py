@@ -181,8 +181,6 @@ def main() -> None:
     if args.paper:
         args.layers, args.seq_len, args.vocab, args.batch = 12, 1024, 50257, 8
     device = setup(args)
-    if device.type == "cpu":  # autocast on the CPU warns about fp32 weights with bf16 inputs
-        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     L, n, B = args.layers, args.seq_len, args.batch
     shape = dict(
         n_layer=L, d_model=args.d_model, n_head=args.heads, seq_len=n, vocab_size=args.vocab

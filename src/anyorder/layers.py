@@ -47,7 +47,12 @@ def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned gain."""
+    """Root-mean-square norm with a learned gain.
+
+    Under bf16 autocast the input is bf16 and the gain fp32; ``F.rms_norm`` then falls back
+    to its unfused implementation (with a warning per call), so the gain is cast to the
+    input's dtype first, as the fused kernel wants (a no-op in fp32).
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -55,7 +60,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
 # ----------------------------------------------------------------------------- positions

@@ -45,7 +45,6 @@ import signal
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -906,8 +905,6 @@ def _train(
     torch.manual_seed(t.seed + 1000 * env.rank)  # dropout differs between ranks
     sampler = BlockSampler(data.num_blocks("train"), t.batch_size, t.seed, env.rank, env.world_size)
     autocast = autocast_context(cfg, device)
-    if device.type == "cpu" and isinstance(autocast, torch.autocast):
-        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
 
     # ---- resume
     step = 0
