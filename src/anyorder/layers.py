@@ -391,8 +391,10 @@ class Attention(nn.Module):
         *,
         empty: Tensor | bool | None = None,
         packing: Packing | None = None,
+        project: bool = True,
     ) -> Tensor:
-        """SDPA of (B, H, Tq, D) queries over (B, H, Tk, D) keys/values, merged and projected.
+        """SDPA of (B, H, Tq, D) queries over (B, H, Tk, D) keys/values, merged and projected
+        (``project=False``: merged only, (B, Tq, d), for a caller that projects several at once).
 
         ``mask`` is ``"causal"`` or ``"strict"`` (key < query; square only), ``None`` (all
         visible), a boolean (B|1, 1, Tq, Tk) tensor or a :class:`PreparedMask`; rows with no
@@ -446,6 +448,8 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         B, H, T, D = y.shape
         y = y.transpose(1, 2).reshape(B, T, H * D)
+        if not project:
+            return y
         return self.proj(y if packing is None else packing.pack(y))
 
     def forward(
