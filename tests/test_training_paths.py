@@ -68,3 +68,76 @@ def test_rms_norm_is_unchanged_in_fp32_and_close_in_bf16() -> None:
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.02)
     assert norm.weight.dtype == torch.float32  # the parameter itself stays fp32
+
+
+# ----------------------------------------------------------------------------- compiled training
+
+
+def _compiled_vs_eager(tmp_path, kind: str, backend: str | None, **extra) -> None:
+    """Train eager, then compiled (same seed), then resume the compiled run eagerly and
+    compiled: the losses agree step by step, checkpoints carry the plain keys."""
+    from torch._dynamo.utils import counters
+
+    from anyorder import checkpoint as ck
+    from anyorder import train as train_mod
+    from test_train import _cfg, _losses
+
+    cache = tmp_path / "cache"
+    on = {"train.grad_accum": 2, "train.ckpt_every": 3, "train.eval_every": 3, **extra}
+    eager = train_mod.train(
+        _cfg(tmp_path / "eager", cache, kind, **on, **{"train.compile": False}), progress=False
+    )
+    kwargs = {} if backend is None else {"backend": backend}
+    saved = dict(train_mod.COMPILE_KWARGS)
+    train_mod.COMPILE_KWARGS.update(kwargs)
+    counters["stats"].clear()
+    try:
+        run = tmp_path / "compiled"
+        cfg = _cfg(run, cache, kind, **on, **{"train.compile": True})
+        compiled = train_mod.train(cfg, progress=False, stop_at=3)
+        keys = ck.load_model(run, weights="raw").model.state_dict().keys()
+        assert not [k for k in keys if "_orig_mod" in k]
+        compiled = train_mod.train(cfg, resume=True, progress=False)  # compiled again
+    finally:
+        train_mod.COMPILE_KWARGS.clear()
+        train_mod.COMPILE_KWARGS.update(saved)
+    assert counters["stats"]["unique_graphs"] >= 2  # the loss and validation were compiled
+    assert compiled["step"] == eager["step"] == 6
+    la, lb = _losses(tmp_path / "eager"), _losses(run)
+    assert [s for s, _ in la] == [s for s, _ in lb] == [1, 2, 3, 4, 5, 6]
+    for (_, a), (_, b) in zip(la, lb):
+        assert b == pytest.approx(a, rel=2e-4, abs=2e-4)
+    for which in ("raw", "ema"):
+        a = ck.load_model(tmp_path / "eager", weights=which).model.state_dict()
+        b = ck.load_model(run, weights=which).model.state_dict()
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], atol=2e-4, rtol=2e-3)
+
+
+@pytest.mark.parametrize("kind", ["aogpt", pytest.param("armd", marks=pytest.mark.slow)])
+def test_compiled_training_follows_eager_through_dynamo(tmp_path, kind: str) -> None:
+    """Dynamo and AOT autograd (backend aot_eager: the graphs, not inductor's kernels) with
+    grad accumulation, EMA, validation, checkpoints and a resume."""
+    _compiled_vs_eager(tmp_path, kind, "aot_eager")
+
+
+@pytest.mark.slow
+def test_compiled_training_follows_eager_with_inductor(tmp_path) -> None:
+    """The real compiler (inductor's CPU kernels), as ``train.compile=true`` runs it."""
+    _compiled_vs_eager(tmp_path, "aogpt", None)
+
+
+def test_compile_setting_is_checked_and_auto_is_off_for_now() -> None:
+    from anyorder.config import load_config
+    from anyorder.errors import ConfigError
+    from anyorder.train import check_config, use_compile
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = load_config(None, [])
+    assert auto.train.compile == "auto"
+    assert not use_compile(auto, cpu) and not use_compile(auto, cuda)  # until measured
+    assert use_compile(load_config(None, ["train.compile=true"]), cpu)
+    assert not use_compile(load_config(None, ["train.compile=false"]), cuda)
+    with pytest.raises(ConfigError, match=r"^train.compile='fast': use true, false or auto$"):
+        check_config(load_config(None, ["train.compile=fast"]))
