@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from anyorder.layers import RMSNorm
 from anyorder.orders import strided
@@ -141,3 +142,53 @@ def test_compile_setting_is_checked_and_auto_is_off_for_now() -> None:
     assert not use_compile(load_config(None, ["train.compile=false"]), cuda)
     with pytest.raises(ConfigError, match=r"^train.compile='fast': use true, false or auto$"):
         check_config(load_config(None, ["train.compile=fast"]))
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+class _Attention(TorchDispatchMode):
+    """Records the SDPA calls (is_causal, the mask's storage) and every (n, n)-shaped tensor
+    an op makes: masks are the only such tensors outside SDPA."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.calls, self.square = n, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name.startswith("_scaled_dot_product") and "backward" not in name:
+            bound = dict(zip([a.name for a in func._schema.arguments], args)) | kwargs
+            mask = bound.get("attn_mask")
+            ptr = None if mask is None else mask.untyped_storage().data_ptr()
+            self.calls.append((bool(bound.get("is_causal", False)), ptr))
+        elif isinstance(out, torch.Tensor) and tuple(out.shape[-2:]) == (self.n, self.n):
+            self.square += 1
+        return out
+
+
+def _forward_attention(kind: str, n_layer: int, blocks: int | None) -> _Attention:
+    model = tiny_model(kind, n_layer=n_layer, **({"l2s": 1} if kind == "armd" else {}))
+    tokens, order, model_blocks = _batch(kind, blocks)
+    spy = _Attention(N)
+    with spy:
+        model.train().loss(tokens, order, model_blocks).backward()
+    return spy
+
+
+@pytest.mark.parametrize("kind", ["gpt", "aogpt", "armd"])
+def test_token_level_attention_is_the_causal_kernel_without_a_mask(kind: str) -> None:
+    spy = _forward_attention(kind, 3, None)
+    assert len(spy.calls) == 3  # one per layer (ARMD, l2s = 1: the query stream only)
+    assert all(causal and mask is None for causal, mask in spy.calls)
+    assert spy.square == 0  # no dense (n, n) mask is built
+
+
+def test_block_masks_are_prepared_once_per_forward_not_per_layer() -> None:
+    shallow, deep = _forward_attention("armd", 2, 3), _forward_attention("armd", 5, 3)
+    assert len(deep.calls) == len(shallow.calls) + 3
+    assert deep.square == shallow.square > 0  # the (n, n) masks: as many at any depth
+    # every layer reads one of the two prepared masks (content and query stream)
+    assert len({mask for _, mask in deep.calls}) == 2 and None not in {m for _, m in deep.calls}

@@ -20,11 +20,10 @@ Design choices:
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -229,6 +228,17 @@ class PreparedMask:
     """(B|1, 1, Tq, 1) rows without a visible key (None: there are none)."""
     flex: Any = None
     """A ``torch.nn.attention.flex_attention.BlockMask``, or None."""
+    additive: dict = field(default_factory=dict, repr=False)
+    """``dense`` as SDPA's additive float mask (0 / -inf), per dtype, made by the first layer
+    that asks (:meth:`sdpa_mask`): SDPA would convert the boolean mask again in every call."""
+
+    def sdpa_mask(self, dtype: torch.dtype) -> Tensor:
+        """``dense`` as an additive mask of ``dtype`` (the queries'), made once."""
+        mask = self.additive.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.dense.shape, dtype=dtype, device=self.dense.device)
+            mask = self.additive[dtype] = mask.masked_fill_(~self.dense, float("-inf"))
+        return mask
 
 
 def prepare_mask(mask: Tensor) -> PreparedMask:
@@ -276,7 +286,8 @@ def block_visibility(blocks: Tensor | None, n: int, strict: bool, device: torch.
 # and then used only on CUDA; everywhere else the dense SDPA path runs.
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
-_backend = {"name": os.environ.get("ANYORDER_ATTENTION", "sdpa")}
+_backend = {"name": "sdpa"}
+_FLEX: dict[str, Any] = {}  # "ops": what _load_flex found, filled once
 
 
 def set_attention_backend(name: str) -> None:
@@ -287,26 +298,38 @@ def set_attention_backend(name: str) -> None:
             f"attention backend {name!r} is unknown; use one of {', '.join(ATTENTION_BACKENDS)}"
         )
     _backend["name"] = name
+    if name == "flex":
+        _load_flex()  # here, not inside a compiled forward
 
 
 def flex_enabled(device: torch.device) -> bool:
     """Whether block masks on ``device`` go through FlexAttention (CUDA, asked for, importable)."""
-    return _backend["name"] == "flex" and device.type == "cuda" and _flex_ops() is not None
+    return _backend["name"] == "flex" and device.type == "cuda" and _load_flex() is not None
 
 
-@functools.cache
-def _flex_ops() -> tuple[Callable, Callable] | None:
-    """``(compiled flex_attention, create_block_mask)``, imported on first use; None if absent."""
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None
-    return torch.compile(flex_attention, dynamic=False), create_block_mask
+def _load_flex() -> tuple[Callable, Callable, Callable] | None:
+    """``(flex_attention, its compiled form, create_block_mask)``, imported once; None if
+    absent. Loaded when the backend is chosen, so that a compiled model's trace only reads
+    it: inside ``torch.compile`` the plain ``flex_attention`` is called (and compiled with the
+    model), outside it the compiled one (FlexAttention is slow uncompiled)."""
+    if "ops" not in _FLEX:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        except ImportError:
+            _FLEX["ops"] = None
+        else:
+            compiled = torch.compile(flex_attention, dynamic=False)
+            _FLEX["ops"] = (flex_attention, compiled, create_block_mask)
+    return _FLEX["ops"]
+
+
+if os.environ.get("ANYORDER_ATTENTION") == "flex":
+    set_attention_backend("flex")
 
 
 def _flex_block_mask(ids: Tensor, strict: bool) -> Any:
     """FlexAttention block mask of ``B(key) <= B(query)`` (``<`` when strict) over ids (B, n)."""
-    _, create_block_mask = _flex_ops()
+    create_block_mask = _load_flex()[2]
     ids = ids.contiguous()
     B, n = ids.shape
 
@@ -411,10 +434,12 @@ class Attention(nn.Module):
                         "the FlexAttention path has no attention dropout; set model.dropout=0 "
                         "or use the sdpa attention backend"
                     )
-                flex_attention, _ = _flex_ops()
-                y = flex_attention(q, k, v, block_mask=mask.flex)
+                plain, compiled, _ = _load_flex()
+                flex = plain if torch.compiler.is_compiling() else compiled
+                y = flex(q, k, v, block_mask=mask.flex)
             else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, dropout_p=p)
+                m = mask.sdpa_mask(q.dtype)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p)
             if mask.empty is not None:
                 y = y.masked_fill(mask.empty, 0.0)
         elif mask == "strict":
