@@ -11,7 +11,10 @@ every aten op that reaches a kernel, split into:
 * ``sync``: reads of a value back to the host (``item``, ``nonzero``, ...).
 
 ``launch`` is the figure to cut. The optimizer step is left out (fused AdamW is one kernel
-per parameter group on CUDA whatever the model).
+per parameter group on CUDA whatever the model). The CPU runs ``F.rms_norm`` as about 18
+small ops (forward and backward); CUDA runs it as one fused kernel each way when the input
+and the gain share a dtype, so the ``cuda-like`` column counts every RMSNorm as two launches
+(the rest as measured): the closer proxy of a GPU step.
 
     python benchmarks/train_ops.py                       # tiny preset, batch 8, n = 256
     python benchmarks/train_ops.py --dtype bf16 --top 15 # the most launched ops of each model
@@ -23,12 +26,16 @@ import argparse
 import collections
 import sys
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
+from unittest import mock
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from anyorder import build_model, orders, preset
+from anyorder.layers import RMSNorm
 
 ALLOC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 SYNC = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "item", "masked_select"}
@@ -41,32 +48,74 @@ def kind_of(func) -> str:
         return "sync"
     if name in ALLOC:
         return "alloc"
-    if getattr(func, "is_view", False) or name in ("detach", "alias", "lift_fresh"):
+    if getattr(func, "is_view", False) or name in ("detach", "alias", "lift_fresh", "_unsafe_view"):
         return "view"
     return "launch"
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops by name and by :func:`kind_of` while active."""
+    """Counts aten ops by name and by :func:`kind_of` while active (and not ``paused``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
         self.kinds: collections.Counter[str] = collections.Counter()
+        self.paused = False
+
+    def add(self, name: str) -> None:
+        self.kinds["launch"] += 1
+        self.ops[name] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = kind_of(func)
-        self.kinds[kind] += 1
-        if kind == "launch":
-            self.ops[func.overloadpacket.__name__] += 1
+        if not self.paused:
+            kind = kind_of(func)
+            self.kinds[kind] += 1
+            if kind == "launch":
+                self.ops[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
-def count_step(model, tokens, order, blocks=None, dtype: str = "fp32") -> OpCounter:
+class _FusedNorm(torch.autograd.Function):
+    """``F.rms_norm`` counted as CUDA's fused kernel: one launch forward, one backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, counter):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.counter = eps, counter
+        counter.paused = True
+        try:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        finally:
+            counter.paused = False
+            counter.add("rms_norm (fused)")
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        ctx.counter.paused = True
+        try:
+            with torch.enable_grad():
+                x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+                y = F.rms_norm(x, (x.shape[-1],), weight, ctx.eps)
+                gx, gw = torch.autograd.grad(y, (x, weight), gy)
+        finally:
+            ctx.counter.paused = False
+            ctx.counter.add("rms_norm_backward (fused)")
+        return gx, gw, None, None
+
+
+def count_step(
+    model, tokens, order, blocks=None, dtype: str = "fp32", fused_norms: bool = False
+) -> OpCounter:
     """Ops of one forward + backward of ``model.loss`` (gradients are reset after)."""
     ctx = torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16")
     counter = OpCounter()
-    with counter:
+
+    def fused(norm, x):
+        return _FusedNorm.apply(x, norm.weight.to(x.dtype), norm.eps, counter)
+
+    patch = mock.patch.object(RMSNorm, "forward", fused) if fused_norms else nullcontext()
+    with patch, counter:
         with ctx:
             loss = model.loss(tokens, order, blocks)
         loss.backward()
@@ -106,6 +155,7 @@ def count_all(
             else:
                 order = orders.uniform(batch, n, g).order
         out[name] = count_step(model, tokens, order, blocks, dtype)
+        out[name].cuda_like = count_step(model, tokens, order, blocks, dtype, True).kinds["launch"]
     return out
 
 
@@ -123,20 +173,21 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     counts = count_all(args.batch, args.seq_len, args.dtype, args.layers)
     base = counts["gpt"].kinds["launch"]
+    base_cuda = counts["gpt"].cuda_like
     print(
         f"aten ops per training step (forward + backward), tiny, batch {args.batch}, "
         f"n = {args.seq_len}, {args.dtype}"
     )
-    print(f"  {'model':18s} {'launch':>7s} {'x gpt':>6s} {'view':>6s} {'alloc':>6s} {'sync':>5s}")
+    head = ["model", "launch", "x gpt", "cuda-like", "x gpt", "view", "alloc", "sync"]
+    print(f"  {head[0]:18s} " + " ".join(f"{h:>9s}" for h in head[1:]))
     rows = []
     for name, c in counts.items():
         k = c.kinds
-        rows.append(
-            dict(model=name, **{key: k[key] for key in ("launch", "view", "alloc", "sync")})
-        )
+        keys = ("launch", "view", "alloc", "sync")
+        rows.append(dict(model=name, cuda_like=c.cuda_like, **{key: k[key] for key in keys}))
         print(
-            f"  {name:18s} {k['launch']:7d} {k['launch'] / base:6.2f} {k['view']:6d} "
-            f"{k['alloc']:6d} {k['sync']:5d}"
+            f"  {name:18s} {k['launch']:9d} {k['launch'] / base:9.2f} {c.cuda_like:9d} "
+            f"{c.cuda_like / base_cuda:9.2f} {k['view']:9d} {k['alloc']:9d} {k['sync']:9d}"
         )
     if args.top:
         for name, c in counts.items():
