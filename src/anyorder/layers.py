@@ -602,7 +602,9 @@ class _ModulateRows(torch.autograd.Function):
         x, col, idx = ctx.saved_tensors
         need = ctx.needs_input_grad
         gx = (gy * F.embedding(idx, col)).to(x.dtype) if need[0] else None
-        return gx, gy if need[1] else None, gy * x if need[2] else None, None, None
+        g_shift = gy.to(col.dtype) if need[1] else None
+        g_mul = (gy * x).to(col.dtype) if need[2] else None
+        return gx, g_shift, g_mul, None, None
 
 
 class _GateRows(torch.autograd.Function):
@@ -618,7 +620,32 @@ class _GateRows(torch.autograd.Function):
         a, col, idx = ctx.saved_tensors
         need = ctx.needs_input_grad
         ga = (gy * F.embedding(idx, col)).to(a.dtype) if need[2] else None
-        return gy if need[0] else None, gy * a if need[1] else None, ga, None, None
+        g_gate = (gy * a).to(col.dtype) if need[1] else None
+        return gy if need[0] else None, g_gate, ga, None, None
+
+
+class _GatherChunks(torch.autograd.Function):
+    """``table[idx].split(d, dim=-1)``: the rows of every chunk in one gather. Backward adds
+    each chunk's gradient into its columns of the table, summed in fp32 (or better), instead
+    of joining the (B, T, F) gradients of the chunks first."""
+
+    @staticmethod
+    def forward(ctx, table: Tensor, idx: Tensor, d: int) -> tuple[Tensor, ...]:
+        ctx.save_for_backward(idx)
+        ctx.table, ctx.d = (table.shape, table.dtype), d
+        return F.embedding(idx, table).split(d, dim=-1)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        (idx,) = ctx.saved_tensors
+        (P, F_), dtype = ctx.table
+        acc = torch.promote_types(dtype, torch.float32)
+        d = ctx.d
+        out = torch.zeros(F_ // d, P, d, dtype=acc, device=idx.device)  # contiguous per chunk
+        flat = idx.reshape(-1)
+        for j, g in enumerate(grads):
+            out[j].index_add_(0, flat, g.reshape(-1, d).to(acc))
+        return out.to(dtype).transpose(0, 1).reshape(P, F_), None, None
 
 
 @dataclass
@@ -675,17 +702,17 @@ def adaln_stack(
     and applied once per forward (not once per layer), with the ``1 +`` of the scales and
     gates folded into the joined bias (``offset``: :func:`adaln_offset`). On a
     :class:`TargetCondition` the table is computed per position and the slots' rows are
-    gathered once for every layer; its backward is one index-add. The matmul runs in fp32
-    even under autocast: it is small (P rows), and the rows' gradients then add up in fp32.
+    gathered once for every layer (backward: one fp32 index-add per chunk, no join of the
+    chunks' (B, T, d) gradients). The matmul runs under the caller's autocast, as the
+    per-layer linears did.
     """
     weight = torch.cat([a.linear.weight for a in adas])  # (F, c), F = sum of chunks * d
     bias = torch.cat([a.linear.bias for a in adas]) + offset.to(adas[0].linear.bias)
     c = cond.emb if isinstance(cond, TargetCondition) else cond
-    with torch.autocast(c.device.type, enabled=False):
-        table = F.linear(F.silu(c.float()), weight.float(), bias.float())  # (P | B, T, F)
+    table = F.linear(F.silu(c), weight, bias)  # (P | B, T, F)
     d = adas[0].linear.out_features // adas[0].chunks
     if isinstance(cond, TargetCondition):
-        chunks = F.embedding(cond.target, table).split(d, dim=-1)  # (B, T, d) each
+        chunks = _GatherChunks.apply(table, cond.target, d)  # (B, T, d) each
         columns = table.split(d, dim=-1)  # (P, d) each
     else:
         chunks, columns = table.split(d, dim=-1), None
