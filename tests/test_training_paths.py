@@ -192,3 +192,58 @@ def test_block_masks_are_prepared_once_per_forward_not_per_layer() -> None:
     assert deep.square == shallow.square > 0  # the (n, n) masks: as many at any depth
     # every layer reads one of the two prepared masks (content and query stream)
     assert len({mask for _, mask in deep.calls}) == 2 and None not in {m for _, m in deep.calls}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_compiled_two_processes_match_one_eager_process(tmp_path, fsdp: bool) -> None:
+    """``train.compile=true`` under DDP and FSDP2 (two gloo ranks; dynamo + AOT autograd)
+    gives the weights and losses of one eager process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from anyorder.train import train
+    from test_train import DIST_EXTRA, WORKER, _cfg, _losses, _overrides, _weights
+
+    cache = tmp_path / "cache"
+    single = tmp_path / "single"
+    train(_cfg(single, cache, "armd", **DIST_EXTRA), progress=False)
+    run = tmp_path / "dist"
+    script = tmp_path / "worker.py"
+    backend = 'import anyorder.train as T; T.COMPILE_KWARGS["backend"] = "aot_eager"\n'
+    script.write_text(
+        WORKER.replace("from anyorder.train import train\n", backend + "train = T.train\n")
+    )
+    extra = {**DIST_EXTRA, "train.fsdp": fsdp, "train.compile": True}
+    overrides = json.dumps(_overrides(run, cache, "armd", **extra))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, str(script)]
+    procs = [
+        subprocess.Popen(
+            [*cmd, str(rank), str(tmp_path / "store"), overrides],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    assert "(compiled)" in outputs[0]
+    for which in ("raw", "ema"):
+        a, b = _weights(single, which), _weights(run, which)
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4)
+    for (_, x), (_, y) in zip(_losses(single), _losses(run)):
+        assert abs(x - y) < 1e-4
