@@ -249,8 +249,9 @@ class TrainConfig:
     """cpu, cuda, cuda:N or auto."""
     dtype: str = "auto"
     """Autocast dtype: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32."""
-    compile: bool = False
-    """Wrap the model in torch.compile."""
+    compile: bool | str = "auto"
+    """torch.compile the model and its loss: true, false, or auto (per device, as measured:
+    off everywhere until a GPU measurement says otherwise; see docs/performance.md)."""
     fsdp: bool = False
     """Shard with FSDP2 fully_shard instead of DDP under torchrun."""
     skip_nonfinite: bool = False

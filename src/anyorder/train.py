@@ -45,7 +45,6 @@ import signal
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -317,6 +316,35 @@ class LossModule(nn.Module):
         return self.model.loss(tokens, order, blocks, generator=generator)
 
 
+COMPILE_AUTO = {"cpu": False, "cuda": False}
+"""What ``train.compile=auto`` means on each device type. Off everywhere for now: on this
+project's CPU a compiled step is no faster (docs/performance.md), and compiled against eager
+on a GPU is measured side by side by ``benchmarks/gpu_check.sh`` (``train_step.py --compile
+both``); turn ``cuda`` on here when that table shows a win."""
+COMPILE_KWARGS: dict[str, Any] = {}
+"""Extra ``torch.compile`` arguments of a compiled run (tests use ``backend="aot_eager"``)."""
+
+
+def use_compile(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether this run compiles: ``train.compile``, with ``auto`` resolved per device."""
+    c = cfg.train.compile
+    return c if isinstance(c, bool) else COMPILE_AUTO.get(device.type, False)
+
+
+def compile_modules(model: nn.Module, train_module: nn.Module) -> None:
+    """Compile, in place, the training entry point (the loss, so the cross-entropy over the
+    vocabulary is compiled with the model) and the model itself (validation calls it).
+
+    In place (``Module.compile``), so nothing is wrapped: parameters, ``state_dict`` keys
+    (no ``_orig_mod.``), EMA and checkpoints see the plain modules. ``train_module`` is the
+    outermost wrapper (DDP's, so that dynamo splits the graph at DDP's gradient buckets;
+    under FSDP2 the loss module over the sharded model, whose hooks dynamo leaves to run
+    eagerly). Calls of the compiled model inside the compiled loss are traced inline.
+    """
+    model.compile(**COMPILE_KWARGS)
+    train_module.compile(**COMPILE_KWARGS)
+
+
 def autocast_context(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
     """bf16 autocast on CUDA (``auto``) or when asked for; fp32 otherwise."""
     dtype = cfg.train.dtype
@@ -381,6 +409,8 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
             f"data.val_fraction={cfg.data.val_fraction} must lie in (0, 1) for training "
             "(validation runs at the end); use e.g. 0.05"
         )
+    if isinstance(t.compile, str) and t.compile != "auto":
+        raise ConfigError(f"train.compile={t.compile!r}: use true, false or auto")
     block_orders = o.kind == "sbp" or (o.kind == "strided" and o.streams > 1)
     if block_orders and m.kind in ("gpt", "aogpt"):
         raise ConfigError(
@@ -914,8 +944,6 @@ def _train(
     n_params = model.num_params()
     wrapper = LossModule(model)
     fsdp = _is_fsdp(cfg, env)
-    if t.compile:
-        model.compile()
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -943,6 +971,8 @@ def _train(
         train_module = DDP(wrapper, device_ids=[device.index] if device.type == "cuda" else None)
     else:
         train_module = wrapper
+    if use_compile(cfg, device):  # after wrapping: see compile_modules
+        compile_modules(model, train_module)
     opt = make_optimizer(model, cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
     ema = EMA(params, t.ema, t.ema_warmup) if t.ema > 0 else None
@@ -954,8 +984,6 @@ def _train(
     torch.manual_seed(t.seed + 1000 * env.rank)  # dropout differs between ranks
     sampler = BlockSampler(data.num_blocks("train"), t.batch_size, t.seed, env.rank, env.world_size)
     autocast = autocast_context(cfg, device)
-    if device.type == "cpu" and isinstance(autocast, torch.autocast):
-        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
 
     # ---- resume
     step = 0
@@ -991,6 +1019,7 @@ def _train(
         f"{cfg.model.kind}: {n_params / 1e6:.2f}M parameters, {cfg.model.n_layer} layers x "
         f"{cfg.model.d_model}, seq_len {n}; order {cfg.order.kind}; {env.world_size} process(es) "
         f"on {device}, dtype {t.dtype}; batch {B} = {env.world_size} x {t.grad_accum} x {micro}"
+        + (" (compiled)" if use_compile(cfg, device) else "")
         + (" (dry run: one micro-batch of at most 2)" if dry_run else "")
     )
     if dry_run:

@@ -9,11 +9,10 @@ position table added to the input instead.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from anyorder.cache import KVCache
-from anyorder.layers import AdaLN, TargetCondition, modulate_rows
+from anyorder.layers import AdaLN, Modulation, TargetCondition, adaln_offset, adaln_stack
 from anyorder.models.gpt import GPT, Condition
 
 
@@ -35,6 +34,9 @@ class AOGPT(GPT):
             # (measured: any-order 3.09 vs 3.01 nats/token after 400 steps, 2 x 128 model).
             self.tgt_emb.init_std = 1.0
             self.final_ada = AdaLN(cfg.target_dim, cfg.d_model, 2, ones=(1,))
+            # the 1 + of every scale and gate, for the joined adaLN of layer_conditions
+            offset = adaln_offset(self.adas())
+            self.register_buffer("ada_offset", offset, persistent=False)
         else:
             self.tgt_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
 
@@ -45,6 +47,15 @@ class AOGPT(GPT):
             return self.tgt_emb(target)
         # adaLN of a target depends on its position only: one table row per position
         return TargetCondition(target, self.tgt_emb.weight)
+
+    def adas(self) -> list[AdaLN]:
+        """Every adaLN of the model: one per block, then the final norm's."""
+        return [b.ada for b in self.blocks] + [self.final_ada]
+
+    def layer_conditions(self, cond: Condition) -> list:
+        if cond is None:
+            return [None] * (len(self.blocks) + 1)
+        return adaln_stack(self.adas(), cond, self.ada_offset)
 
     def decode_condition(self, cache: KVCache, target: Tensor) -> Condition:
         if self.cfg.target_injection != "adaln":
@@ -58,11 +69,8 @@ class AOGPT(GPT):
     def final_norm(self, h: Tensor, cond: Condition) -> Tensor:
         if cond is None:
             return self.norm_f(h)
-        if isinstance(cond, TargetCondition) and torch.is_grad_enabled():
-            shift, mul = self.final_ada.table_of(cond).chunk(2, dim=-1)
-            return modulate_rows(self.norm_f(h), shift, mul, cond.target)
-        shift, mul = self.final_ada(cond)  # mul = 1 + scale
-        return torch.addcmul(shift, self.norm_f(h), mul)
+        m = cond if isinstance(cond, Modulation) else Modulation(self.final_ada(cond))
+        return m.modulate(0, self.norm_f(h))  # shift, mul = 1 + scale
 
     def forward(
         self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None

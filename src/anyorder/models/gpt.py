@@ -91,9 +91,15 @@ class GPT(AnyOrderLM):
         target positions (queries are rotated there under ``model.rope_query=target``)."""
         qpos = self.query_positions(target)
         pos = positions(self.cfg, pos)  # RoPE tables once, for every layer
-        for block in self.blocks:
-            h = block(h, pos, mask, cond, qpos=qpos)
-        return self.final_norm(h, cond)
+        *layers, final = self.layer_conditions(cond)  # adaLN once, for every layer
+        for block, c in zip(self.blocks, layers):
+            h = block(h, pos, mask, c, qpos=qpos)
+        return self.final_norm(h, final)
+
+    def layer_conditions(self, cond: Condition) -> list:
+        """What each block's and the final norm's adaLN reads, worked out once per forward:
+        ``n_layer + 1`` entries (all None for the plain GPT)."""
+        return [cond] * (len(self.blocks) + 1)
 
     def query_positions(self, target: Tensor | None) -> Positions:
         """RoPE tables of the queries when they differ from the keys' (else None)."""
