@@ -64,9 +64,14 @@ class AOGPT(GPT):
         shift, mul = self.final_ada(cond)  # mul = 1 + scale
         return torch.addcmul(shift, self.norm_f(h), mul)
 
-    def forward(
-        self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
+    def features(
+        self,
+        tokens: Tensor,
+        order: Tensor | None = None,
+        blocks: Tensor | None = None,
+        *,
+        max_tokens: int | None = None,
     ) -> Tensor:
         self.check_tokens(tokens)
         self.check_blocks(blocks)
-        return self._forward(tokens, self.resolve_order(tokens, order))
+        return self._features(tokens, self.resolve_order(tokens, order))

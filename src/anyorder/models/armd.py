@@ -113,8 +113,13 @@ class ARMD(AnyOrderLM):
 
     # -- the interface --------------------------------------------------------------------
 
-    def forward(
-        self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
+    def features(
+        self,
+        tokens: Tensor,
+        order: Tensor | None = None,
+        blocks: Tensor | None = None,
+        *,
+        max_tokens: int | None = None,
     ) -> Tensor:
         self.check_tokens(tokens)
         order = self.resolve_order(tokens, order)
@@ -131,7 +136,7 @@ class ARMD(AnyOrderLM):
                 h, g = self.two_stream_layer(block, h, g, pos, mask_c, mask_q, i == self.l2s - 1)
             else:
                 g = block(g, pos, mask_c)
-        return self.head(self.norm_f(g))
+        return self.norm_f(g)
 
     # -- cached decoding (see anyorder.sample) ------------------------------------------
 
