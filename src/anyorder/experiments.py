@@ -750,11 +750,12 @@ _FOUR = {
 }
 
 
-def _progressive(ctx: Context) -> list[str]:
+def _progressive(ctx: Context, rho: int | None = None) -> list[str]:
     """ARMD's schedule scaled to the run: l2r for the first 5%, displaced tokens up to rho
-    reached at 27% (the paper's 9K and 48K of 180K steps)."""
+    reached at 27% (the paper's 9K and 48K of 180K steps). ``rho`` defaults to the paper's
+    32 (8 in smoke runs), which is half of our n = 64: see :func:`scaled_rho`."""
     s = ctx.steps
-    rho = 8 if ctx.smoke else 32
+    rho = rho if rho is not None else (8 if ctx.smoke else 32)
     i_ar = int(0.05 * s)
     i_perm = max(i_ar + 1, int(0.27 * s))
     return ["order.kind=progressive", f"order.i_ar={i_ar}", f"order.i_perm={i_perm}",
@@ -786,15 +787,30 @@ def exp_four(ctx: Context) -> dict[str, Any]:
 # ============================================================================ 6. progressive
 
 
+def scaled_rho(n: int) -> int:
+    """ARMD's rho at our length: the paper displaces at most 32 of n = 1024 tokens (3.1%);
+    the same fraction of ``n`` (2 at n = 64), at least 1."""
+    return max(1, round(32 * n / 1024))
+
+
 def exp_progressive(ctx: Context) -> dict[str, Any]:
-    """ARMD's progressive permutation schedule vs uniform orders from the start."""
+    """ARMD's progressive permutation schedule vs uniform orders from the start, with the
+    paper's rho (32, half of our n) and with rho scaled to the paper's 3% of n."""
+    n = 16 if ctx.smoke else 64
+    rho = 8 if ctx.smoke else 32
     arms = {
-        "armd (progressive)": ("armd", _progressive(ctx)),
+        f"armd (progressive, rho = {rho} of {n})": ("armd", _progressive(ctx)),
+        f"armd (progressive, rho = {scaled_rho(n)} of {n})": (
+            "armd", _progressive(ctx, scaled_rho(n)),
+        ),
         "armd uniform from the start": ("armd", ["order.kind=uniform"]),
-    }
+    }  # fmt: skip
     if ctx.scale == "paper":
-        return _paper(ctx, "armd-small-owt.yaml", arms)
-    note = f" Progressive: `{' '.join(_progressive(ctx))}`."
+        return _paper(ctx, "armd-small-owt.yaml", {k: arms[k] for k in list(arms)[::2]})
+    note = (
+        f" Progressive: `{' '.join(_progressive(ctx))}`; the second arm scales rho to the "
+        f"paper's fraction of n (32 of 1024 = 3%): `order.rho={scaled_rho(n)}`."
+    )
     res = _bpb_experiment(ctx, arms, "ARMD: progressive vs uniform", note)
     md = res["markdown"] + "\nDiagnostic: target-position KL as in experiment 2 (seed-0 models).\n"
     return res | {"markdown": md + _add_target_kl(ctx, res, arms)}
