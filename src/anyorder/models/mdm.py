@@ -87,7 +87,8 @@ class MDM(AnyOrderLM):
         max_tokens: int | None = None,
     ) -> Tensor:
         """Per slot, the encoder's hidden state at the slot's target position, on a copy
-        with that slot's block and later ones masked: (B, n, d).
+        with that slot's block and later ones masked: (B, T, d) for an order of T slots (a
+        prefix of a permutation is fine: the positions it leaves out stay masked).
 
         ``max_tokens`` positions per encoder call (``max_tokens // n`` copies; default
         :data:`copies_per_pass`); only one hidden state per copy is kept.
@@ -95,19 +96,25 @@ class MDM(AnyOrderLM):
         self.check_tokens(tokens)
         order = self.resolve_order(tokens, order)
         B, n = tokens.shape
-        slot_of = inverse(order)  # (B, n) slot of each position
-        rank = slot_of if blocks is None else blocks.gather(1, slot_of)  # (B, n) by position
+        T = order.shape[1]
+        slot_of = torch.full((B, n), T, dtype=order.dtype, device=order.device)
+        slot_of.scatter_(1, order, torch.arange(T, device=order.device).expand(B, T))
+        if blocks is None:
+            rank = slot_of  # (B, n) by position; T: never context
+        else:
+            after = blocks.max(dim=1, keepdim=True).values + 1
+            rank = torch.cat([blocks, after], dim=1).gather(1, slot_of)
         per = self.copies_per_pass if max_tokens is None else max(1, max_tokens // n)
         out = []
-        for i in range(0, B * n, per):  # copy r: row r // n, slot r % n
-            r = torch.arange(i, min(i + per, B * n), device=tokens.device)
-            b, t = r // n, r % n
+        for i in range(0, B * T, per):  # copy r: row r // T, slot r % T
+            r = torch.arange(i, min(i + per, B * T), device=tokens.device)
+            b, t = r // T, r % T
             # the context of slot t: positions of earlier slots (earlier blocks)
             own = t if blocks is None else blocks[b, t]
             copies = torch.where(rank[b] < own[:, None], tokens[b], self.mask_id)  # (per, n)
             h = self.denoise_features(copies)  # (per, n, d)
             out.append(h[torch.arange(len(r), device=r.device), order[b, t]])
-        return torch.cat(out).view(B, n, -1)
+        return torch.cat(out).view(B, T, -1)
 
     def elbo_estimate(
         self,
