@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +38,19 @@ from anyorder.models.mdm import MDM
 
 @dataclass
 class Estimate:
-    """A Monte-Carlo estimate in nats per token, with its standard error."""
+    """An estimate in nats per token, with its standard error.
+
+    ``stderr`` is what the producer documents: over the orders for the batch estimators of
+    this module; over the blocks of a corpus for :func:`anyorder.corpus.block_estimate`,
+    which puts the order draw's part of it in ``stderr_orders`` (None where no order is
+    drawn, as left to right).
+    """
 
     mean: float
     stderr: float
     samples: int
+    stderr_orders: float | None = None
+    blocks: int | None = None
 
     def ci95(self) -> tuple[float, float]:
         return self.mean - 1.96 * self.stderr, self.mean + 1.96 * self.stderr
@@ -227,6 +236,7 @@ def member_logprobs(
     slots: Tensor | None = None,
     *,
     max_tokens: int = DEFAULT_MAX_TOKENS,
+    on_chunk: Callable[[int], None] | None = None,
 ) -> tuple[Tensor, int]:
     """Log-probabilities of each target under each context-order ensemble member (Eq. 7).
 
@@ -264,6 +274,7 @@ def member_logprobs(
         keys: (B, M-1, n) member keys per position, uniform in [0, 1) (float64 is best).
         slots: (B, S) target slots to score (default: all ``n``).
         max_tokens: slot evaluations per trunk call, and the head's chunk (memory bound).
+        on_chunk: called with the slot evaluations of each call as it is done (progress).
 
     Returns:
         ``(logp, evaluated)``: logp (B, S, M) float32 with member 0 the identity, and the
@@ -278,6 +289,8 @@ def member_logprobs(
     out = torch.zeros(B, S, M, device=tokens.device)
     out[..., 0] = -model.token_nll(tokens, order, max_tokens=max_tokens).gather(1, slots)
     evaluated = B * n
+    if on_chunk is not None:
+        on_chunk(B * n)
     if M == 1:
         return out, evaluated
     b_of = torch.arange(B, device=tokens.device).repeat_interleave(S)
@@ -314,5 +327,7 @@ def member_logprobs(
         )
         out[b, c, 1:] = lp.view(P, M - 1)
         evaluated += P * (M - 1) * length
+        if on_chunk is not None:
+            on_chunk(P * (M - 1) * length)
         start = stop
     return out, evaluated
