@@ -851,23 +851,32 @@ def exp_sbp(ctx: Context) -> dict[str, Any]:
         return _paper(ctx, "armd-small-owt.yaml", arms, sbp=True)
     base = train_run(ctx, run_name("armd", _progressive(ctx)), "armd", _progressive(ctx), 0)
     ft_steps = max(2, ctx.steps // 3)
+    init = [f"train.init_from={base['run_dir']}"]
     ft = train_run(
         ctx, "armd_sbp", "armd", ["order.kind=sbp", "order.sbp_streams=[1,2,4]"], 0,
-        steps=ft_steps, extra=[f"train.init_from={base['run_dir']}"],
+        steps=ft_steps, extra=init,
     )  # fmt: skip
+    # the control at equal tokens: the same steps from the same base, on the base's own
+    # final order distribution (rho displaced tokens from the first step) instead of SBP
+    rho = _progressive(ctx)[-1]
+    same = ["order.kind=progressive", "order.i_ar=0", "order.i_perm=1", rho]
+    control = train_run(ctx, "armd_continued", "armd", same, 0, steps=ft_steps, extra=init)
     judge = _judge(ctx)
     n = 16 if ctx.smoke else 64
     num = 4 if ctx.smoke else 64
     rows = []
-    for label, run in (("before SBP", base), ("after SBP", ft)):
+    arms = (("before SBP", base), ("continued, no SBP", control), ("after SBP", ft))
+    for label, run in arms:
         loaded = _load(run)
         for S in (1, 2, 4):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 sc = _gen_score(loaded.model, loaded.tokenizer, judge, n, num, 0, streams=S)
             rows.append({"model": label, "S": S} | sc)
     md = (
-        _budget_line(ctx, 2)
-        + f" SBP fine-tuning: {ft_steps} more steps with S drawn from {{1, 2, 4}}. "
+        _budget_line(ctx, 3)
+        + f" SBP fine-tuning: {ft_steps} more steps with S drawn from {{1, 2, 4}}; the "
+        f"control at equal tokens (continued, no SBP): the same {ft_steps} steps from the same "
+        f"base on the base's own final orders (`{' '.join(same)}`). "
         f"{num} samples of {n} bytes per cell at temperature 1, judged by the project's own "
         "left-to-right gpt of experiment 5 (generative NLL in nats per judge token; lower is "
         "better, but watch the entropy: repetitive text scores well).\n\n"
@@ -881,7 +890,7 @@ def exp_sbp(ctx: Context) -> dict[str, Any]:
     plot = _plot_xy(
         {
             lab: ([1, 2, 4], [r["nll_per_token"] for r in rows if r["model"] == lab], None)
-            for lab in ("before SBP", "after SBP")
+            for lab, _ in arms
         },
         "streams S",
         "generative NLL (judge, nats/token)",
