@@ -703,3 +703,13 @@ def test_cli_eval_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert "a judge must be a left-to-right gpt" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "run"), "--ensemble", "0", *common]) == 2
     assert "--ensemble must be at least 1" in capsys.readouterr().err
+    bad = {
+        ("--ensemble", "2", "--targets", "0"): "--targets '0': give a positive number of slots",
+        ("--protocol", "reference"): "--protocol reference applies to --suite zero-shot and gen",
+        ("--splits", "ptb=test"): "--splits applies to --suite zero-shot; use --split",
+        ("--max-tokens", "0"): "--max-tokens must be at least 1",
+    }
+    for flags, message in bad.items():
+        assert main(["eval", str(tmp_path / "run"), *flags, *common]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err

@@ -294,6 +294,13 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.max_blocks is not None and args.max_blocks < 1:
         raise ConfigError("--max-blocks must be at least 1")
     targets = _targets(args.targets, args.ensemble)
+    if args.suite == "likelihood" and args.protocol != "ours":
+        raise ConfigError(
+            f"--protocol {args.protocol} applies to --suite zero-shot and gen; the likelihood "
+            "suite scores the run's own data"
+        )
+    if args.splits and args.suite != "zero-shot":
+        raise ConfigError("--splits applies to --suite zero-shot; use --split for likelihood")
     device = _eval_device(args.device)
     ckpt = load_model(args.checkpoint, weights=args.weights, device=device)
     run_dir = ckpt.path.parent.parent if ckpt.path.parent.name == "checkpoints" else ckpt.path
