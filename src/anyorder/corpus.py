@@ -245,7 +245,7 @@ def corpus_ensemble(
 
     def advance(slot_evals: int) -> None:  # whole passes of n tokens to the bar
         done[0] += slot_evals
-        passes = min(total, done[0] // n)
+        passes = min(total - 1, done[0] // n)  # padding can run past the formula's count
         bar.update(passes - done[1])
         done[1] = passes
 
