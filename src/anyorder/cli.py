@@ -192,7 +192,9 @@ def add_eval(p: argparse.ArgumentParser) -> None:
         "as it is and averages per-sample perplexities (AO-GPT's Table 2)",
     )
     g = p.add_argument_group("likelihood and zero-shot")
-    g.add_argument("--orders", type=int, default=4, help="random orders K per block (mask draws for mdm)")
+    g.add_argument(
+        "--orders", type=int, default=4, help="random orders K per block (mask draws for mdm)"
+    )
     g.add_argument("--ensemble", type=int, default=1, help="context-order ensemble size M")
     g.add_argument(
         "--targets",
