@@ -712,7 +712,8 @@ def exp_finding5(ctx: Context) -> dict[str, Any]:
         _budget_line(ctx, len(arms))
         + f" Scored on {len(blocks)} validation blocks x {res['orders']} random orders, "
         f"{targets} random target slots per block and order (unbiased for the per-token mean); "
-        f"± is the standard error over the orders. Gain M=1 -> M={ms[-1]} in nats/token "
+        f"± is the standard error over the blocks (the text sample, the order draw included; "
+        f"paired for the gains). Gain M=1 -> M={ms[-1]} in nats/token "
         f"(paired): {'; '.join(gains)}. Evaluation took {wall:.0f} s.\n\n"
         f"| M | {' | '.join(f'{a}: any-order bits/byte | gain (nats/token)' for a in series)} "
         "| forward passes per block (formula) |\n"
