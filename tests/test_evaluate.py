@@ -143,7 +143,8 @@ def test_exact_model_gets_the_true_likelihood_in_every_order(gen: torch.Generato
         block_se = float((truth.double() / n).std() / math.sqrt(len(x)))
         assert m["stderr"] == pytest.approx(block_se, rel=1e-4)
     assert res["any_order"]["stderr_orders"] < 1e-6 and res["l2r"]["stderr_orders"] is None
-    assert_close(torch.tensor(res["per_block"]["l2r"]).double(), truth.double() / n, atol=1e-5, rtol=0)
+    per_block = torch.tensor(res["per_block"]["l2r"]).double()
+    assert_close(per_block, truth.double() / n, atol=1e-5, rtol=0)
     assert torch.tensor(res["per_block"]["any_order"]).shape == (6, 4)
 
 
