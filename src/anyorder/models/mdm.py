@@ -105,7 +105,7 @@ class MDM(AnyOrderLM):
             after = blocks.max(dim=1, keepdim=True).values + 1
             rank = torch.cat([blocks, after], dim=1).gather(1, slot_of)
         per = self.copies_per_pass if max_tokens is None else max(1, max_tokens // n)
-        out = []
+        out = None  # (B*T, d), allocated once: small tensors kept between the big ones
         for i in range(0, B * T, per):  # copy r: row r // T, slot r % T
             r = torch.arange(i, min(i + per, B * T), device=tokens.device)
             b, t = r // T, r % T
@@ -113,8 +113,10 @@ class MDM(AnyOrderLM):
             own = t if blocks is None else blocks[b, t]
             copies = torch.where(rank[b] < own[:, None], tokens[b], self.mask_id)  # (per, n)
             h = self.denoise_features(copies)  # (per, n, d)
-            out.append(h[torch.arange(len(r), device=r.device), order[b, t]])
-        return torch.cat(out).view(B, T, -1)
+            if out is None:  # (fragment the heap, and the peak creeps up call after call)
+                out = h.new_empty(B * T, h.shape[-1])
+            out[i : i + len(r)] = h[torch.arange(len(r), device=r.device), order[b, t]]
+        return out.view(B, T, -1)
 
     def elbo_estimate(
         self,
