@@ -662,6 +662,13 @@ def test_cli_eval_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert res["ensemble"]["targets"] == 4 and set(per["ensemble"]) == {"1", "2"}
 
     monkeypatch.chdir(tmp_path)  # the rest in this process (faster)
+    # an ensemble scores a few random target slots unless told otherwise (all: --targets all)
+    assert main(["eval", str(tmp_path / "run"), "--ensemble", "2", *common]) == 0
+    assert "on 8 random target slots per block and order" in capsys.readouterr().out
+    assert (
+        main(["eval", str(tmp_path / "run"), "--ensemble", "2", "--targets", "all", *common]) == 0
+    )
+    assert "on every target slot" in capsys.readouterr().out
     zs = write_layout(tmp_path / "zs")
     argv = ["eval", str(tmp_path / "run"), "--suite", "zero-shot", "--data-dir", str(zs)]
     assert main([*argv, "--datasets", "ptb,lambada", *common]) == 0

@@ -152,7 +152,7 @@ def run_demo(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- eval
 
 _ZERO_SHOT_SETS = "lambada,wikitext2,ptb,wikitext103,lm1b"
-DEFAULT_TARGETS = 16
+DEFAULT_TARGETS = 8
 """Ensemble target slots per block and order unless ``--targets`` says otherwise."""
 
 
