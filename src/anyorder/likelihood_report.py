@@ -76,7 +76,10 @@ def _format_ensemble(res: dict[str, Any], ens: dict[str, Any], unit: str) -> lis
     g = ens["gain_by_size"][M]
     gain, gse = (g["bits_per_byte"], g["bpb_stderr"]) if unit == "bits/byte" else (
         g["nats"], g["stderr"])  # fmt: skip
-    verdict = "the ensemble is better" if gain > 0 else "the ensemble is not better"
+    if gse is not None and math.isfinite(gse) and abs(gain) < 2 * gse:
+        verdict = "within 2 standard errors of no difference"
+    else:
+        verdict = "positive: the ensemble is better" if gain > 0 else "negative: it is worse"
     lines.append(f"    gain x1 - x{M} = {gain:+.4f} ± {gse:.4f} {unit} (paired; {verdict})")
     lines.append(
         f"    cost per block and order: 1 + {M - 1}*(n+1)/2"
