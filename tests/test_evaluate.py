@@ -712,7 +712,7 @@ def test_cli_eval_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert main(["eval", str(tmp_path / "run"), "--ensemble", "0", *common]) == 2
     assert "--ensemble must be at least 1" in capsys.readouterr().err
     bad = {
-        ("--ensemble", "2", "--targets", "0"): "--targets '0': give a positive number of slots",
+        ("--ensemble", "2", "--targets", "x"): "--targets 'x': give a number of target slots, or",
         ("--protocol", "reference"): "--protocol reference applies to --suite zero-shot and gen",
         ("--splits", "ptb=test"): "--splits applies to --suite zero-shot; use --split",
         ("--max-tokens", "0"): "--max-tokens must be at least 1",

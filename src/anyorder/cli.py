@@ -249,6 +249,33 @@ def _numbers(text: str | None, kind: type, name: str) -> list:
         raise ConfigError(f"--{name} {text!r}: give comma-separated numbers") from None
 
 
+def _check_eval_args(args: argparse.Namespace) -> None:
+    """Counts and controls of ``anyorder eval``, before a model is loaded."""
+    from anyorder import bounds
+    from anyorder.errors import ConfigError
+
+    for name in (
+        "orders",
+        "ensemble",
+        "batch_size",
+        "num_samples",
+        "max_blocks",
+        "max_tokens",
+        "length",
+    ):  # fmt: skip (--targets: see _targets)
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.batch_size > bounds.MAX_NUM_SAMPLES:
+        raise ConfigError(f"--batch-size must be at most {bounds.MAX_NUM_SAMPLES}")
+    bounds.check_seed(args.seed, "--seed")
+    if args.suite == "gen":
+        for temp in _numbers(args.temperature, float, "temperature"):
+            bounds.check_controls(temperature=temp, top_p=args.top_p)
+        for steps in _numbers(args.steps, int, "steps"):
+            bounds.check_controls(steps=steps)
+
+
 def _targets(text: str | None, ensemble: int) -> int | None:
     """``--targets``: a count, ``all`` (None) or the default where an ensemble runs."""
     from anyorder.errors import ConfigError
@@ -260,9 +287,9 @@ def _targets(text: str | None, ensemble: int) -> int | None:
     try:
         value = int(text)
     except ValueError:
-        value = 0
+        raise ConfigError(f"--targets {text!r}: give a number of target slots, or all") from None
     if value < 1:
-        raise ConfigError(f"--targets {text!r}: give a positive number of slots, or all")
+        raise ConfigError("--targets must be at least 1")
     return value
 
 
@@ -289,12 +316,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from anyorder.checkpoint import load_model
     from anyorder.errors import ConfigError
+    from anyorder.runlock import check_writable_dir
 
-    for name in ("orders", "ensemble", "batch_size", "num_samples", "max_tokens"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_blocks is not None and args.max_blocks < 1:
-        raise ConfigError("--max-blocks must be at least 1")
+    _check_eval_args(args)
     targets = _targets(args.targets, args.ensemble)
     if args.suite == "likelihood" and args.protocol != "ours":
         raise ConfigError(
@@ -307,6 +331,7 @@ def run_eval(args: argparse.Namespace) -> int:
     ckpt = load_model(args.checkpoint, weights=args.weights, device=device)
     run_dir = ckpt.path.parent.parent if ckpt.path.parent.name == "checkpoints" else ckpt.path
     out = Path(args.out) if args.out else run_dir / "eval"
+    check_writable_dir(out, "--out")
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
     model = ckpt.model
@@ -395,7 +420,9 @@ def _eval_gen(args: argparse.Namespace, ckpt, device, out) -> list:
     judge = load_judge(args.judge, device)
     steps = _numbers(args.steps, int, "steps")
     temps = _numbers(args.temperature, float, "temperature")
-    n = args.length or ckpt.model.cfg.seq_len
+    from anyorder.bounds import check_length
+
+    n = check_length(args.length, ckpt.model.cfg.seq_len)
     rows = gen_sweep(
         ckpt.model, ckpt.tokenizer, judge, n=n, num=args.num_samples, steps=steps,
         temperatures=temps, top_p=args.top_p, mode=args.order, seed=args.seed,
@@ -573,13 +600,16 @@ def run_sample(args: argparse.Namespace) -> int:
 
     import torch
 
+    from anyorder import bounds
     from anyorder.checkpoint import load_model
     from anyorder.errors import SamplingError
     from anyorder.sample import decode_text, parse_template, sample
     from anyorder.train import resolve_device
 
-    if args.num_samples < 1:
-        raise SamplingError(f"--num-samples={args.num_samples} must be at least 1")
+    bounds.check_controls(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        num_samples=args.num_samples, seed=args.seed, steps=args.steps, length=args.length,
+    )  # fmt: skip
     if args.infill is not None and args.length is not None:
         raise SamplingError("--infill takes its length from the template; leave out --length")
     device = resolve_device(args.device, what="--device")
@@ -593,12 +623,15 @@ def run_sample(args: argparse.Namespace) -> int:
     streams = args.streams
     if streams is not None:
         order = "strided"
-    n = args.length or model.cfg.seq_len
     prompt = known = None
     if args.infill is not None:
+        bounds.check_holes(args.infill, model.cfg.seq_len)
         prompt, known = parse_template(args.infill, tok, model.cfg.seq_len)
         n = len(prompt)
-    elif args.prompt:
+        bounds.check_steps(args.steps, n)
+    else:
+        n = bounds.check_fit(model.cfg.seq_len, length=args.length, steps=args.steps)
+    if args.prompt:
         ids = tok.encode(args.prompt)
         if len(ids) >= n:
             raise SamplingError(
@@ -622,7 +655,7 @@ def run_sample(args: argparse.Namespace) -> int:
     ctx = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
     gen = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
-    with ctx:
+    with ctx, bounds.out_of_memory_as_error(f"--num-samples {args.num_samples} x {n} tokens"):
         result = sample(
             model,
             n,
@@ -711,11 +744,16 @@ def add_serve(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from anyorder.bounds import MAX_NUM_SAMPLES
     from anyorder.errors import ConfigError
     from anyorder.serve import Limits, serve
 
-    if args.max_samples < 1 or not args.time_limit > 0:
-        raise ConfigError("--max-samples must be at least 1 and --time-limit above 0")
+    if not 1 <= args.max_samples <= MAX_NUM_SAMPLES or not args.time_limit > 0:
+        raise ConfigError(
+            f"--max-samples must lie in 1..{MAX_NUM_SAMPLES} and --time-limit be above 0"
+        )
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} must lie in 0..65535 (0: any free port)")
     limits = Limits(max_samples=args.max_samples, time_limit_s=args.time_limit)
     serve(
         args.checkpoint,
