@@ -958,12 +958,13 @@ def _train(
         for block in list(model.blocks)[first:]:
             fully_shard(block, mp_policy=mp)
         # The model itself is the root unit, so validation (which calls the model, not the
-        # loss wrapper) unshards it too; the encoder's denoise() is an entry point as well.
+        # loss wrapper) unshards it too; token_nll (trunk and head in chunks, not through
+        # forward) and the encoder's denoise() are entry points as well.
         fully_shard(model, mp_policy=mp)
-        if cfg.model.kind == "mdm":
-            from torch.distributed.fsdp import register_fsdp_forward_method
+        from torch.distributed.fsdp import register_fsdp_forward_method
 
-            register_fsdp_forward_method(model, "denoise")
+        for entry in ("token_nll", "denoise") if cfg.model.kind == "mdm" else ("token_nll",):
+            register_fsdp_forward_method(model, entry)
         train_module: nn.Module = wrapper
     elif env.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP

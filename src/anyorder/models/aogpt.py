@@ -72,9 +72,14 @@ class AOGPT(GPT):
         m = cond if isinstance(cond, Modulation) else Modulation(self.final_ada(cond))
         return m.modulate(0, self.norm_f(h))  # shift, mul = 1 + scale
 
-    def forward(
-        self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
+    def features(
+        self,
+        tokens: Tensor,
+        order: Tensor | None = None,
+        blocks: Tensor | None = None,
+        *,
+        max_tokens: int | None = None,
     ) -> Tensor:
         self.check_tokens(tokens)
         self.check_blocks(blocks)
-        return self._forward(tokens, self.resolve_order(tokens, order))
+        return self._features(tokens, self.resolve_order(tokens, order))

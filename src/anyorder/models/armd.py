@@ -121,8 +121,13 @@ class ARMD(AnyOrderLM):
 
     # -- the interface --------------------------------------------------------------------
 
-    def forward(
-        self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
+    def features(
+        self,
+        tokens: Tensor,
+        order: Tensor | None = None,
+        blocks: Tensor | None = None,
+        *,
+        max_tokens: int | None = None,
     ) -> Tensor:
         self.check_tokens(tokens)
         order = self.resolve_order(tokens, order)
@@ -140,7 +145,7 @@ class ARMD(AnyOrderLM):
                 x = self.two_stream_layer(block, x, pos, mask_c, mask_q, i == self.l2s - 1)
             else:
                 x = block(x, pos, mask_c)
-        return self.head(self.norm_f(x))
+        return self.norm_f(x)
 
     # -- cached decoding (see anyorder.sample) ------------------------------------------
 

@@ -119,19 +119,25 @@ class GPT(AnyOrderLM):
 
     # -- the interface --------------------------------------------------------------------
 
-    def forward(
-        self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
+    def features(
+        self,
+        tokens: Tensor,
+        order: Tensor | None = None,
+        blocks: Tensor | None = None,
+        *,
+        max_tokens: int | None = None,
     ) -> Tensor:
         self.check_tokens(tokens)
         if order is not None and not torch.equal(order, self.resolve_order(tokens, None)):
             raise ConfigError("gpt is a left-to-right model; give order=None (or l2r)")
         self.check_blocks(blocks)
-        return self._forward(tokens, self.resolve_order(tokens, order))
+        return self._features(tokens, self.resolve_order(tokens, order))
 
-    def _forward(self, tokens: Tensor, order: Tensor) -> Tensor:
+    def _features(self, tokens: Tensor, order: Tensor) -> Tensor:
+        """The trunk over the permuted slots of ``order`` (a prefix is fine): (B, T, d)."""
         x_in, pos_in = self.slot_inputs(tokens, order)
         h = self.inject(self.embed(x_in, pos_in), order)
-        return self.head(self.trunk(h, pos_in, "causal", self.condition(order), order))
+        return self.trunk(h, pos_in, "causal", self.condition(order), order)
 
     # -- cached decoding (see anyorder.sample) ------------------------------------------
 
