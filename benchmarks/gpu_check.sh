@@ -1,20 +1,97 @@
 #!/usr/bin/env bash
-# Everything worth running in one session on a GPU machine, as one prepared script:
-# the GPU tests (tests/test_gpu.py and the other `gpu`-marked ones), then the benchmarks
-# at the papers' sizes on the wall clock (docs/performance.md). Writes under $OUT
-# (default benchmarks/results/cuda). Run from the repository root after `make test` has
-# built .venv (with a CUDA build of torch on that machine).
+# Everything worth running in one GPU session, as one prepared script of at most 6 minutes
+# (a 15-minute lease leaves room to fix and rerun): the GPU tests, then every benchmark at
+# the papers' size (12 x 768, n = 1024, bf16), each time-boxed, then ONE table of the issue-14
+# targets (benchmarks/gpu_targets.py). A part that fails or runs out of time leaves its rows
+# "not measured"; the table says which. Logs and JSON go to $OUT (default
+# benchmarks/results/<device>). Needs no install: PYTHONPATH=src and a python with torch.
 #
-#   bash benchmarks/gpu_check.sh              # tests, then every benchmark (paper sizes)
-#   QUICK=1 bash benchmarks/gpu_check.sh      # tests, then the tiny sizes only (minutes)
-set -euo pipefail
-PY=${PY:-.venv/bin/python}
-OUT=${OUT:-benchmarks/results/cuda}
-mkdir -p "$OUT"
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"
-"$PY" -m pytest -q -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.txt"
-if [ "${QUICK:-0}" = 1 ]; then
-  "$PY" benchmarks/run_all.py --quick --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.txt"
-else
-  "$PY" benchmarks/run_all.py --paper --device cuda --out "$OUT" 2>&1 | tee "$OUT/bench.txt"
+#   bash benchmarks/gpu_check.sh                          # on a GPU machine
+#   GPU_CHECK_DEVICE=cpu bash benchmarks/gpu_check.sh     # the dry path: tiny sizes on the CPU
+#   GPU_CHECK_BUDGET=300 PY=python3 bash benchmarks/gpu_check.sh
+#
+# Order (the most wanted first, so a short budget cuts the least): tests; training, eager;
+# decoding; training, compiled beside eager (what `train.compile=auto` is to be decided on);
+# the Figure-4 benchmark.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${PY:-}" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+OUT=${OUT:-benchmarks/results/$DEVICE}
+BUDGET=${GPU_CHECK_BUDGET:-345} # seconds for all parts; the table takes a second more
+# each part's own limit is scaled: the CPU dry path on a shared 2-core machine is slower
+SCALE=${GPU_CHECK_SCALE:-$([ "$DEVICE" = cpu ] && echo 4 || echo 1)}
+mkdir -p "$OUT"
+rm -f "$OUT"/{gpu_tests.txt,train_step.json,train_compile.json,decode.json,decoder_vs_encoder.json}
+START=$SECONDS
+
+# run NAME SECONDS CMD...: CMD time-boxed to SECONDS or what is left of the budget; its
+# output in $OUT/NAME.log, the last lines shown
+run() {
+  local name=$1 limit=$2 left rc t0
+  shift 2
+  limit=$((limit * SCALE))
+  left=$((BUDGET - (SECONDS - START)))
+  if ((limit > left)); then limit=$left; fi
+  if ((limit < 15)); then
+    echo "[$name] skipped: the ${BUDGET}s budget is spent"
+    return
+  fi
+  echo "[$name] at most ${limit}s: $*"
+  t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  tail -n "${GPU_CHECK_TAIL:-14}" "$OUT/$name.log" | sed "s/^/  /"
+  if ((rc == 124 || rc == 137)); then
+    echo "[$name] TIMED OUT after ${limit}s"
+  else
+    echo "[$name] exit $rc in $((SECONDS - t0))s"
+  fi
+}
+
+# budget flags: --budget where the script takes it, else one round
+budget() { # SCRIPT SECONDS
+  if ((BUDGET - (SECONDS - START) < 15)); then return; fi # the part is skipped anyway
+  if "$PY" "benchmarks/$1.py" --help 2>/dev/null | grep -q -- "--budget"; then
+    echo "--budget $2"
+  else
+    echo "--repeats 1"
+  fi
+}
+
+"$PY" -c "import torch; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(),
+      '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+if [ "$DEVICE" = cpu ]; then # the dry path: the same parts at tiny sizes
+  TRAIN=(--layers 2 --d-model 64 --heads 2 --seq-len 32 --vocab 50 --batch 2 --repeats 1)
+  COMPILE=(--compile both --compile-backend aot_eager)
+  DECODE=(--sizes tiny --seq-len 32 --batches 1,8 --dtype fp32)
+  DVE=(--lengths 32 --steps 8 --batch 8 --dtype fp32)
+  TESTS=(tests/test_gpu.py)
+else
+  TRAIN=(--paper --dtype bf16 --repeats 3)
+  COMPILE=(--compile both)
+  DECODE=(--paper --dtype bf16 --batches 1,8 --graphs) # CUDA graphs (eager where they fail)
+  DVE=(--size small --dtype bf16 --lengths 1024 --steps 256 --batch 8 --graphs)
+  TESTS=(tests/)
+fi
+
+ANYORDER_GPU_TEST_DEVICE=$DEVICE run gpu_tests 100 \
+  "$PY" -m pytest -q -m gpu "${TESTS[@]}" -o addopts="" -p no:cacheprovider
+cp "$OUT/gpu_tests.log" "$OUT/gpu_tests.txt" 2>/dev/null
+run train_step 75 "$PY" benchmarks/train_step.py --device "$DEVICE" "${TRAIN[@]}" \
+  --json "$OUT/train_step.json"
+# shellcheck disable=SC2046  # budget's words are flags
+run decode 100 "$PY" benchmarks/decode.py --device "$DEVICE" "${DECODE[@]}" --lemma1 \
+  $(budget decode 60) --json "$OUT/decode.json"
+run train_compile 150 "$PY" benchmarks/train_step.py --device "$DEVICE" "${TRAIN[@]}" \
+  "${COMPILE[@]}" --models gpt,aogpt,armd_half --no-peak --json "$OUT/train_compile.json"
+# shellcheck disable=SC2046
+run decoder_vs_encoder 60 "$PY" benchmarks/decoder_vs_encoder.py --device "$DEVICE" "${DVE[@]}" \
+  $(budget decoder_vs_encoder 30) --json "$OUT/decoder_vs_encoder.json" \
+  --plot "$OUT/decoder_vs_encoder.png"
+
+echo "(all parts: $((SECONDS - START))s of the ${BUDGET}s budget)"
+"$PY" benchmarks/gpu_targets.py --dir "$OUT" --json "$OUT/targets.json"

@@ -130,7 +130,8 @@ def test_exact_model_gets_the_true_likelihood_in_every_order(gen: torch.Generato
         order = torch.rand(6, n, generator=gen).argsort(-1)
         assert_close(sequence_nll(model, x, order), truth, atol=1e-5, rtol=1e-5)
     assert_close(exact_any_order_nll(model, x).float(), truth, atol=1e-5, rtol=1e-5)
-    # corpus level: every order gives the truth, so the error bar is zero and covers it
+    # corpus level: every order gives the truth, so the order draw's error bar is zero, and
+    # the headline one is the spread of the blocks' true likelihoods (the text sample)
     res = likelihood_suite(model, x, bytes_per_token=2.0, orders=4, ensemble=3, progress=False)
     per_token = float(truth.mean()) / n
     for key in ("l2r", "any_order", "ensemble"):
@@ -139,7 +140,12 @@ def test_exact_model_gets_the_true_likelihood_in_every_order(gen: torch.Generato
         assert m["ppl"] == pytest.approx(math.exp(per_token), rel=1e-6)
         assert m["bits_per_byte"] == pytest.approx(per_token / math.log(2) / 2.0, rel=1e-6)
         assert m["ppl_ci95"][0] <= math.exp(per_token) + 1e-6 <= m["ppl_ci95"][1] + 2e-6
-    assert res["any_order"]["stderr"] < 1e-6
+        block_se = float((truth.double() / n).std() / math.sqrt(len(x)))
+        assert m["stderr"] == pytest.approx(block_se, rel=1e-4)
+    assert res["any_order"]["stderr_orders"] < 1e-6 and res["l2r"]["stderr_orders"] is None
+    per_block = torch.tensor(res["per_block"]["l2r"]).double()
+    assert_close(per_block, truth.double() / n, atol=1e-5, rtol=0)
+    assert torch.tensor(res["per_block"]["any_order"]).shape == (6, 4)
 
 
 def test_monte_carlo_ci_covers_the_exact_any_order_nll(gen: torch.Generator) -> None:
@@ -266,7 +272,8 @@ def test_ensemble_on_sampled_targets_runs_the_plain_estimate_on_all(gen) -> None
     assert res["l2r"] is None and res["ensemble"]["targets"] == 5
     ens = res["ensemble"]
     assert set(ens["by_size"]) == set(ens["gain_by_size"]) == {1, 2, 4}
-    assert ens["gain_by_size"][1] == {"nats": 0.0, "stderr": 0.0}
+    assert ens["gain_by_size"][1]["nats"] == ens["gain_by_size"][1]["stderr"] == 0.0
+    assert ens["baseline"] == ens["by_size"][1]  # the same-targets baseline it is paired with
     assert ens["gain_by_size"][4]["nats"] == ens["gain_nats"]
     # paired: the gain is the difference of the two sizes' means on the same targets
     by = ens["by_size"]
@@ -386,18 +393,51 @@ def test_zero_shot_table(tmp_path: Path) -> None:
         progress=False, orders=2, ensemble=2, targets=4,
     )  # fmt: skip
     md = table_markdown(table)
-    assert (
-        md.splitlines()[0].split("|")[1:-1]
-        == [" dataset   ", " blocks ", " PPL l2r ", " PPL any-order ", " PPL any-order + ens x2 "]
-        or "PPL any-order + ens x2" in md.splitlines()[0]
-    )
+    head = [c.strip() for c in md.splitlines()[0].split("|")[1:-1]]
+    # one unit (bits per byte: a byte-level model), the ensemble beside its same-targets x1
+    assert head == [
+        "dataset", "split (ours protocol)", "blocks", "bits/byte l2r", "bits/byte any order",
+        "bits/byte any order, x1 on 4 targets", "bits/byte ens x2 on 4 targets",
+    ]  # fmt: skip
     for name in ("wikitext2", "ptb"):
         r = table["datasets"][name]
         assert r["blocks"] == 2 and r["l2r"]["ppl"] > 1 and r["ensemble"]["members"] == 2
-        assert f"| {name}" in md
+        assert r["split"] == "test" and f"| {name}" in md
+    assert "Protocol: ours (every set on its test split" in md
     js, mdf = write_table(table, tmp_path / "out")
     assert json.loads(js.read_text())["datasets"]["ptb"]["seq_len"] == 16
     assert mdf.read_text() == md
+    # no ensemble: no ensemble column (no "ens x1 ... n/a")
+    plain = zero_shot(model, ByteTokenizer(), ["ptb"], data_dir=root, max_blocks=2,
+                      progress=False, echo=False, orders=2)  # fmt: skip
+    assert "ens" not in table_markdown(plain).splitlines()[0]
+
+
+def test_zero_shot_splits_and_the_reference_protocol(tmp_path: Path) -> None:
+    from anyorder.zeroshot import parse_splits, resolve_splits
+
+    names = ["lambada", "wikitext2", "ptb", "wikitext103", "lm1b"]
+    # the AO-GPT reference code: WikiText-2 on its train split, every other set on test
+    assert resolve_splits(names, "reference") == dict.fromkeys(names, "test") | {
+        "wikitext2": "train"
+    }
+    assert set(resolve_splits(names).values()) == {"test"}
+    over = parse_splits("wikitext2=test, lm1b=train")
+    assert resolve_splits(names, "reference", over)["wikitext2"] == "test"
+    with pytest.raises(DataError, match="lambada has no 'train' split; use one of test"):
+        resolve_splits(["lambada"], "ours", {"lambada": "train"})
+    with pytest.raises(DataError, match="--splits entry 'wikitext2': give NAME=SPLIT"):
+        parse_splits("wikitext2")
+    with pytest.raises(DataError, match="unknown zero-shot dataset 'wt2'"):
+        resolve_splits(names, "ours", {"wt2": "test"})
+    # the local layout: another split in a subfolder named after it
+    root = write_layout(tmp_path / "zs")
+    with pytest.raises(DataError, match="no folder .*wikitext2/train for the train split"):
+        load_texts(dataset("wikitext2"), root, "train")
+    (root / "wikitext2" / "train").mkdir()
+    (root / "wikitext2" / "train" / "wiki.train.raw.txt").write_text(" = Train text = \n")
+    assert load_texts(dataset("wikitext2"), root, "train") == [" = Train text = \n"]
+    assert load_texts(dataset("wikitext2"), root)[1] == " = Robert Boulter = \n"
 
 
 # ----------------------------------------------------------------------------- gen ppl
@@ -470,6 +510,45 @@ def test_generative_perplexity_matches_the_hf_model(tmp_path: Path) -> None:
     assert score.entropy == pytest.approx(float(ent.mean()))
 
 
+def test_reference_gen_protocol_is_the_mean_per_sample_ppl_of_the_ids_as_generated(
+    tmp_path: Path,
+) -> None:
+    from anyorder.genppl import ModelJudge, generate_samples, generative_perplexity
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text to model. " * 10)
+    save_tiny_run(tmp_path / "judge", "gpt", corpus, seed=1)
+    judge = ModelJudge(tmp_path / "judge")
+    tok = ByteTokenizer()
+    model = perturbed("aogpt", vocab_size=257, seq_len=16)
+    samples = generate_samples(model, 16, 6, seed=3, batch_size=3, progress=False)
+    samples[0, 5] = samples[2, 9] = tok.eos_id  # EOS mid-sample: the reference keeps going
+    ref = generative_perplexity(samples, tok, judge, batch_size=4, protocol="reference")
+    # direct: the judge on the unmodified ids, tokens 2..n each from the ids before it
+    with torch.no_grad():
+        nll = judge.model.token_nll(samples)[:, 1:].double()
+    per_sample = nll.mean(dim=1).exp()
+    assert ref.gen_ppl == pytest.approx(float(per_sample.mean()), rel=1e-5)
+    assert ref.ppl_per_sample == pytest.approx(per_sample.tolist(), rel=1e-4)
+    assert ref.ppl_per_sample_std == pytest.approx(float(per_sample.std()), rel=1e-4)
+    assert ref.scored_tokens == 6 * 15 and ref.with_eos >= 2 and ref.protocol == "reference"
+    assert ref.gen_ppl >= math.exp(ref.nll_per_token) - 1e-9  # Jensen: mean of exps
+    ours = generative_perplexity(samples, tok, judge, batch_size=4)
+    assert ours.protocol == "ours" and ours.scored_tokens != ref.scored_tokens  # cut at EOS
+    with pytest.raises(ConfigError, match="unknown protocol 'paper'; use one of ours, reference"):
+        generative_perplexity(samples, tok, judge, protocol="paper")
+
+
+def test_reference_gen_protocol_needs_the_models_vocabulary(tmp_path: Path) -> None:
+    from anyorder.genppl import HFJudge, generative_perplexity
+
+    judge = HFJudge(str(make_judge_folder(tmp_path / "judge")))  # a BPE judge, byte model
+    samples = torch.randint(0, 256, (2, 8))
+    with pytest.raises(ConfigError, match="reference protocol scores the generated ids as they"):
+        generative_perplexity(samples, ByteTokenizer(), judge, protocol="reference")
+
+
 def test_generate_samples(gen: torch.Generator) -> None:
     from anyorder.genppl import generate_samples
 
@@ -493,10 +572,15 @@ def test_plots_write_pngs(tmp_path: Path) -> None:
 
     model = perturbed("aogpt", vocab_size=7, seq_len=8)
     x = torch.randint(0, 7, (3, 8))
-    res = likelihood_suite(model, x, orders=2, ensemble=4, progress=False)
+    res = likelihood_suite(model, x, bytes_per_token=1.0, orders=2, ensemble=4, progress=False)
     res = json.loads(json.dumps(res))  # as read back from the JSON file: string keys
-    png = plot_ensemble_curve({"toy": res}, tmp_path / "ens.png")
+    png = plot_ensemble_curve({"toy": res}, tmp_path / "ens.png")  # bits per byte
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = plot_ensemble_curve({"toy": res}, tmp_path / "ens_ppl.png", unit="ppl")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    res["bytes_per_token"] = None
+    with pytest.raises(ConfigError, match="no bytes per token: plot them with unit='ppl'"):
+        plot_ensemble_curve({"toy": res}, tmp_path / "none.png")
     rows = [
         {"steps": s, "temperature": t, "gen_ppl": 10.0 / s + t, "entropy": 4.0 + t}
         for s in (8, 16, 32)
@@ -546,19 +630,66 @@ def test_cli_eval_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     save_tiny_run(tmp_path / "judge", "gpt", corpus, seed=1)
     out = tmp_path / "out"
     common = ["--orders", "2", "--max-blocks", "3", "--no-progress", "--out", str(out)]
-    # the console script, in a process of its own
-    r = run_cli("eval", str(tmp_path / "run"), "--ensemble", "2", *common, cwd=tmp_path)
+    # the console script, in a process of its own, its stderr a pipe (not a terminal): the
+    # estimate comes first, then progress lines, not \r updates
+    args = ["--orders", "2", "--max-blocks", "3", "--out", str(out), "--targets", "4"]
+    r = run_cli("eval", str(tmp_path / "run"), "--ensemble", "2", *args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "any-order (K=2)" in r.stdout and "forward passes of n=16 tokens" in r.stdout
+    err = r.stderr.splitlines()
+    assert err[0].startswith("aogpt likelihoods: about ") and "passes of 16 tokens x" in err[0]
+    assert any(line.startswith("ensemble x2: ") and "passes of 16 tokens (100%)" in line
+               for line in err)  # fmt: skip
+    assert any(line.startswith("left to right: 3/3 blocks (100%)") for line in err)
+    assert "\r" not in r.stderr
+    text = r.stdout
+    assert "this run kept no EMA of its weights (train.ema: 0)" in text  # said once
+    assert text.count("no EMA") == 1
+    assert "± = standard error over the 3 blocks" in text and "bits/byte, lower is better" in text
+    assert "left to right (exact)" in text and "any order (K=2 orders)" in text
+    assert "on 4 random target slots per block and order" in text
+    assert "x1 = plain any order" in text and "gain x1 - x2 = " in text
+    assert "forward passes of n=16 tokens" in text and "every target: --targets all" in text
+    assert "nats/token" not in text and "ppl" not in text  # one unit
     res = json.loads((out / "likelihood.json").read_text())
     assert res["blocks"] == 3 and res["ensemble"]["members"] == 2
     assert res["l2r"]["bits_per_byte"] > 0 and (out / "ensemble.png").is_file()
+    # block-level error bars, the order draw's part beside them, the values behind them
+    per = res["per_block"]
+    assert len(per["l2r"]) == 3 and np.array(per["any_order"]).shape == (3, 2)
+    l2r = np.array(per["l2r"])
+    assert res["l2r"]["stderr"] == pytest.approx(l2r.std(ddof=1) / math.sqrt(3), rel=1e-4)
+    assert res["l2r"]["stderr_orders"] is None and res["any_order"]["stderr_orders"] > 0
+    assert res["ensemble"]["targets"] == 4 and set(per["ensemble"]) == {"1", "2"}
 
     monkeypatch.chdir(tmp_path)  # the rest in this process (faster)
+    # an ensemble scores a few random target slots unless told otherwise (all: --targets all)
+    assert main(["eval", str(tmp_path / "run"), "--ensemble", "2", *common]) == 0
+    assert "on 8 random target slots per block and order" in capsys.readouterr().out
+    assert (
+        main(["eval", str(tmp_path / "run"), "--ensemble", "2", "--targets", "all", *common]) == 0
+    )
+    assert "on every target slot" in capsys.readouterr().out
     zs = write_layout(tmp_path / "zs")
     argv = ["eval", str(tmp_path / "run"), "--suite", "zero-shot", "--data-dir", str(zs)]
     assert main([*argv, "--datasets", "ptb,lambada", *common]) == 0
     assert "| ptb" in capsys.readouterr().out and (out / "zero_shot.md").is_file()
+    # the reference protocol: WikiText-2 on its train split, named in the table
+    (zs / "wikitext2" / "train").mkdir()
+    (zs / "wikitext2" / "train" / "wiki.train.raw.txt").write_text(
+        " = Valkyria Chronicles = \n The game @-@ play began in 2011 . \n" * 3
+    )
+    ref = [*argv, "--datasets", "wikitext2,ptb", "--protocol", "reference", *common]
+    assert main(ref) == 0
+    md = capsys.readouterr().out
+    assert "| split (reference protocol) |" in md
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip()
+            for line in md.splitlines() if line.startswith("| ")}  # fmt: skip
+    assert rows["wikitext2"] == "train" and rows["ptb"] == "test"
+    assert "Protocol: reference (the AO-GPT reference code's splits" in md
+    saved = json.loads((out / "zero_shot.json").read_text())
+    assert saved["protocol"] == "reference" and saved["splits"]["wikitext2"] == "train"
+    assert main([*argv, "--datasets", "ptb", "--splits", "ptb=train", *common]) == 2
+    assert "no folder" in capsys.readouterr().err
 
     argv = ["eval", str(tmp_path / "run"), "--suite", "gen", "--judge", str(tmp_path / "judge")]
     argv += ["--num-samples", "2", "--length", "8", "--temperature", "0.8,1.0"]
@@ -567,7 +698,10 @@ def test_cli_eval_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert [row["temperature"] for row in rows] == [0.8, 1.0]
     assert all(row["gen_ppl"] > 1 and row["entropy"] > 0 for row in rows)
     assert (out / "gen_temperature.png").is_file()
-    capsys.readouterr()
+    assert "gen PPL (ours protocol: pooled)" in capsys.readouterr().out
+    assert main([*argv, "--protocol", "reference", *common]) == 0
+    assert "gen PPL (reference protocol: mean per sample)" in capsys.readouterr().out
+    assert json.loads((out / "gen.json").read_text())["rows"][0]["protocol"] == "reference"
 
     assert main(["eval", str(tmp_path / "nowhere"), *common]) == 2
     err = capsys.readouterr().err
@@ -577,3 +711,13 @@ def test_cli_eval_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert "a judge must be a left-to-right gpt" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "run"), "--ensemble", "0", *common]) == 2
     assert "--ensemble must be at least 1" in capsys.readouterr().err
+    bad = {
+        ("--ensemble", "2", "--targets", "x"): "--targets 'x': give a number of target slots, or",
+        ("--protocol", "reference"): "--protocol reference applies to --suite zero-shot and gen",
+        ("--splits", "ptb=test"): "--splits applies to --suite zero-shot; use --split",
+        ("--max-tokens", "0"): "--max-tokens must be at least 1",
+    }
+    for flags, message in bad.items():
+        assert main(["eval", str(tmp_path / "run"), *flags, *common]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err

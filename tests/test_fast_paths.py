@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from anyorder.errors import ConfigError
 from anyorder.layers import (
@@ -164,8 +165,37 @@ def test_armd_strided_decoding_with_padded_rows_matches_the_blocked_forward() ->
     )
 
 
-def test_row_modulation_functions_pass_gradcheck() -> None:
-    from anyorder.layers import gate_rows, modulate_rows
+@pytest.mark.parametrize("table", [False, True])
+def test_joined_adaln_equals_each_layers_adaln_in_values_and_gradients(table: bool) -> None:
+    """``adaln_stack`` (one matmul for every layer, one gather) against each AdaLN alone."""
+    from anyorder.layers import adaln_stack
+
+    model = tiny_model("aogpt", n_layer=3)
+    randomize_adaln(model)
+    g = torch.Generator().manual_seed(7)
+    target = torch.stack([torch.randperm(N, generator=g) for _ in range(2)])
+    emb = model.tgt_emb.weight
+    cond = TargetCondition(target, emb) if table else model.tgt_emb(target)
+    adas = model.adas()
+    joined = adaln_stack(adas, cond, model.ada_offset)
+    alone = [ada(model.tgt_emb(target)) for ada in adas]
+    assert [len(m.chunks) for m in joined] == [6, 6, 6, 2]
+    for a, b in zip(joined, alone):
+        for x, y in zip(a.chunks, b):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
+    w = [torch.randn(x.shape, generator=g) for c in alone for x in c]
+    params = [p for ada in adas for p in ada.parameters()] + [emb]
+    chunks = [x for m in joined for x in m.chunks]
+    ga = torch.autograd.grad(sum((x * v).sum() for x, v in zip(chunks, w)), params)
+    gb = torch.autograd.grad(sum((x * v).sum() for x, v in zip(sum(alone, ()), w)), params)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_row_modulations_pass_gradcheck_and_equal_the_plain_ops() -> None:
+    """The training path that gathers the adaLN factors again in backward (saving the
+    inputs, not the factors) has the gradients of the plain gather-multiply-add."""
+    from anyorder.layers import Modulation
 
     g = torch.Generator().manual_seed(7)
 
@@ -174,11 +204,19 @@ def test_row_modulation_functions_pass_gradcheck() -> None:
 
     idx = torch.tensor([[0, 2, 2], [1, 0, 3]])  # repeated rows: gradients must add up
     x, a, h = t(2, 3, 5), t(2, 3, 5), t(2, 3, 5)
-    shift, mul, gate = t(4, 5), t(4, 5), t(4, 5)
-    assert torch.autograd.gradcheck(lambda *z: modulate_rows(*z, idx), (x, shift, mul))
-    assert torch.autograd.gradcheck(lambda *z: gate_rows(*z, idx), (h, a, gate))
-    torch.testing.assert_close(modulate_rows(x, shift, mul, idx), x * mul[idx] + shift[idx])
-    torch.testing.assert_close(gate_rows(h, a, gate, idx), h + gate[idx] * a)
+    cols = t(4, 5), t(4, 5), t(4, 5)  # shift, mul, gate
+
+    def run(x, a, h, *cols):
+        m = Modulation(tuple(F.embedding(idx, c) for c in cols), cols, idx)
+        return m.gate(2, h, m.modulate(0, x) * a)
+
+    def plain(x, a, h, shift, mul, gate):
+        return h + gate[idx] * ((x * mul[idx] + shift[idx]) * a)
+
+    assert torch.autograd.gradcheck(run, (x, a, h, *cols))
+    torch.testing.assert_close(run(x, a, h, *cols), plain(x, a, h, *cols))
+    with torch.no_grad():  # outside autograd: the plain addcmul path
+        torch.testing.assert_close(run(x, a, h, *cols), plain(x, a, h, *cols))
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")

@@ -152,6 +152,8 @@ def run_demo(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- eval
 
 _ZERO_SHOT_SETS = "lambada,wikitext2,ptb,wikitext103,lm1b"
+DEFAULT_TARGETS = 8
+"""Ensemble target slots per block and order unless ``--targets`` says otherwise."""
 
 
 def add_eval(p: argparse.ArgumentParser) -> None:
@@ -160,11 +162,16 @@ def add_eval(p: argparse.ArgumentParser) -> None:
         "--suite",
         choices=("likelihood", "zero-shot", "gen"),
         default="likelihood",
-        help="likelihood: the checkpoint's own data (l2r, any-order, ensemble, ELBO; nats, "
-        "ppl, bits/byte); zero-shot: the paper's test sets and table; gen: generative "
+        help="likelihood: the checkpoint's own data (l2r, any-order, ensemble, ELBO; in bits "
+        "per byte); zero-shot: the paper's test sets and table; gen: generative "
         "perplexity and entropy of samples",
     )
-    p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="default: ema")
+    p.add_argument(
+        "--weights",
+        choices=("ema", "raw"),
+        default="ema",
+        help="default: ema (a run trained with train.ema: 0 has only raw weights; eval says so)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument(
         "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on CUDA"
@@ -172,25 +179,54 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="results folder (default: RUN/eval)")
     p.add_argument("--seed", type=int, default=0, help="seed of every random draw")
     p.add_argument("--batch-size", type=int, default=8, help="blocks or samples per batch")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no cost estimate and no progress bars/lines"
+    )
+    p.add_argument(
+        "--protocol",
+        choices=("ours", "reference"),
+        default="ours",
+        help="zero-shot: ours reads every set's test split; reference reads the AO-GPT "
+        "reference code's splits (WikiText-2 train, the others test). gen: ours cuts "
+        "samples at the first EOS and pools the NLL; reference scores every generated id "
+        "as it is and averages per-sample perplexities (AO-GPT's Table 2)",
+    )
     g = p.add_argument_group("likelihood and zero-shot")
-    g.add_argument("--orders", type=int, default=4, help="random orders K per block (error bars)")
+    g.add_argument(
+        "--orders", type=int, default=4, help="random orders K per block (mask draws for mdm)"
+    )
     g.add_argument("--ensemble", type=int, default=1, help="context-order ensemble size M")
     g.add_argument(
-        "--targets", type=int, default=None, help="ensemble: random target slots per block"
+        "--targets",
+        default=None,
+        help=f"ensemble: random target slots scored per block and order (default "
+        f"{DEFAULT_TARGETS}, about 1 + (M-1)*{DEFAULT_TARGETS}/2 passes per block); 'all' "
+        "scores every slot, the paper's full cost of 1 + (M-1)(n+1)/2 passes per block",
     )
     g.add_argument("--max-blocks", type=int, default=None, help="only the first blocks")
     g.add_argument("--split", choices=("val", "train"), default="val", help="likelihood split")
     g.add_argument("--no-l2r", action="store_true", help="skip the left-to-right NLL")
     g.add_argument(
-        "--max-tokens", type=int, default=1 << 15, help="ensemble: slots per forward call"
+        "--max-tokens",
+        type=int,
+        default=8192,  # anyorder.models.base.DEFAULT_MAX_TOKENS (not imported: --help stays fast)
+        help="memory bound of every likelihood path: token positions per trunk call, and "
+        "as many logits elements as max-tokens x d_model per head call (default 8192; "
+        "raise it on a GPU with memory to spare)",
     )
     g.add_argument("--datasets", default=_ZERO_SHOT_SETS, help="zero-shot: comma-separated")
+    g.add_argument(
+        "--splits",
+        default=None,
+        metavar="NAME=SPLIT,...",
+        help="zero-shot: per-set splits over the protocol's, e.g. wikitext2=test,lm1b=train",
+    )
     g.add_argument(
         "--data-dir",
         default=None,
         help="zero-shot offline: DIR/<dataset>/ holds that test split as .txt (one example "
-        "per line), .jsonl or .parquet, e.g. DIR/lambada/lambada_test.jsonl",
+        "per line), .jsonl or .parquet, e.g. DIR/lambada/lambada_test.jsonl; another split "
+        "in DIR/<dataset>/<split>/, e.g. DIR/wikitext2/train/",
     )
     q = p.add_argument_group("gen")
     q.add_argument("--judge", default="gpt2-large", help="transformers LM, folder, or gpt run")
@@ -213,109 +249,196 @@ def _numbers(text: str | None, kind: type, name: str) -> list:
         raise ConfigError(f"--{name} {text!r}: give comma-separated numbers") from None
 
 
+def _check_eval_args(args: argparse.Namespace) -> None:
+    """Counts and controls of ``anyorder eval``, before a model is loaded."""
+    from anyorder import bounds
+    from anyorder.errors import ConfigError
+
+    for name in (
+        "orders",
+        "ensemble",
+        "batch_size",
+        "num_samples",
+        "max_blocks",
+        "max_tokens",
+        "length",
+    ):  # fmt: skip (--targets: see _targets)
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.batch_size > bounds.MAX_NUM_SAMPLES:
+        raise ConfigError(f"--batch-size must be at most {bounds.MAX_NUM_SAMPLES}")
+    bounds.check_seed(args.seed, "--seed")
+    if args.suite == "gen":
+        for temp in _numbers(args.temperature, float, "temperature"):
+            bounds.check_controls(temperature=temp, top_p=args.top_p)
+        for steps in _numbers(args.steps, int, "steps"):
+            bounds.check_controls(steps=steps)
+
+
+def _targets(text: str | None, ensemble: int) -> int | None:
+    """``--targets``: a count, ``all`` (None) or the default where an ensemble runs."""
+    from anyorder.errors import ConfigError
+
+    if text is None:
+        return DEFAULT_TARGETS if ensemble > 1 else None
+    if text.strip().lower() == "all":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"--targets {text!r}: give a number of target slots, or all") from None
+    if value < 1:
+        raise ConfigError("--targets must be at least 1")
+    return value
+
+
+def _eval_device(spec: str):
+    import torch
+
+    from anyorder.errors import ConfigError
+
+    name = "cuda" if spec == "auto" and torch.cuda.is_available() else spec
+    name = "cpu" if name == "auto" else name
+    if not (name == "cpu" or (name.startswith("cuda") and torch.cuda.is_available())):
+        raise ConfigError(f"--device {spec!r} is not available here; use auto or cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {spec!r} is not a device; use cpu or cuda:N") from None
+
+
 def run_eval(args: argparse.Namespace) -> int:
     import contextlib
-    import json
     from pathlib import Path
 
     import torch
 
     from anyorder.checkpoint import load_model
     from anyorder.errors import ConfigError
+    from anyorder.runlock import check_writable_dir
 
-    for name in ("orders", "ensemble", "batch_size", "num_samples"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    name = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
-    name = "cpu" if name == "auto" else name
-    if not (name == "cpu" or (name.startswith("cuda") and torch.cuda.is_available())):
-        raise ConfigError(f"--device {args.device!r} is not available here; use auto or cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"--device {args.device!r} is not a device; use cpu or cuda:N") from None
+    _check_eval_args(args)
+    targets = _targets(args.targets, args.ensemble)
+    if args.suite == "likelihood" and args.protocol != "ours":
+        raise ConfigError(
+            f"--protocol {args.protocol} applies to --suite zero-shot and gen; the likelihood "
+            "suite scores the run's own data"
+        )
+    if args.splits and args.suite != "zero-shot":
+        raise ConfigError("--splits applies to --suite zero-shot; use --split for likelihood")
+    device = _eval_device(args.device)
     ckpt = load_model(args.checkpoint, weights=args.weights, device=device)
-    model, progress = ckpt.model, not args.no_progress
     run_dir = ckpt.path.parent.parent if ckpt.path.parent.name == "checkpoints" else ckpt.path
     out = Path(args.out) if args.out else run_dir / "eval"
+    check_writable_dir(out, "--out")
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
+    model = ckpt.model
     print(f"{model.kind} step {ckpt.step} ({ckpt.weights} weights) from {ckpt.path} on {device}")
+    if args.weights == "ema" and ckpt.weights == "raw":
+        print(
+            "note: this run kept no EMA of its weights (train.ema: 0), so its raw weights are "
+            "evaluated; --weights ema and --weights raw are the same here"
+        )
     suite = dict(
         orders=args.orders,
         ensemble=args.ensemble,
-        targets=args.targets,
+        targets=targets,
         seed=args.seed,
         batch_size=args.batch_size,
         max_tokens=args.max_tokens,
         left_to_right=not args.no_l2r,
     )
-    written = []
-    if args.suite == "likelihood":
-        from anyorder.corpus import format_likelihood, likelihood_suite
-        from anyorder.data import prepare
-        from anyorder.zeroshot import write_atomic
-
-        data = prepare(ckpt.config.data, model.cfg.seq_len, progress=progress)
-        blocks = data.split(args.split)[: args.max_blocks]
-        with ctx:
-            res = likelihood_suite(
-                model, blocks, bytes_per_token=data.bytes_per_token(args.split),
-                progress=progress, **suite,
-            )  # fmt: skip
-        res.update(split=args.split, source=ckpt.config.data.source, step=ckpt.step)
-        text = format_likelihood(res)
-        print(text)
-        write_atomic(out / "likelihood.json", json.dumps(res, indent=2) + "\n")
-        write_atomic(out / "likelihood.md", "```\n" + text + "\n```\n")
-        written += [out / "likelihood.json", out / "likelihood.md"]
-        if args.ensemble > 1 and res["ensemble"] and res["ensemble"].get("by_size"):
-            from anyorder.plots import plot_ensemble_curve
-
-            written.append(plot_ensemble_curve({args.split: res}, out / "ensemble.png"))
-    elif args.suite == "zero-shot":
-        from anyorder.zeroshot import table_markdown, write_table, zero_shot
-
-        names = [s.strip() for s in args.datasets.split(",") if s.strip()]
-        with ctx:
-            table = zero_shot(
-                model, ckpt.tokenizer, names, data_dir=args.data_dir,
-                max_blocks=args.max_blocks, progress=progress, **suite,
-            )  # fmt: skip
-        table.update(checkpoint=str(ckpt.path), step=ckpt.step, seed=args.seed)
-        print(table_markdown(table))
-        written += write_table(table, out)
-        if args.ensemble > 1 and model.kind in ("aogpt", "armd"):
-            from anyorder.plots import plot_ensemble_curve
-
-            written.append(plot_ensemble_curve(table["datasets"], out / "ensemble.png"))
-    else:
-        from anyorder.genppl import gen_markdown, gen_sweep, load_judge
-        from anyorder.plots import plot_gen_sweep
-        from anyorder.zeroshot import write_atomic
-
-        judge = load_judge(args.judge, device)
-        steps = _numbers(args.steps, int, "steps")
-        temps = _numbers(args.temperature, float, "temperature")
-        n = args.length or model.cfg.seq_len
-        with ctx:
-            rows = gen_sweep(
-                model, ckpt.tokenizer, judge, n=n, num=args.num_samples, steps=steps,
-                temperatures=temps, top_p=args.top_p, mode=args.order, seed=args.seed,
-                batch_size=args.batch_size, progress=progress,
-            )  # fmt: skip
-        md = gen_markdown(rows, judge.name)
-        print(md)
-        gen_out = {"judge": judge.name, "seed": args.seed, "rows": rows}
-        write_atomic(out / "gen.json", json.dumps(gen_out, indent=2))
-        write_atomic(out / "gen.md", md)
-        written += [out / "gen.json", out / "gen.md"]
-        if len(steps) > 1:
-            written.append(plot_gen_sweep(rows, out / "gen_steps.png", x="steps"))
-        if len(temps) > 1:
-            written.append(plot_gen_sweep(rows, out / "gen_temperature.png", x="temperature"))
+    with ctx:
+        if args.suite == "likelihood":
+            written = _eval_likelihood(args, ckpt, suite, out)
+        elif args.suite == "zero-shot":
+            written = _eval_zero_shot(args, ckpt, suite, out)
+        else:
+            written = _eval_gen(args, ckpt, device, out)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _eval_likelihood(args: argparse.Namespace, ckpt, suite: dict, out) -> list:
+    import json
+
+    from anyorder.corpus import format_likelihood, likelihood_suite
+    from anyorder.data import prepare
+    from anyorder.zeroshot import write_atomic
+
+    progress = not args.no_progress
+    data = prepare(ckpt.config.data, ckpt.model.cfg.seq_len, progress=progress)
+    blocks = data.split(args.split)[: args.max_blocks]
+    res = likelihood_suite(
+        ckpt.model, blocks, bytes_per_token=data.bytes_per_token(args.split),
+        progress=progress, **suite,
+    )  # fmt: skip
+    res.update(split=args.split, source=ckpt.config.data.source, step=ckpt.step)
+    res["weights"] = ckpt.weights
+    text = format_likelihood(res)
+    print(text)
+    write_atomic(out / "likelihood.json", json.dumps(res, indent=2) + "\n")
+    write_atomic(out / "likelihood.md", "```\n" + text + "\n```\n")
+    written = [out / "likelihood.json", out / "likelihood.md"]
+    if args.ensemble > 1 and res["ensemble"] and res["ensemble"].get("by_size"):
+        from anyorder.plots import plot_ensemble_curve
+
+        unit = "bits/byte" if res["bytes_per_token"] else "ppl"
+        written.append(plot_ensemble_curve({args.split: res}, out / "ensemble.png", unit=unit))
+    return written
+
+
+def _eval_zero_shot(args: argparse.Namespace, ckpt, suite: dict, out) -> list:
+    from anyorder.zeroshot import parse_splits, table_markdown, write_table, zero_shot
+
+    names = [s.strip() for s in args.datasets.split(",") if s.strip()]
+    table = zero_shot(
+        ckpt.model, ckpt.tokenizer, names, data_dir=args.data_dir, max_blocks=args.max_blocks,
+        protocol=args.protocol, splits=parse_splits(args.splits),
+        progress=not args.no_progress, **suite,
+    )  # fmt: skip
+    table.update(checkpoint=str(ckpt.path), step=ckpt.step, seed=args.seed, weights=ckpt.weights)
+    print(table_markdown(table))
+    written = write_table(table, out)
+    if args.ensemble > 1 and ckpt.model.kind in ("aogpt", "armd"):
+        from anyorder.plots import plot_ensemble_curve
+
+        unit = table["unit"]
+        written.append(plot_ensemble_curve(table["datasets"], out / "ensemble.png", unit=unit))
+    return written
+
+
+def _eval_gen(args: argparse.Namespace, ckpt, device, out) -> list:
+    import json
+
+    from anyorder.genppl import gen_markdown, gen_sweep, load_judge
+    from anyorder.plots import plot_gen_sweep
+    from anyorder.zeroshot import write_atomic
+
+    judge = load_judge(args.judge, device)
+    steps = _numbers(args.steps, int, "steps")
+    temps = _numbers(args.temperature, float, "temperature")
+    from anyorder.bounds import check_length
+
+    n = check_length(args.length, ckpt.model.cfg.seq_len)
+    rows = gen_sweep(
+        ckpt.model, ckpt.tokenizer, judge, n=n, num=args.num_samples, steps=steps,
+        temperatures=temps, top_p=args.top_p, mode=args.order, seed=args.seed,
+        batch_size=args.batch_size, progress=not args.no_progress, protocol=args.protocol,
+    )  # fmt: skip
+    md = gen_markdown(rows, judge.name)
+    print(md)
+    gen_out = {"judge": judge.name, "seed": args.seed, "protocol": args.protocol, "rows": rows}
+    write_atomic(out / "gen.json", json.dumps(gen_out, indent=2))
+    write_atomic(out / "gen.md", md)
+    written = [out / "gen.json", out / "gen.md"]
+    if len(steps) > 1:
+        written.append(plot_gen_sweep(rows, out / "gen_steps.png", x="steps"))
+    if len(temps) > 1:
+        written.append(plot_gen_sweep(rows, out / "gen_temperature.png", x="temperature"))
+    return written
 
 
 # ----------------------------------------------------------------------------- convert, export
@@ -494,13 +617,16 @@ def run_sample(args: argparse.Namespace) -> int:
 
     import torch
 
+    from anyorder import bounds
     from anyorder.checkpoint import load_model
     from anyorder.errors import SamplingError
     from anyorder.sample import decode_text, parse_template, sample
     from anyorder.train import resolve_device
 
-    if args.num_samples < 1:
-        raise SamplingError(f"--num-samples={args.num_samples} must be at least 1")
+    bounds.check_controls(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        num_samples=args.num_samples, seed=args.seed, steps=args.steps, length=args.length,
+    )  # fmt: skip
     if args.infill is not None and args.length is not None:
         raise SamplingError("--infill takes its length from the template; leave out --length")
     device = resolve_device(args.device, what="--device")
@@ -514,12 +640,15 @@ def run_sample(args: argparse.Namespace) -> int:
     streams = args.streams
     if streams is not None:
         order = "strided"
-    n = args.length or model.cfg.seq_len
     prompt = known = None
     if args.infill is not None:
+        bounds.check_holes(args.infill, model.cfg.seq_len)
         prompt, known = parse_template(args.infill, tok, model.cfg.seq_len)
         n = len(prompt)
-    elif args.prompt:
+        bounds.check_steps(args.steps, n)
+    else:
+        n = bounds.check_fit(model.cfg.seq_len, length=args.length, steps=args.steps)
+    if args.prompt:
         ids = tok.encode(args.prompt)
         if len(ids) >= n:
             raise SamplingError(
@@ -543,7 +672,7 @@ def run_sample(args: argparse.Namespace) -> int:
     ctx = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
     gen = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
-    with ctx:
+    with ctx, bounds.out_of_memory_as_error(f"--num-samples {args.num_samples} x {n} tokens"):
         result = sample(
             model,
             n,
@@ -637,11 +766,16 @@ def add_serve(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from anyorder.bounds import MAX_NUM_SAMPLES
     from anyorder.errors import ConfigError
     from anyorder.serve import Limits, serve
 
-    if args.max_samples < 1 or not args.time_limit > 0:
-        raise ConfigError("--max-samples must be at least 1 and --time-limit above 0")
+    if not 1 <= args.max_samples <= MAX_NUM_SAMPLES or not args.time_limit > 0:
+        raise ConfigError(
+            f"--max-samples must lie in 1..{MAX_NUM_SAMPLES} and --time-limit be above 0"
+        )
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} must lie in 0..65535 (0: any free port)")
     limits = Limits(max_samples=args.max_samples, time_limit_s=args.time_limit)
     serve(
         args.checkpoint,

@@ -249,8 +249,9 @@ class TrainConfig:
     """cpu, cuda, cuda:N or auto."""
     dtype: str = "auto"
     """Autocast dtype: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32."""
-    compile: bool = False
-    """Wrap the model in torch.compile."""
+    compile: bool | str = "auto"
+    """torch.compile the model and its loss: true, false, or auto (per device, as measured:
+    off everywhere until a GPU measurement says otherwise; see docs/performance.md)."""
     fsdp: bool = False
     """Shard with FSDP2 fully_shard instead of DDP under torchrun."""
     skip_nonfinite: bool = False
@@ -442,8 +443,11 @@ def load_config(
             raise ConfigError(
                 f"config file {str(path)!r} is not valid YAML ({problem}{where}); fix the file"
             ) from None
-        if loaded is None:
-            loaded = {}
+        if loaded is None:  # an empty file (or only comments) is a mistake, not "defaults"
+            raise ConfigError(
+                f"config file {str(path)!r} is empty; write the settings to change (e.g. "
+                "model: {kind: armd}), or start from a file in configs/"
+            )
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
         values = loaded

@@ -2,9 +2,8 @@
 
 A corpus is a stack of token blocks ``(N, n)`` (a Tensor or a memmap from
 :mod:`anyorder.data`). :func:`likelihood_suite` measures a model on it: the exact
-left-to-right NLL, the any-order NLL over random orders (Monte Carlo, with a standard
-error), the context-order ensemble (AO-GPT Eq. 7) and, for the encoder, its ELBO — each as
-nats/token, perplexity and bits per byte.
+left-to-right NLL, the any-order NLL over random orders (Monte Carlo), the context-order
+ensemble (AO-GPT Eq. 7) and, for the encoder, its ELBO.
 
 Design choices:
 
@@ -12,12 +11,24 @@ Design choices:
   ``b`` come from a generator seeded by ``(seed, b, stream, replicate)``. Results do not
   depend on the batch size, and the ensemble at size 1 is exactly the plain any-order
   estimate of the same seed.
-* Error bars are over the random orders only (the corpus is fixed): ``K`` replicates per
-  block, and the standard error pools the within-block variance,
-  ``se = sqrt(sum_b s_b^2 / K) / N`` (``N (K - 1)`` degrees of freedom; nan for ``K = 1``).
+* Error bars mean what a reader thinks (:func:`block_estimate`): the headline ``±`` is the
+  standard error over *blocks*, the corpus being a sample of text: the standard deviation
+  of the per-block values (a block's mean over its ``K`` orders) over ``sqrt(N)``; it
+  includes the order draw. Beside it, where orders are drawn, the order draw's part alone:
+  the pooled within-block variance, ``sqrt(sum_b s_b^2 / K) / N`` (:func:`pooled_estimate`;
+  nan for ``K = 1``). Left to right is exact per block and gets the block-level one. The
+  per-block values are in the result (``per_block``), so any other summary can be made.
+* Memory: every path runs the trunk on at most ``max_tokens`` positions per call (blocks
+  per call: ``max_tokens // n``, at most ``batch_size``) and the head on the scored slots
+  only, :func:`anyorder.models.base.head_rows` at a time.
+* Long work says what it costs: :func:`likelihood_suite` prints an estimate first (the
+  forward passes it will run x the measured time of one), and every path reports progress
+  through :func:`anyorder.progress.progress` (a bar on a terminal, lines in a log).
 * What does not apply is reported as such, not computed: a ``gpt`` has no any-order
   likelihood; an encoder's ensemble is its plain estimate (its conditionals depend on the
   context set only); its "any-order" figure is the ELBO, equal in expectation (Eq. 5).
+* One unit per report (:func:`format_likelihood`): bits per byte where the bytes per token
+  are known, else nats per token. The JSON keeps nats, perplexity and bits per byte.
 """
 
 from __future__ import annotations
@@ -29,7 +40,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from anyorder import orders as orders_mod
@@ -43,8 +53,11 @@ from anyorder.evaluate import (
     member_logprobs,
     sequence_nll,
 )
-from anyorder.models.base import AnyOrderLM
+from anyorder.likelihood_report import format_likelihood, report_unit  # noqa: F401 (re-exported)
+from anyorder.models.base import DEFAULT_MAX_TOKENS, AnyOrderLM
 from anyorder.models.mdm import MDM
+from anyorder.progress import estimate as print_estimate
+from anyorder.progress import progress as progress_bar
 
 Blocks = Tensor | np.ndarray
 
@@ -65,30 +78,45 @@ def _block_orders(seed: int, first: int, count: int, n: int, k: int) -> Tensor:
     )
 
 
-def _batches(
-    blocks: Blocks, batch_size: int, desc: str, progress: bool
-) -> Iterator[tuple[int, Tensor]]:
-    from tqdm.auto import tqdm
+def rows_per_call(n: int, batch_size: int, max_tokens: int = DEFAULT_MAX_TOKENS) -> int:
+    """Blocks per trunk call: at most ``batch_size`` and ``max_tokens`` positions (>= 1)."""
+    return max(1, min(batch_size, max_tokens // max(1, n)))
 
-    N = len(blocks)
-    starts = range(0, N, batch_size)
-    for start in tqdm(starts, desc=desc, disable=None if progress else True, leave=False):
-        chunk = blocks[start : start + batch_size]
+
+def _batches(blocks: Blocks, rows: int, bar: Any) -> Iterator[tuple[int, Tensor]]:
+    """``(first block index, (rows, n) int64 tensor)``, updating ``bar`` by blocks done."""
+    for start in range(0, len(blocks), rows):
+        chunk = blocks[start : start + rows]
         if isinstance(chunk, Tensor):
-            yield start, chunk.long()
+            x = chunk.long()
         else:
-            yield start, torch.from_numpy(np.asarray(chunk, dtype=np.int64))
+            x = torch.from_numpy(np.asarray(chunk, dtype=np.int64))
+        yield start, x
+        bar.update(len(x))
+
+
+def _bar(total: int, desc: str, enabled: bool, unit: str = "blocks") -> Any:
+    return progress_bar(total=total, desc=desc, unit=unit, enabled=enabled, leave=False)
 
 
 @torch.no_grad()
 def corpus_left_to_right(
-    model: AnyOrderLM, blocks: Blocks, *, batch_size: int = 8, progress: bool = True
+    model: AnyOrderLM,
+    blocks: Blocks,
+    *,
+    batch_size: int = 8,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    progress: bool = True,
 ) -> Tensor:
-    """Exact left-to-right NLL per block (N,), nats/token."""
+    """Exact left-to-right NLL per block (N,), nats/token (mdm: n encoder passes a block)."""
+    n = int(blocks.shape[1])
+    rows = 1 if isinstance(model, MDM) else rows_per_call(n, batch_size, max_tokens)
     out = []
-    for _, x in _batches(blocks, batch_size, "l2r", progress):
-        x = x.to(model.device)
-        out.append(left_to_right_nll(model, x).double().cpu() / x.shape[1])
+    with _bar(len(blocks), "left to right", progress) as bar:
+        for _, x in _batches(blocks, rows, bar):
+            x = x.to(model.device)
+            nll = left_to_right_nll(model, x, max_tokens=max_tokens)
+            out.append(nll.double().cpu() / n)
     return torch.cat(out)
 
 
@@ -100,18 +128,20 @@ def corpus_any_order(
     *,
     seed: int = 0,
     batch_size: int = 8,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     progress: bool = True,
 ) -> Tensor:
     """Any-order NLL per block under ``num_orders`` uniform orders each: (N, K), nats/token."""
+    n = int(blocks.shape[1])
     out = []
-    for start, x in _batches(blocks, batch_size, "any-order", progress):
-        x = x.to(model.device)
-        B, n = x.shape
-        cols = []
-        for k in range(num_orders):
-            o = _block_orders(seed, start, B, n, k).to(x.device)
-            cols.append(sequence_nll(model, x, o).double().cpu() / n)
-        out.append(torch.stack(cols, dim=1))
+    with _bar(len(blocks), f"any order (K={num_orders})", progress) as bar:
+        for start, x in _batches(blocks, rows_per_call(n, batch_size, max_tokens), bar):
+            x = x.to(model.device)
+            cols = []
+            for k in range(num_orders):
+                o = _block_orders(seed, start, len(x), n, k).to(x.device)
+                cols.append(sequence_nll(model, x, o, max_tokens=max_tokens).double().cpu() / n)
+            out.append(torch.stack(cols, dim=1))
     return torch.cat(out)
 
 
@@ -123,31 +153,33 @@ def corpus_mdm_elbo(
     *,
     seed: int = 0,
     batch_size: int = 8,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     progress: bool = True,
 ) -> Tensor:
     """The encoder's ELBO per block, ``num_samples`` mask draws each: (N, K), nats/token.
 
     The same one-sample estimate as :meth:`MDM.elbo_estimate` (mask the last ``m`` slots of
-    a uniform order, ``m ~ U{1..n}``, score ``(1/m) sum NLL``), drawn per block.
+    a uniform order, ``m ~ U{1..n}``, score ``(1/m) sum NLL``), drawn per block; the head
+    reads the masked positions only.
     """
+    n = int(blocks.shape[1])
     out = []
-    for start, x in _batches(blocks, batch_size, "elbo", progress):
-        x = x.to(model.device)
-        B, n = x.shape
-        cols = []
-        for k in range(num_samples):
-            o = _block_orders(seed, start, B, n, k).to(x.device)
-            m = torch.cat(
-                [
-                    torch.randint(1, n + 1, (1,), generator=block_generator(seed, start + b, 3, k))
-                    for b in range(B)
-                ]
-            ).to(x.device)
-            masked = orders_mod.inverse(o) >= (n - m)[:, None]
-            logits = model.denoise(torch.where(masked, model.mask_id, x)).float()
-            nll = F.cross_entropy(logits.transpose(1, 2), x, reduction="none")
-            cols.append(((nll * masked).sum(dim=1) / m).double().cpu())
-        out.append(torch.stack(cols, dim=1))
+    with _bar(len(blocks), f"ELBO (K={num_samples})", progress) as bar:
+        for start, x in _batches(blocks, rows_per_call(n, batch_size, max_tokens), bar):
+            x = x.to(model.device)
+            B = len(x)
+            cols = []
+            for k in range(num_samples):
+                o = _block_orders(seed, start, B, n, k).to(x.device)
+                gens = [block_generator(seed, start + b, 3, k) for b in range(B)]
+                m = torch.cat([torch.randint(1, n + 1, (1,), generator=g) for g in gens])
+                m = m.to(x.device)
+                masked = orders_mod.inverse(o) >= (n - m)[:, None]  # (B, n) by position
+                h = model.denoise_features(torch.where(masked, model.mask_id, x))  # (B, n, d)
+                nll = torch.zeros(B, n, dtype=torch.float32, device=x.device)
+                nll[masked] = model.head_nll(h[masked], x[masked], max_tokens)
+                cols.append((nll.sum(dim=1) / m).double().cpu())
+            out.append(torch.stack(cols, dim=1))
     return torch.cat(out)
 
 
@@ -185,7 +217,7 @@ def corpus_ensemble(
     targets: int | None = None,
     seed: int = 0,
     batch_size: int = 8,
-    max_tokens: int = 1 << 15,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     progress: bool = True,
 ) -> EnsembleRun:
     """Context-order ensemble NLL per block (Eq. 7) for each ensemble size in ``sizes``.
@@ -206,18 +238,21 @@ def corpus_ensemble(
     sizes = list(sizes) if sizes is not None else default_sizes(members)
     if members < 1 or not all(1 <= s <= members for s in sizes):
         raise ConfigError(f"ensemble sizes {sizes} must lie in 1..{members} (the members)")
-    from tqdm.auto import tqdm
+    n = int(blocks.shape[1])
+    total = round(len(blocks) * num_orders * ensemble_cost(n, members, targets))
+    bar = _bar(total, f"ensemble x{members}", progress, f"passes of {n} tokens")
+    done = [0, 0]  # slot evaluations so far, passes reported
 
-    bar = tqdm(
-        total=len(blocks) * num_orders,
-        desc=f"ensemble x{members} (blocks x orders)",
-        disable=None if progress else True,
-        leave=False,
-    )
-    out, evaluated, n = [], 0, 1
-    for start, x in _batches(blocks, batch_size, "", False):
+    def advance(slot_evals: int) -> None:  # whole passes of n tokens to the bar
+        done[0] += slot_evals
+        passes = min(total - 1, done[0] // n)  # padding can run past the formula's count
+        bar.update(passes - done[1])
+        done[1] = passes
+
+    out, evaluated = [], 0
+    for start, x in _batches(blocks, rows_per_call(n, batch_size, max_tokens), _bar(0, "", False)):
         x = x.to(model.device)
-        B, n = x.shape
+        B = len(x)
         per_k = []
         for k in range(num_orders):
             o = _block_orders(seed, start, B, n, k).to(x.device)
@@ -229,12 +264,14 @@ def corpus_ensemble(
                 gens = [block_generator(seed, start + b, 2, k) for b in range(B)]
                 slots = torch.stack([torch.randperm(n, generator=g)[:targets].sort().values
                                      for g in gens]).to(x.device)  # fmt: skip
-            logp, ev = member_logprobs(model, x, o, keys, slots, max_tokens=max_tokens)
+            logp, ev = member_logprobs(
+                model, x, o, keys, slots, max_tokens=max_tokens, on_chunk=advance
+            )
             evaluated += ev
             nll = torch.stack([-combine_members(logp, m).mean(dim=1) for m in sizes], dim=-1)
             per_k.append(nll.cpu())  # (B, len(sizes))
-            bar.update(B)
         out.append(torch.stack(per_k, dim=1))
+    bar.update(total - done[1])  # the formula's count, padding aside: close at 100%
     bar.close()
     values = torch.cat(out)
     return EnsembleRun(
@@ -251,10 +288,10 @@ def corpus_ensemble(
 
 
 def pooled_estimate(values: Tensor) -> Estimate:
-    """Mean and standard error of per-block values in nats/token.
+    """The order draw's standard error: mean and pooled within-block standard error.
 
     ``values`` is (N,) for an exact quantity (standard error 0) or (N, K) for ``K``
-    replicates per block (pooled within-block variance; nan when ``K = 1``).
+    replicates per block (``sqrt(sum_b s_b^2 / K) / N``; nan when ``K = 1``).
     """
     v = values.double()
     if v.dim() == 1:
@@ -266,22 +303,87 @@ def pooled_estimate(values: Tensor) -> Estimate:
     return Estimate(float(v.mean()), se, K)
 
 
+def block_estimate(values: Tensor) -> Estimate:
+    """Mean and standard error over blocks (the corpus sample), the order part beside it.
+
+    ``values`` is (N,) (exact per block: ``stderr_orders`` None) or (N, K). ``stderr`` is
+    the standard deviation of the per-block means over ``sqrt(N)`` (nan for one block);
+    ``stderr_orders`` is :func:`pooled_estimate`'s.
+    """
+    v = values.double()
+    means = v if v.dim() == 1 else v.mean(dim=1)
+    N = len(means)
+    se = float(means.std(unbiased=True)) / math.sqrt(N) if N > 1 else float("nan")
+    orders = None if v.dim() == 1 else pooled_estimate(v).stderr
+    K = 1 if v.dim() == 1 else v.shape[1]
+    return Estimate(float(v.mean()), se, K, orders, N)
+
+
 def metric(est: Estimate, bytes_per_token: float | None) -> dict[str, Any]:
-    """An estimate as nats/token, perplexity (with its 95% interval) and bits per byte."""
+    """An estimate as nats/token, perplexity (95% interval from ``stderr``) and bits per byte,
+    each with its standard error (``stderr``: over blocks; ``stderr_orders``: the order draw's
+    part, None where no order is drawn)."""
     lo, hi = est.ci95() if math.isfinite(est.stderr) else (est.mean, est.mean)
+    so = est.stderr_orders
     out: dict[str, Any] = {
         "nats_per_token": est.mean,
         "stderr": est.stderr,
+        "stderr_orders": so,
+        "blocks": est.blocks,
         "replicates": est.samples,
         "ppl": math.exp(est.mean),
         "ppl_ci95": [math.exp(lo), math.exp(hi)],
         "bits_per_byte": None,
         "bpb_stderr": None,
+        "bpb_stderr_orders": None,
     }
     if bytes_per_token:
         out["bits_per_byte"] = bits_per_byte(est.mean, bytes_per_token)
         out["bpb_stderr"] = bits_per_byte(est.stderr, bytes_per_token)
+        out["bpb_stderr_orders"] = None if so is None else bits_per_byte(so, bytes_per_token)
     return out
+
+
+def _per_block(values: Tensor) -> list:
+    """Per-block values for the JSON: (N,) -> N numbers, (N, K) -> N lists of K."""
+    return [round(float(v), 6) if v.dim() == 0 else [round(float(u), 6) for u in v]
+            for v in values.double()]  # fmt: skip
+
+
+def suite_passes(
+    model: AnyOrderLM, N: int, n: int, orders: int, ensemble: int, targets: int | None, l2r: bool
+) -> float:
+    """Forward passes of ``n`` tokens that :func:`likelihood_suite` will run (the estimate)."""
+    passes = 0.0
+    if l2r:
+        passes += N * (n if isinstance(model, MDM) else 1)
+    if model.kind == "gpt":
+        return passes
+    passes += N * orders  # the plain any-order pass (the ELBO for mdm)
+    if ensemble > 1 and not isinstance(model, MDM):
+        passes += N * orders * (ensemble_cost(n, ensemble, targets) - 1)
+    return passes
+
+
+def pass_seconds(model: AnyOrderLM, blocks: Blocks, batch_size: int, max_tokens: int) -> float:
+    """Measured seconds of one forward pass of a block (its head included), from a call of
+    as many blocks as the suite batches (the second of two: the first warms up)."""
+    import time
+
+    n = int(blocks.shape[1])
+    rows = min(len(blocks), rows_per_call(n, batch_size, max_tokens))
+    x = torch.from_numpy(np.array(blocks[:rows], dtype=np.int64)).to(model.device)
+    o = _block_orders(0, 0, rows, n, 0).to(x.device) if model.kind != "gpt" else None
+    seconds = float("inf")
+    with torch.no_grad():
+        for _ in range(2):
+            t0 = time.perf_counter()
+            if isinstance(model, MDM):
+                model.head_nll(model.denoise_features(x), x, max_tokens)
+            else:
+                model.token_nll(x, o, max_tokens=max_tokens)
+            seconds = min(seconds, time.perf_counter() - t0)
+    return seconds / rows
 
 
 def likelihood_suite(
@@ -294,7 +396,7 @@ def likelihood_suite(
     targets: int | None = None,
     seed: int = 0,
     batch_size: int = 8,
-    max_tokens: int = 1 << 15,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     left_to_right: bool = True,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -308,44 +410,55 @@ def likelihood_suite(
         ensemble: context-order ensemble members ``M`` (1: none).
         targets: score the ensemble on this many random target slots per block (None: all).
         seed: seed of every random draw.
-        batch_size: blocks per forward pass.
-        max_tokens: slot evaluations per forward call in the ensemble.
+        batch_size: blocks per forward pass (at most ``max_tokens // n``).
+        max_tokens: the memory bound: token positions per trunk call, and as many logits
+            elements as ``max_tokens x d_model`` per head call.
         left_to_right: also compute the exact left-to-right NLL (n encoder passes per
             block for mdm).
-        progress: tqdm bars.
+        progress: an estimate up front, and progress bars (lines when not on a terminal).
 
     Returns:
         A JSON-ready dict: ``l2r``, ``any_order`` and ``ensemble`` (each a :func:`metric`
-        dict, or None where it does not apply, see ``notes``), the corpus size and the
-        ensemble's cost in forward passes.
+        dict, or None where it does not apply, see ``notes``), ``per_block`` (the values
+        behind them, nats/token), the corpus size and the ensemble's cost in passes.
     """
     if len(blocks) == 0:
         raise ConfigError("the corpus has no blocks to evaluate; give more text or a shorter n")
-    n = int(blocks.shape[1])
-    kw = dict(seed=seed, batch_size=batch_size, progress=progress)
+    N, n = len(blocks), int(blocks.shape[1])
+    targets = None if targets is not None and targets >= n else targets  # every slot
+    kw = dict(seed=seed, batch_size=batch_size, max_tokens=max_tokens, progress=progress)
     res: dict[str, Any] = {
         "model": model.kind,
-        "blocks": len(blocks),
+        "blocks": N,
         "seq_len": n,
-        "tokens": len(blocks) * n,
+        "tokens": N * n,
         "bytes_per_token": bytes_per_token,
         "orders": orders,
         "seed": seed,
+        "error_bars": "stderr: over blocks (the text sample; includes the order draw); "
+        "stderr_orders: the order draw's part alone",
         "l2r": None,
         "any_order": None,
         "ensemble": None,
+        "per_block": {},
         "notes": [],
     }
-    notes = res["notes"]
+    notes, per_block = res["notes"], res["per_block"]
+    if progress:
+        passes = suite_passes(model, N, n, orders, ensemble, targets, left_to_right)
+        sec = pass_seconds(model, blocks, batch_size, max_tokens)
+        print_estimate(f"{model.kind} likelihoods", round(passes), sec, f"passes of {n} tokens")
     if left_to_right:
-        l2r = corpus_left_to_right(model, blocks, batch_size=batch_size, progress=progress)
-        res["l2r"] = metric(pooled_estimate(l2r), bytes_per_token)
+        l2r = corpus_left_to_right(model, blocks, **{k: kw[k] for k in kw if k != "seed"})
+        res["l2r"] = metric(block_estimate(l2r), bytes_per_token)
+        per_block["l2r"] = _per_block(l2r)
     if model.kind == "gpt":
         notes.append("gpt is a left-to-right model: no any-order likelihood or ensemble")
         return res
     if isinstance(model, MDM):
         elbo = corpus_mdm_elbo(model, blocks, orders, **kw)
-        res["any_order"] = metric(pooled_estimate(elbo), bytes_per_token) | {"kind": "elbo"}
+        res["any_order"] = metric(block_estimate(elbo), bytes_per_token) | {"kind": "elbo"}
+        per_block["any_order"] = _per_block(elbo)
         notes.append("mdm: the any-order figure is the ELBO (equal in expectation, Eq. 5)")
         if ensemble > 1:
             res["ensemble"] = res["any_order"] | {"members": ensemble, "noop": True}
@@ -355,36 +468,17 @@ def likelihood_suite(
             )
         return res
     if ensemble <= 1:
-        res["any_order"] = metric(
-            pooled_estimate(corpus_any_order(model, blocks, orders, **kw)), bytes_per_token
-        )
-        return res
-    run = corpus_ensemble(
-        model, blocks, orders, ensemble, targets=targets, max_tokens=max_tokens, **kw
-    )
-    plain = run.values[..., 0] if targets is None else None
-    if plain is None:  # the size-1 column covers the sampled targets only: run all of them
         plain = corpus_any_order(model, blocks, orders, **kw)
-    res["any_order"] = metric(pooled_estimate(plain), bytes_per_token)
-    by_size = {
-        m: metric(pooled_estimate(run.values[..., i]), bytes_per_token)
-        for i, m in enumerate(run.sizes)
-    }
-    gains = {}  # paired over the same blocks, orders and targets: M = 1 minus M = m
-    for i, m in enumerate(run.sizes):
-        g = pooled_estimate(run.values[..., 0] - run.values[..., i])
-        gains[m] = {"nats": g.mean, "stderr": g.stderr}
-    gain = gains[run.sizes[-1]]
-    res["ensemble"] = by_size[run.sizes[-1]] | {
-        "members": ensemble,
-        "targets": targets,
-        "by_size": by_size,
-        "gain_by_size": gains,
-        "gain_nats": gain["nats"],
-        "gain_stderr": gain["stderr"],
-        "passes_per_block": run.passes_per_block,
-        "passes_formula": run.expected_passes,
-    }
+        res["any_order"] = metric(block_estimate(plain), bytes_per_token)
+        per_block["any_order"] = _per_block(plain)
+        return res
+    run = corpus_ensemble(model, blocks, orders, ensemble, targets=targets, **kw)
+    # the size-1 column covers the sampled targets only: the plain figure runs all of them
+    plain = run.values[..., 0] if targets is None else corpus_any_order(model, blocks, orders, **kw)
+    res["any_order"] = metric(block_estimate(plain), bytes_per_token)
+    per_block["any_order"] = _per_block(plain)
+    res["ensemble"] = _ensemble_result(run, targets, bytes_per_token)
+    per_block["ensemble"] = {m: _per_block(run.values[..., i]) for i, m in enumerate(run.sizes)}
     if model.kind == "armd":
         notes.append(
             "armd: token-level orders, so its conditionals depend on the context order across "
@@ -393,45 +487,26 @@ def likelihood_suite(
     return res
 
 
-def _fmt_metric(name: str, m: dict[str, Any] | None) -> str:
-    if m is None:
-        return f"  {name:22s} n/a"
-    err = m["stderr"]
-    pm = f" ± {err:.4f}" if err and math.isfinite(err) else ""
-    line = f"  {name:22s} {m['nats_per_token']:.4f}{pm} nats/token   ppl {m['ppl']:.3f}"
-    if m["bits_per_byte"] is not None:
-        bpm = f" ± {m['bpb_stderr']:.4f}" if pm else ""
-        line += f"   {m['bits_per_byte']:.4f}{bpm} bits/byte"
-    return line
-
-
-def format_likelihood(res: dict[str, Any]) -> str:
-    """A :func:`likelihood_suite` result as a few aligned lines of text."""
-    bpt = res["bytes_per_token"]
-    head = (
-        f"{res['model']}: {res['blocks']} blocks x {res['seq_len']} tokens "
-        f"({res['tokens']:,} tokens)" + (f", {bpt:.3f} bytes/token" if bpt else "")
-    )
-    lines = [head, _fmt_metric("left-to-right (exact)", res["l2r"])]
-    kind = "ELBO" if (res["any_order"] or {}).get("kind") == "elbo" else "any-order"
-    lines.append(_fmt_metric(f"{kind} (K={res['orders']})", res["any_order"]))
-    ens = res["ensemble"]
-    if ens is not None:
-        M = ens["members"]
-        lines.append(_fmt_metric(f"+ ensemble x{M}", ens))
-        if not ens.get("noop"):
-            for m, val in ens["by_size"].items():
-                if m not in (1, M):
-                    lines.append(_fmt_metric(f"  ensemble x{m}", val))
-            n = res["seq_len"]
-            t = ens["targets"]
-            scope = "all targets" if t is None else f"{t} random targets per block"
-            lines.append(
-                f"  ensemble gain {ens['gain_nats']:.4f} ± {ens['gain_stderr']:.4f} nats/token; "
-                f"cost per block and order ({scope}): 1 + {M - 1}*(n+1)/2"
-                + ("" if t is None else f"*{t}/n")
-                + f" = {ens['passes_formula']:.1f} forward passes of n={n} tokens "
-                f"(measured {ens['passes_per_block']:.1f})"
-            )
-    lines += [f"  note: {note}" for note in res["notes"]]
-    return "\n".join(lines)
+def _ensemble_result(run: EnsembleRun, targets: int | None, bpt: float | None) -> dict:
+    """The ensemble part of the result: every size on the same targets (size 1 is the
+    baseline the gains are paired against), the gains, the cost."""
+    by_size = {m: metric(block_estimate(run.values[..., i]), bpt) for i, m in enumerate(run.sizes)}
+    gains = {}  # paired over the same blocks, orders and targets: M = 1 minus M = m
+    for i, m in enumerate(run.sizes):
+        g = metric(block_estimate(run.values[..., 0] - run.values[..., i]), bpt)
+        gains[m] = {"nats": g["nats_per_token"], "stderr": g["stderr"],
+                    "stderr_orders": g["stderr_orders"], "bits_per_byte": g["bits_per_byte"],
+                    "bpb_stderr": g["bpb_stderr"]}  # fmt: skip
+    M = run.sizes[-1]
+    return by_size[M] | {
+        "members": run.members,
+        "targets": targets,
+        "baseline": by_size[1],
+        "by_size": by_size,
+        "gain_by_size": gains,
+        "gain_nats": gains[M]["nats"],
+        "gain_stderr": gains[M]["stderr"],
+        "gain_bpb": gains[M]["bits_per_byte"],
+        "passes_per_block": run.passes_per_block,
+        "passes_formula": run.expected_passes,
+    }

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,18 +32,25 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from anyorder import orders as orders_mod
-from anyorder.models.base import AnyOrderLM
-from anyorder.models.gpt import GPT
+from anyorder.models.base import DEFAULT_MAX_TOKENS, AnyOrderLM
 from anyorder.models.mdm import MDM
 
 
 @dataclass
 class Estimate:
-    """A Monte-Carlo estimate in nats per token, with its standard error."""
+    """An estimate in nats per token, with its standard error.
+
+    ``stderr`` is what the producer documents: over the orders for the batch estimators of
+    this module; over the blocks of a corpus for :func:`anyorder.corpus.block_estimate`,
+    which puts the order draw's part of it in ``stderr_orders`` (None where no order is
+    drawn, as left to right).
+    """
 
     mean: float
     stderr: float
     samples: int
+    stderr_orders: float | None = None
+    blocks: int | None = None
 
     def ci95(self) -> tuple[float, float]:
         return self.mean - 1.96 * self.stderr, self.mean + 1.96 * self.stderr
@@ -55,16 +63,24 @@ def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
 
 @torch.no_grad()
 def sequence_nll(
-    model: AnyOrderLM, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
+    model: AnyOrderLM,
+    tokens: Tensor,
+    order: Tensor | None = None,
+    blocks: Tensor | None = None,
+    *,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> Tensor:
-    """Exact NLL (B,) in nats of each sequence generated in ``order`` with ``blocks``."""
-    return model.token_nll(tokens, order, blocks).sum(dim=1)
+    """Exact NLL (B,) in nats of each sequence generated in ``order`` with ``blocks``
+    (``max_tokens``: the chunk of :meth:`AnyOrderLM.token_nll`)."""
+    return model.token_nll(tokens, order, blocks, max_tokens=max_tokens).sum(dim=1)
 
 
 @torch.no_grad()
-def left_to_right_nll(model: AnyOrderLM, tokens: Tensor) -> Tensor:
+def left_to_right_nll(
+    model: AnyOrderLM, tokens: Tensor, *, max_tokens: int = DEFAULT_MAX_TOKENS
+) -> Tensor:
     """Exact left-to-right NLL (B,) in nats (for ``mdm``: its suffix-masked conditionals)."""
-    return sequence_nll(model, tokens, None, None)
+    return sequence_nll(model, tokens, None, None, max_tokens=max_tokens)
 
 
 def _estimate(per_order: list[Tensor], n: int) -> Estimate:
@@ -189,20 +205,26 @@ def ensemble_orders(order: Tensor, keys: Tensor, slot: Tensor, length: int) -> T
     return sig[:, None, :].expand(P, Mm, length).gather(2, k.argsort(dim=-1))
 
 
-def _slot_logprob(model: AnyOrderLM, tokens: Tensor, order: Tensor, slot: Tensor) -> Tensor:
-    """log p of ``tokens[order[r, slot[r]]]`` at slot ``slot[r]`` of each row r. (R,)"""
+def slot_logprob(
+    model: AnyOrderLM,
+    tokens: Tensor,
+    order: Tensor,
+    slot: Tensor,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+) -> Tensor:
+    """log p of ``tokens[order[r, slot[r]]]`` at slot ``slot[r]`` of each row r: (R,).
+
+    The trunk runs over the rows' slots; the head reads one hidden state per row (the full
+    logits of every slot would be (R, T, V)).
+    """
     R = len(slot)
     rows = torch.arange(R, device=tokens.device)
     target = tokens.gather(1, order.gather(1, slot[:, None]))[:, 0]
-    if isinstance(model, GPT):  # causal trunk (aogpt): the head only at the slot read
-        model.check_tokens(tokens)
-        x_in, pos_in = model.slot_inputs(tokens, order)
-        h = model.inject(model.embed(x_in, pos_in), order)
-        h = model.trunk(h, pos_in, "causal", model.condition(order), order)
-        logits = model.head(h[rows, slot])
-    else:
+    if not model.has_features():  # a model that only has a forward (test doubles)
         logits = model(tokens, order)[rows, slot]
-    return logits.float().log_softmax(dim=-1).gather(1, target[:, None])[:, 0]
+        return logits.float().log_softmax(dim=-1).gather(1, target[:, None])[:, 0]
+    h = model.features(tokens, order)[rows, slot]  # (R, d)
+    return -model.head_nll(h, target, max_tokens)
 
 
 @torch.no_grad()
@@ -213,7 +235,8 @@ def member_logprobs(
     keys: Tensor,
     slots: Tensor | None = None,
     *,
-    max_tokens: int = 1 << 15,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    on_chunk: Callable[[int], None] | None = None,
 ) -> tuple[Tensor, int]:
     """Log-probabilities of each target under each context-order ensemble member (Eq. 7).
 
@@ -234,7 +257,7 @@ def member_logprobs(
     (M - 1) n (n + 1) / 2`` slot evaluations per block, i.e. :func:`ensemble_cost` =
     ``1 + (M - 1)(n + 1)/2`` passes of ``n`` tokens, half of the ``(M - 1) n`` full passes
     of reading one slot per pass. Truncated rows are batched by similar length (waste below
-    one chunk) and, for the GPT trunk, the head runs only at the slot read. Sharing prefixes
+    one chunk) and the head runs only at the slot read (:func:`slot_logprob`). Sharing prefixes
     would save up to another half: key-sorted contexts of consecutive targets share the
     prefix before the newly inserted position, ``n + #inversions ~ n^2/4`` distinct slots
     per member; that needs tree attention masks and is not done here.
@@ -250,7 +273,8 @@ def member_logprobs(
         order: (B, n) the evaluated orders sigma.
         keys: (B, M-1, n) member keys per position, uniform in [0, 1) (float64 is best).
         slots: (B, S) target slots to score (default: all ``n``).
-        max_tokens: slot evaluations per forward call (memory bound).
+        max_tokens: slot evaluations per trunk call, and the head's chunk (memory bound).
+        on_chunk: called with the slot evaluations of each call as it is done (progress).
 
     Returns:
         ``(logp, evaluated)``: logp (B, S, M) float32 with member 0 the identity, and the
@@ -263,8 +287,10 @@ def member_logprobs(
         slots = torch.arange(n, device=tokens.device).expand(B, n)
     S = slots.shape[1]
     out = torch.zeros(B, S, M, device=tokens.device)
-    out[..., 0] = -model.token_nll(tokens, order).gather(1, slots)
+    out[..., 0] = -model.token_nll(tokens, order, max_tokens=max_tokens).gather(1, slots)
     evaluated = B * n
+    if on_chunk is not None:
+        on_chunk(B * n)
     if M == 1:
         return out, evaluated
     b_of = torch.arange(B, device=tokens.device).repeat_interleave(S)
@@ -273,7 +299,7 @@ def member_logprobs(
     by_slot = slot_of.argsort(stable=True)
     b_of, col_of, slot_of = b_of[by_slot], col_of[by_slot], slot_of[by_slot]
     budget = max_tokens
-    if not isinstance(model, GPT):  # full logits come back: keep them near the hidden size
+    if not model.has_features():  # full logits come back: keep them near the hidden size
         d, V = model.cfg.d_model, model.cfg.vocab_size
         budget = max(1, max_tokens * d // max(d, V))
     sl = slot_of.tolist()
@@ -292,13 +318,16 @@ def member_logprobs(
         b, c, i = b_of[start:stop], col_of[start:stop], slot_of[start:stop]
         rows = ensemble_orders(order[b], keys[b], i, length)  # (P, M-1, L)
         P = len(b)
-        lp = _slot_logprob(
+        lp = slot_logprob(
             model,
             tokens[b].repeat_interleave(M - 1, dim=0),
             rows.reshape(P * (M - 1), length),
             i.repeat_interleave(M - 1),
+            max_tokens,
         )
         out[b, c, 1:] = lp.view(P, M - 1)
         evaluated += P * (M - 1) * length
+        if on_chunk is not None:
+            on_chunk(P * (M - 1) * length)
         start = stop
     return out, evaluated

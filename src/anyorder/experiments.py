@@ -712,7 +712,8 @@ def exp_finding5(ctx: Context) -> dict[str, Any]:
         _budget_line(ctx, len(arms))
         + f" Scored on {len(blocks)} validation blocks x {res['orders']} random orders, "
         f"{targets} random target slots per block and order (unbiased for the per-token mean); "
-        f"± is the standard error over the orders. Gain M=1 -> M={ms[-1]} in nats/token "
+        f"± is the standard error over the blocks (the text sample, the order draw included; "
+        f"paired for the gains). Gain M=1 -> M={ms[-1]} in nats/token "
         f"(paired): {'; '.join(gains)}. Evaluation took {wall:.0f} s.\n\n"
         f"| M | {' | '.join(f'{a}: any-order bits/byte | gain (nats/token)' for a in series)} "
         "| forward passes per block (formula) |\n"
@@ -750,11 +751,12 @@ _FOUR = {
 }
 
 
-def _progressive(ctx: Context) -> list[str]:
+def _progressive(ctx: Context, rho: int | None = None) -> list[str]:
     """ARMD's schedule scaled to the run: l2r for the first 5%, displaced tokens up to rho
-    reached at 27% (the paper's 9K and 48K of 180K steps)."""
+    reached at 27% (the paper's 9K and 48K of 180K steps). ``rho`` defaults to the paper's
+    32 (8 in smoke runs), which is half of our n = 64: see :func:`scaled_rho`."""
     s = ctx.steps
-    rho = 8 if ctx.smoke else 32
+    rho = rho if rho is not None else (8 if ctx.smoke else 32)
     i_ar = int(0.05 * s)
     i_perm = max(i_ar + 1, int(0.27 * s))
     return ["order.kind=progressive", f"order.i_ar={i_ar}", f"order.i_perm={i_perm}",
@@ -786,15 +788,30 @@ def exp_four(ctx: Context) -> dict[str, Any]:
 # ============================================================================ 6. progressive
 
 
+def scaled_rho(n: int) -> int:
+    """ARMD's rho at our length: the paper displaces at most 32 of n = 1024 tokens (3.1%);
+    the same fraction of ``n`` (2 at n = 64), at least 1."""
+    return max(1, round(32 * n / 1024))
+
+
 def exp_progressive(ctx: Context) -> dict[str, Any]:
-    """ARMD's progressive permutation schedule vs uniform orders from the start."""
+    """ARMD's progressive permutation schedule vs uniform orders from the start, with the
+    paper's rho (32, half of our n) and with rho scaled to the paper's 3% of n."""
+    n = 16 if ctx.smoke else 64
+    rho = 8 if ctx.smoke else 32
     arms = {
-        "armd (progressive)": ("armd", _progressive(ctx)),
+        f"armd (progressive, rho = {rho} of {n})": ("armd", _progressive(ctx)),
+        f"armd (progressive, rho = {scaled_rho(n)} of {n})": (
+            "armd", _progressive(ctx, scaled_rho(n)),
+        ),
         "armd uniform from the start": ("armd", ["order.kind=uniform"]),
-    }
+    }  # fmt: skip
     if ctx.scale == "paper":
-        return _paper(ctx, "armd-small-owt.yaml", arms)
-    note = f" Progressive: `{' '.join(_progressive(ctx))}`."
+        return _paper(ctx, "armd-small-owt.yaml", {k: arms[k] for k in list(arms)[::2]})
+    note = (
+        f" Progressive: `{' '.join(_progressive(ctx))}`; the second arm scales rho to the "
+        f"paper's fraction of n (32 of 1024 = 3%): `order.rho={scaled_rho(n)}`."
+    )
     res = _bpb_experiment(ctx, arms, "ARMD: progressive vs uniform", note)
     md = res["markdown"] + "\nDiagnostic: target-position KL as in experiment 2 (seed-0 models).\n"
     return res | {"markdown": md + _add_target_kl(ctx, res, arms)}
@@ -835,23 +852,32 @@ def exp_sbp(ctx: Context) -> dict[str, Any]:
         return _paper(ctx, "armd-small-owt.yaml", arms, sbp=True)
     base = train_run(ctx, run_name("armd", _progressive(ctx)), "armd", _progressive(ctx), 0)
     ft_steps = max(2, ctx.steps // 3)
+    init = [f"train.init_from={base['run_dir']}"]
     ft = train_run(
         ctx, "armd_sbp", "armd", ["order.kind=sbp", "order.sbp_streams=[1,2,4]"], 0,
-        steps=ft_steps, extra=[f"train.init_from={base['run_dir']}"],
+        steps=ft_steps, extra=init,
     )  # fmt: skip
+    # the control at equal tokens: the same steps from the same base, on the base's own
+    # final order distribution (rho displaced tokens from the first step) instead of SBP
+    rho = _progressive(ctx)[-1]
+    same = ["order.kind=progressive", "order.i_ar=0", "order.i_perm=1", rho]
+    control = train_run(ctx, "armd_continued", "armd", same, 0, steps=ft_steps, extra=init)
     judge = _judge(ctx)
     n = 16 if ctx.smoke else 64
     num = 4 if ctx.smoke else 64
     rows = []
-    for label, run in (("before SBP", base), ("after SBP", ft)):
+    arms = (("before SBP", base), ("continued, no SBP", control), ("after SBP", ft))
+    for label, run in arms:
         loaded = _load(run)
         for S in (1, 2, 4):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 sc = _gen_score(loaded.model, loaded.tokenizer, judge, n, num, 0, streams=S)
             rows.append({"model": label, "S": S} | sc)
     md = (
-        _budget_line(ctx, 2)
-        + f" SBP fine-tuning: {ft_steps} more steps with S drawn from {{1, 2, 4}}. "
+        _budget_line(ctx, 3)
+        + f" SBP fine-tuning: {ft_steps} more steps with S drawn from {{1, 2, 4}}; the "
+        f"control at equal tokens (continued, no SBP): the same {ft_steps} steps from the same "
+        f"base on the base's own final orders (`{' '.join(same)}`). "
         f"{num} samples of {n} bytes per cell at temperature 1, judged by the project's own "
         "left-to-right gpt of experiment 5 (generative NLL in nats per judge token; lower is "
         "better, but watch the entropy: repetitive text scores well).\n\n"
@@ -865,7 +891,7 @@ def exp_sbp(ctx: Context) -> dict[str, Any]:
     plot = _plot_xy(
         {
             lab: ([1, 2, 4], [r["nll_per_token"] for r in rows if r["model"] == lab], None)
-            for lab in ("before SBP", "after SBP")
+            for lab, _ in arms
         },
         "streams S",
         "generative NLL (judge, nats/token)",

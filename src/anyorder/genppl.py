@@ -5,7 +5,9 @@ A *judge* causal LM scores the model's samples: ``gpt2-large`` by default, any l
 left-to-right NLL). Generative perplexity is always reported beside the samples' unigram
 entropy: a sampler can buy a low perplexity with repetitive text, and the entropy shows it.
 
-Design choices:
+Two protocols (:data:`PROTOCOLS`); every table names the one behind its figures.
+
+``ours`` (METHOD.md section 5, the SEDD/MDLM convention):
 
 * Samples are decoded to text with the model's tokenizer and re-tokenized with the
   judge's. A sample is cut at its first EOS; when it had one, the judge's EOS is appended,
@@ -15,6 +17,17 @@ Design choices:
   (one token in a 1024-token sample). Text longer than the judge's context is cut to it
   and counted in ``truncated``.
 * Generative perplexity is ``exp(total NLL / total scored tokens)`` over all samples.
+
+``reference`` (the AO-GPT reference code, ``sample_AOGPT.py``, behind its Table 2):
+
+* Every generated id is scored as it is: no cut at EOS, no re-tokenization (so the judge
+  must share the model's vocabulary; :func:`same_vocabulary`), no BOS: tokens ``2..n``
+  each from the ids before it.
+* Generative perplexity is the *mean of per-sample perplexities*, ``mean_i exp(mean NLL
+  of sample i)``; by Jensen it is at least ``exp`` of the pooled mean. Any-order samples
+  put EOS at random places, so ``ours`` drops arbitrary suffixes and the two differ.
+
+Both:
 * Unigram entropy (nats) is computed per sample over the sample's own token ids (all ``n``
   of them, as generated), then averaged over samples.
 * :func:`generate_samples` is the one place that picks a sampler: :func:`anyorder.sample.sample`
@@ -37,6 +50,14 @@ from torch import Tensor
 from anyorder.errors import CheckpointError, ConfigError, SamplingError
 
 DEFAULT_JUDGE = "gpt2-large"
+
+PROTOCOLS = {
+    "ours": "exp(pooled mean judge NLL), each sample cut at its first EOS, re-tokenized, "
+    "after the judge's BOS",
+    "reference": "mean of per-sample exp(mean judge NLL) over every generated id as it is, "
+    "the first token as context (AO-GPT's sample_AOGPT.py)",
+}
+"""Generative perplexity protocols: what each computes."""
 
 # ----------------------------------------------------------------------------- samples
 
@@ -153,12 +174,16 @@ class HFJudge:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
     @torch.no_grad()
-    def score(self, seqs: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+    def score(self, seqs: Sequence[Sequence[int]], *, bos: bool = True) -> tuple[Tensor, Tensor]:
         """Summed NLL (nats) and scored-token count per sequence, each token from the BOS and
-        the tokens before it."""
+        the tokens before it (``bos=False``: no BOS, the first token is context only)."""
         dev = self.model.device
-        ids = [[self.bos_id, *s] for s in seqs]
+        ids = [[self.bos_id, *s] if bos else list(s) for s in seqs]
         T = max(len(s) for s in ids)
         x = torch.zeros(len(ids), T, dtype=torch.long, device=dev)
         att = torch.zeros_like(x)
@@ -188,20 +213,28 @@ class ModelJudge:
         self.tok = loaded.tokenizer
         self.eos_id = self.tok.eos_id
         self.max_len = self.model.cfg.seq_len + 1  # + the learned BOS, which is not a token
+        self.max_ids = self.model.cfg.seq_len  # ids that fit, the BOS aside
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text))
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tok.vocab_size)
+
     @torch.no_grad()
-    def score(self, seqs: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+    def score(self, seqs: Sequence[Sequence[int]], *, bos: bool = True) -> tuple[Tensor, Tensor]:
         """Summed NLL and token count per sequence; right padding leaves a causal model's
-        earlier slots unchanged."""
+        earlier slots unchanged. ``bos=False``: the first token is context only (our gpt
+        always reads its learned BOS, so it stays in the context)."""
         T = max(len(s) for s in seqs)
         x = torch.zeros(len(seqs), T, dtype=torch.long, device=self.model.device)
         mask = torch.zeros(len(seqs), T)
         for i, s in enumerate(seqs):
             x[i, : len(s)] = torch.tensor(list(s), device=x.device)
             mask[i, : len(s)] = 1
+        if not bos:
+            mask[:, 0] = 0
         nll = self.model.token_nll(x).cpu()
         return (nll * mask).sum(1).double(), mask.sum(1)
 
@@ -224,7 +257,9 @@ class GenScore:
     """Generative perplexity and entropy of a set of samples."""
 
     gen_ppl: float
+    """Under ``protocol``: pooled (ours) or the mean of per-sample perplexities (reference)."""
     nll_per_token: float
+    """Pooled mean judge NLL per scored token (either protocol)."""
     entropy: float
     """Mean per-sample unigram entropy, nats."""
     entropy_std: float
@@ -234,9 +269,27 @@ class GenScore:
     """Samples that contain an EOS (scored up to and including the first)."""
     truncated: int
     """Samples whose re-tokenized text was cut to the judge's context."""
+    protocol: str = "ours"
+    ppl_per_sample_std: float | None = None
+    """Standard deviation of the per-sample perplexities (reference protocol)."""
+    ppl_per_sample: list[float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def same_vocabulary(tokenizer: Any, judge: Any) -> bool:
+    """Whether the judge reads the model's ids as they are: the same vocabulary size, EOS
+    and encoding of a probe text."""
+    probe = "Hello world, the 1990s: 3.5 km of café-text.\n  x = [1, 2]"
+    try:
+        return (
+            int(getattr(judge, "vocab_size", -1)) == int(tokenizer.vocab_size)
+            and judge.eos_id == tokenizer.eos_id
+            and list(judge.encode(probe)) == list(tokenizer.encode(probe))
+        )
+    except Exception:
+        return False
 
 
 def judge_inputs(samples: Tensor, tokenizer: Any, judge: Any) -> tuple[list[list[int]], int, int]:
@@ -262,26 +315,54 @@ def judge_inputs(samples: Tensor, tokenizer: Any, judge: Any) -> tuple[list[list
 
 
 def generative_perplexity(
-    samples: Tensor, tokenizer: Any, judge: Any, *, batch_size: int = 8
+    samples: Tensor, tokenizer: Any, judge: Any, *, batch_size: int = 8, protocol: str = "ours"
 ) -> GenScore:
-    """Score ``samples`` (num, n) of our model with ``judge``; see the module docstring."""
-    seqs, with_eos, truncated = judge_inputs(samples, tokenizer, judge)
-    total, count = 0.0, 0.0
+    """Score ``samples`` (num, n) of our model with ``judge`` under ``protocol`` (``ours`` or
+    ``reference``, see the module docstring).
+
+    Raises:
+        ConfigError: an unknown protocol, or ``reference`` with a judge whose vocabulary is
+            not the model's (it scores the ids as they are).
+    """
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"unknown protocol {protocol!r}; use one of {', '.join(PROTOCOLS)}")
+    eos = tokenizer.eos_id
+    with_eos = sum(eos in row for row in samples.tolist())
+    truncated = 0
+    if protocol == "reference":
+        if not same_vocabulary(tokenizer, judge):
+            raise ConfigError(
+                f"the reference protocol scores the generated ids as they are, and the judge "
+                f"{judge.name!r} has another vocabulary than the model's tokenizer; use a judge "
+                "with the model's tokenizer, or --protocol ours"
+            )
+        room = getattr(judge, "max_ids", judge.max_len)  # no BOS: the whole context is ids
+        seqs = [row[:room] for row in samples.tolist()]
+        truncated = sum(len(r) > room for r in samples.tolist())
+    else:
+        seqs, with_eos, truncated = judge_inputs(samples, tokenizer, judge)
+    nlls, counts = [], []
     for i in range(0, len(seqs), batch_size):
-        nll, cnt = judge.score(seqs[i : i + batch_size])
-        total += float(nll.sum())
-        count += float(cnt.sum())
+        nll, cnt = judge.score(seqs[i : i + batch_size], bos=protocol == "ours")
+        nlls.append(nll.double())
+        counts.append(cnt.double())
+    nll, cnt = torch.cat(nlls), torch.cat(counts)
     ent = unigram_entropy(samples)
-    mean = total / max(count, 1.0)
+    mean = float(nll.sum() / cnt.sum().clamp(min=1.0))
+    per_sample = (nll / cnt.clamp(min=1.0)).exp()
+    reference = protocol == "reference"
     return GenScore(
-        gen_ppl=math.exp(mean),
+        gen_ppl=float(per_sample.mean()) if reference else math.exp(mean),
         nll_per_token=mean,
         entropy=float(ent.mean()),
         entropy_std=float(ent.std()) if len(ent) > 1 else 0.0,
         samples=len(seqs),
-        scored_tokens=int(count),
+        scored_tokens=int(cnt.sum()),
         with_eos=with_eos,
         truncated=truncated,
+        protocol=protocol,
+        ppl_per_sample_std=float(per_sample.std()) if reference and len(seqs) > 1 else None,
+        ppl_per_sample=[round(float(p), 4) for p in per_sample] if reference else None,
     )
 
 
@@ -299,8 +380,10 @@ def gen_sweep(
     seed: int = 0,
     batch_size: int = 16,
     progress: bool = True,
+    protocol: str = "ours",
 ) -> list[dict[str, Any]]:
-    """Generative perplexity and entropy for every (steps, temperature) pair.
+    """Generative perplexity (under ``protocol``) and entropy for every (steps, temperature)
+    pair.
 
     Returns:
         One dict per pair: the settings, :class:`GenScore` fields and one sample's text.
@@ -312,7 +395,9 @@ def gen_sweep(
                 model, n, num, mode, st, temp, top_p, seed,
                 batch_size=batch_size, progress=progress,
             )  # fmt: skip
-            score = generative_perplexity(s, tokenizer, judge, batch_size=batch_size)
+            score = generative_perplexity(
+                s, tokenizer, judge, batch_size=batch_size, protocol=protocol
+            )
             rows.append(
                 {"steps": st or n, "temperature": temp, "top_p": top_p, "mode": mode, "n": n}
                 | score.as_dict()
@@ -328,15 +413,20 @@ def gen_sweep(
 
 
 def gen_markdown(rows: Sequence[dict[str, Any]], judge: str) -> str:
-    """The sweep as a Markdown table."""
-    head = "| steps | temperature | top-p | gen PPL | entropy (nats) | samples | with EOS |\n"
-    head += "|---|---|---|---|---|---|---|\n"
-    body = "".join(
-        f"| {r['steps']} | {r['temperature']:g} | {r['top_p'] if r['top_p'] else 1:g} | "
-        f"{r['gen_ppl']:.3f} | {r['entropy']:.3f} ± {r['entropy_std']:.3f} | {r['samples']} | "
-        f"{r['with_eos']} |\n"
-        for r in rows
+    """The sweep as a Markdown table, its protocol named in the header and under it."""
+    protocol = rows[0].get("protocol", "ours") if rows else "ours"
+    what = "pooled" if protocol == "ours" else "mean per sample"
+    head = (
+        f"| steps | temperature | top-p | gen PPL ({protocol} protocol: {what}) | "
+        "entropy (nats) | samples | with EOS |\n|---|---|---|---|---|---|---|\n"
     )
-    return (
-        head + body + f"\nJudge: {judge}; exp(mean token NLL) up to and including the first EOS.\n"
-    )
+    body = ""
+    for r in rows:
+        spread = r.get("ppl_per_sample_std")
+        ppl = f"{r['gen_ppl']:.3f}" + (f" (std {spread:.3f})" if spread is not None else "")
+        body += (
+            f"| {r['steps']} | {r['temperature']:g} | {r['top_p'] if r['top_p'] else 1:g} | "
+            f"{ppl} | {r['entropy']:.3f} ± {r['entropy_std']:.3f} | {r['samples']} | "
+            f"{r['with_eos']} |\n"
+        )
+    return head + body + f"\nJudge: {judge}. Protocol {protocol}: {PROTOCOLS[protocol]}.\n"

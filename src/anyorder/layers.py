@@ -20,11 +20,10 @@ Design choices:
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,7 +46,12 @@ def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned gain."""
+    """Root-mean-square norm with a learned gain.
+
+    Under bf16 autocast the input is bf16 and the gain fp32; ``F.rms_norm`` then falls back
+    to its unfused implementation (with a warning per call), so the gain is cast to the
+    input's dtype first, as the fused kernel wants (a no-op in fp32).
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -55,7 +59,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
 # ----------------------------------------------------------------------------- positions
@@ -231,6 +235,17 @@ class PreparedMask:
     """(B|1, 1, Tq, 1) rows without a visible key (None: there are none)."""
     flex: Any = None
     """A ``torch.nn.attention.flex_attention.BlockMask``, or None."""
+    additive: dict = field(default_factory=dict, repr=False)
+    """``dense`` as SDPA's additive float mask (0 / -inf), per dtype, made by the first layer
+    that asks (:meth:`sdpa_mask`): SDPA would convert the boolean mask again in every call."""
+
+    def sdpa_mask(self, dtype: torch.dtype) -> Tensor:
+        """``dense`` as an additive mask of ``dtype`` (the queries'), made once."""
+        mask = self.additive.get(dtype)
+        if mask is None:
+            mask = torch.zeros(self.dense.shape, dtype=dtype, device=self.dense.device)
+            mask = self.additive[dtype] = mask.masked_fill_(~self.dense, float("-inf"))
+        return mask
 
 
 def prepare_mask(mask: Tensor) -> PreparedMask:
@@ -278,7 +293,8 @@ def block_visibility(blocks: Tensor | None, n: int, strict: bool, device: torch.
 # and then used only on CUDA; everywhere else the dense SDPA path runs.
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
-_backend = {"name": os.environ.get("ANYORDER_ATTENTION", "sdpa")}
+_backend = {"name": "sdpa"}
+_FLEX: dict[str, Any] = {}  # "ops": what _load_flex found, filled once
 
 
 def set_attention_backend(name: str) -> None:
@@ -289,26 +305,38 @@ def set_attention_backend(name: str) -> None:
             f"attention backend {name!r} is unknown; use one of {', '.join(ATTENTION_BACKENDS)}"
         )
     _backend["name"] = name
+    if name == "flex":
+        _load_flex()  # here, not inside a compiled forward
 
 
 def flex_enabled(device: torch.device) -> bool:
     """Whether block masks on ``device`` go through FlexAttention (CUDA, asked for, importable)."""
-    return _backend["name"] == "flex" and device.type == "cuda" and _flex_ops() is not None
+    return _backend["name"] == "flex" and device.type == "cuda" and _load_flex() is not None
 
 
-@functools.cache
-def _flex_ops() -> tuple[Callable, Callable] | None:
-    """``(compiled flex_attention, create_block_mask)``, imported on first use; None if absent."""
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None
-    return torch.compile(flex_attention, dynamic=False), create_block_mask
+def _load_flex() -> tuple[Callable, Callable, Callable] | None:
+    """``(flex_attention, its compiled form, create_block_mask)``, imported once; None if
+    absent. Loaded when the backend is chosen, so that a compiled model's trace only reads
+    it: inside ``torch.compile`` the plain ``flex_attention`` is called (and compiled with the
+    model), outside it the compiled one (FlexAttention is slow uncompiled)."""
+    if "ops" not in _FLEX:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        except ImportError:
+            _FLEX["ops"] = None
+        else:
+            compiled = torch.compile(flex_attention, dynamic=False)
+            _FLEX["ops"] = (flex_attention, compiled, create_block_mask)
+    return _FLEX["ops"]
+
+
+if os.environ.get("ANYORDER_ATTENTION") == "flex":
+    set_attention_backend("flex")
 
 
 def _flex_block_mask(ids: Tensor, strict: bool) -> Any:
     """FlexAttention block mask of ``B(key) <= B(query)`` (``<`` when strict) over ids (B, n)."""
-    _, create_block_mask = _flex_ops()
+    create_block_mask = _load_flex()[2]
     ids = ids.contiguous()
     B, n = ids.shape
 
@@ -396,8 +424,10 @@ class Attention(nn.Module):
         *,
         empty: Tensor | bool | None = None,
         packing: Packing | None = None,
+        project: bool = True,
     ) -> Tensor:
-        """SDPA of (B, H, Tq, D) queries over (B, H, Tk, D) keys/values, merged and projected.
+        """SDPA of (B, H, Tq, D) queries over (B, H, Tk, D) keys/values, merged and projected
+        (``project=False``: merged only, (B, Tq, d), for a caller that projects several at once).
 
         ``mask`` is ``"causal"`` or ``"strict"`` (key < query; square only), ``None`` (all
         visible), a boolean (B|1, 1, Tq, Tk) tensor or a :class:`PreparedMask`; rows with no
@@ -414,10 +444,12 @@ class Attention(nn.Module):
                         "the FlexAttention path has no attention dropout; set model.dropout=0 "
                         "or use the sdpa attention backend"
                     )
-                flex_attention, _ = _flex_ops()
-                y = flex_attention(q, k, v, block_mask=mask.flex)
+                plain, compiled, _ = _load_flex()
+                flex = plain if torch.compiler.is_compiling() else compiled
+                y = flex(q, k, v, block_mask=mask.flex)
             else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, dropout_p=p)
+                m = mask.sdpa_mask(q.dtype)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p)
             if mask.empty is not None:
                 y = y.masked_fill(mask.empty, 0.0)
         elif isinstance(mask, str) and mask == "strict":
@@ -451,6 +483,8 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         B, H, T, D = y.shape
         y = y.transpose(1, 2).reshape(B, T, H * D)
+        if not project:
+            return y
         return self.proj(y if packing is None else packing.pack(y))
 
     def forward(
@@ -505,7 +539,7 @@ class AdaLN(nn.Module):
     """Modulation from a condition: ``Linear(SiLU(c)) -> chunks`` of width d, zero-initialised.
 
     Zero initialisation makes every shift, scale and gate zero, so a freshly built adaLN
-    model computes exactly what the unconditioned trunk computes (see :func:`modulate`).
+    model computes exactly what the unconditioned trunk computes (see :class:`Modulation`).
     The chunks listed in ``ones`` (scales and gates) come back as ``1 + chunk``: the factors
     the block multiplies by, one add for the whole row (or none: it is folded into a table).
     """
@@ -543,73 +577,7 @@ class AdaLN(nn.Module):
         """The per-slot chunks (B, T, d) each (``1 + chunk`` for those in ``ones``)."""
         if isinstance(cond, Tensor):
             return self._offset(self.linear(F.silu(cond))).chunk(self.chunks, dim=-1)
-        rows = cond.rows.get(self) if cond.rows is not None else None
-        if rows is None:
-            rows = F.embedding(cond.target, self.table_of(cond))
-        return rows.chunk(self.chunks, dim=-1)
-
-
-def _rows_grad(g: Tensor, idx: Tensor, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-    """Gradient of a row gather ``table[idx]`` (``table``: ``shape``, ``dtype``) from the
-    gradient ``g`` (..., d) of its rows, summed in float32 (or better)."""
-    acc = torch.promote_types(g.dtype, torch.float32)
-    out = torch.zeros(shape, dtype=acc, device=g.device)
-    out.index_add_(0, idx.reshape(-1), g.reshape(-1, g.shape[-1]).to(acc))
-    return out.to(dtype)
-
-
-class _ModulateRows(torch.autograd.Function):
-    """``x * mul[idx] + shift[idx]`` that saves ``x`` and the indices, not the gathered rows
-    (``mul``, ``shift``: (P, d) table columns). Backward gathers ``mul`` again."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, shift: Tensor, mul: Tensor, idx: Tensor) -> Tensor:
-        ctx.save_for_backward(x, mul, idx)
-        ctx.shift = (shift.shape, shift.dtype)
-        return torch.addcmul(F.embedding(idx, shift), x, F.embedding(idx, mul))
-
-    @staticmethod
-    def backward(ctx, gy: Tensor):
-        x, mul, idx = ctx.saved_tensors
-        gx = g_shift = g_mul = None
-        if ctx.needs_input_grad[0]:
-            gx = (gy * F.embedding(idx, mul)).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            g_shift = _rows_grad(gy, idx, *ctx.shift)
-        if ctx.needs_input_grad[2]:
-            g_mul = _rows_grad(gy * x, idx, mul.shape, mul.dtype)
-        return gx, g_shift, g_mul, None
-
-
-class _GateRows(torch.autograd.Function):
-    """``h + gate[idx] * a`` that saves ``a`` and the indices, not the gathered rows."""
-
-    @staticmethod
-    def forward(ctx, h: Tensor, a: Tensor, gate: Tensor, idx: Tensor) -> Tensor:
-        ctx.save_for_backward(a, gate, idx)
-        ctx.h_dtype = h.dtype
-        return torch.addcmul(h, F.embedding(idx, gate), a)
-
-    @staticmethod
-    def backward(ctx, gy: Tensor):
-        a, gate, idx = ctx.saved_tensors
-        gh = gy.to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
-        ga = (gy * F.embedding(idx, gate)).to(a.dtype) if ctx.needs_input_grad[1] else None
-        g_gate = (
-            _rows_grad(gy * a, idx, gate.shape, gate.dtype) if ctx.needs_input_grad[2] else None
-        )
-        return gh, ga, g_gate, None
-
-
-def modulate_rows(x: Tensor, shift: Tensor, mul: Tensor, idx: Tensor) -> Tensor:
-    """``x * mul[idx] + shift[idx]`` for (P, d) table columns and (B, T) row indices; in
-    training it stores ``x`` only (a plain gather-multiply-add would store the factor too)."""
-    return _ModulateRows.apply(x, shift, mul, idx)
-
-
-def gate_rows(h: Tensor, a: Tensor, gate: Tensor, idx: Tensor) -> Tensor:
-    """``h + gate[idx] * a`` (the gated residual); in training it stores ``a`` only."""
-    return _GateRows.apply(h, a, gate, idx)
+        return F.embedding(cond.target, self.table_of(cond)).chunk(self.chunks, dim=-1)
 
 
 @dataclass
@@ -628,14 +596,161 @@ class TargetCondition:
     """(P, c) the condition table (the target-position embedding's weight)."""
     tables: dict | None = None
     """Per-AdaLN tables kept across calls (filled under ``torch.no_grad`` only), or None."""
-    rows: dict | None = None
-    """Per-AdaLN rows of ``target`` gathered already (decoding gathers every layer's rows in
-    one lookup per pass), or None."""
 
 
-def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    """``x * (1 + scale) + shift``."""
-    return x * (1 + scale) + shift
+class _ModulateRows(torch.autograd.Function):
+    """``x * mul + shift`` for rows ``mul = col[idx]`` gathered beforehand: saves ``x`` and the
+    (P, d) table column, not the (B, T, d) rows (backward gathers ``mul`` again)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, shift: Tensor, mul: Tensor, col: Tensor, idx: Tensor) -> Tensor:
+        ctx.save_for_backward(x, col, idx)
+        return torch.addcmul(shift, x, mul)
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        x, col, idx = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        gx = (gy * F.embedding(idx, col)).to(x.dtype) if need[0] else None
+        g_shift = gy.to(col.dtype) if need[1] else None
+        g_mul = (gy * x).to(col.dtype) if need[2] else None
+        return gx, g_shift, g_mul, None, None
+
+
+class _GateRows(torch.autograd.Function):
+    """``h + gate * a`` for rows ``gate = col[idx]``: saves ``a`` and the column, not the rows."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, gate: Tensor, a: Tensor, col: Tensor, idx: Tensor) -> Tensor:
+        ctx.save_for_backward(a, col, idx)
+        return torch.addcmul(h, gate, a)
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        a, col, idx = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        ga = (gy * F.embedding(idx, col)).to(a.dtype) if need[2] else None
+        g_gate = (gy * a).to(col.dtype) if need[1] else None
+        return gy if need[0] else None, g_gate, ga, None, None
+
+
+class _GatherChunks(torch.autograd.Function):
+    """``table[idx].split(d, dim=-1)``: the rows of every chunk in one gather. Backward adds
+    each chunk's gradient into its columns of the table, summed in fp32 (or better), instead
+    of joining the (B, T, F) gradients of the chunks first."""
+
+    @staticmethod
+    def forward(ctx, table: Tensor, idx: Tensor, d: int) -> tuple[Tensor, ...]:
+        ctx.save_for_backward(idx)
+        ctx.table, ctx.d = (table.shape, table.dtype), d
+        return F.embedding(idx, table).split(d, dim=-1)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        (idx,) = ctx.saved_tensors
+        (P, F_), dtype = ctx.table
+        acc = torch.promote_types(dtype, torch.float32)
+        d = ctx.d
+        out = torch.zeros(F_ // d, P, d, dtype=acc, device=idx.device)  # contiguous per chunk
+        flat = idx.reshape(-1)
+        for j, g in enumerate(grads):
+            out[j].index_add_(0, flat, g.reshape(-1, d).to(acc))
+        return out.to(dtype).transpose(0, 1).reshape(P, F_), None, None
+
+
+@dataclass
+class Modulation:
+    """One :class:`AdaLN`'s chunks worked out beforehand (``1 + chunk`` for those in
+    ``ones``), and where they were gathered from when they are rows of a table.
+
+    With ``columns`` and ``index`` a training step saves the (B, T, d) inputs of each
+    ``x * mul + shift`` and ``h + gate * a`` and gathers the factor again in backward
+    (:class:`_ModulateRows`, :class:`_GateRows`) instead of storing it: about ``4 d`` fewer
+    stored numbers per slot per layer, for one gather per factor in backward.
+    """
+
+    chunks: tuple[Tensor, ...]
+    """(B, T, d) each."""
+    columns: tuple[Tensor, ...] | None = None
+    """(P, d) each: the table columns the chunks are rows of (``chunks[i] = columns[i][index]``)."""
+    index: Tensor | None = None
+    """(B, T) the table rows gathered."""
+
+    def _rows(self) -> bool:
+        return self.index is not None and torch.is_grad_enabled()
+
+    def modulate(self, i: int, x: Tensor) -> Tensor:
+        """``x * chunks[i + 1] + chunks[i]`` (shift, then mul = 1 + scale)."""
+        shift, mul = self.chunks[i], self.chunks[i + 1]
+        if self._rows():
+            return _ModulateRows.apply(x, shift, mul, self.columns[i + 1], self.index)
+        return torch.addcmul(shift, x, mul)  # one kernel
+
+    def gate(self, i: int, h: Tensor, a: Tensor) -> Tensor:
+        """``h + chunks[i] * a`` (the gated residual, gate = 1 + gate)."""
+        if self._rows():
+            return _GateRows.apply(h, self.chunks[i], a, self.columns[i], self.index)
+        return torch.addcmul(h, self.chunks[i], a)
+
+
+def adaln_offset(adas: list[AdaLN]) -> Tensor:
+    """The ``1`` of ``1 + chunk`` of every chunk of ``adas`` in ``ones``, laid out as their
+    linears' outputs joined: (sum of chunks * d,), built once per model."""
+    rows = []
+    for ada in adas:
+        d = ada.linear.out_features // ada.chunks
+        rows += [torch.full((d,), float(i in ada.ones)) for i in range(ada.chunks)]
+    return torch.cat(rows)
+
+
+def adaln_table(adas: list[AdaLN], c: Tensor, offset: Tensor) -> Tensor:
+    """Every adaLN of ``adas`` applied to ``c`` (..., c) in one matmul: (..., F), F the sum of
+    their chunks * d, with the ``1 +`` of the scales and gates folded into the bias."""
+    weight = torch.cat([a.linear.weight for a in adas])  # (F, c)
+    bias = torch.cat([a.linear.bias for a in adas]) + offset.to(adas[0].linear.bias)
+    return F.linear(F.silu(c), weight, bias)
+
+
+def adaln_rows(adas: list[AdaLN], table: Tensor, target: Tensor) -> list[Modulation]:
+    """The :class:`Modulation` of every adaLN for slots ``target`` (B, T), from a joined
+    (P, F) :func:`adaln_table`: one lookup for every layer (decoding; no gradient)."""
+    d = adas[0].linear.out_features // adas[0].chunks
+    chunks = F.embedding(target, table).split(d, dim=-1)  # (B, T, d) each
+    out, i = [], 0
+    for ada in adas:
+        out.append(Modulation(chunks[i : i + ada.chunks]))
+        i += ada.chunks
+    return out
+
+
+def adaln_stack(
+    adas: list[AdaLN], cond: Tensor | TargetCondition, offset: Tensor
+) -> list[Modulation]:
+    """``[Modulation(ada(cond)) for ada in adas]`` in one matmul.
+
+    The adaLN linears of every layer read the same condition, so their weights are joined
+    and applied once per forward (not once per layer), with the ``1 +`` of the scales and
+    gates folded into the joined bias (``offset``: :func:`adaln_offset`). On a
+    :class:`TargetCondition` the table is computed per position and the slots' rows are
+    gathered once for every layer (backward: one fp32 index-add per chunk, no join of the
+    chunks' (B, T, d) gradients). The matmul runs under the caller's autocast, as the
+    per-layer linears did.
+    """
+    c = cond.emb if isinstance(cond, TargetCondition) else cond
+    table = adaln_table(adas, c, offset)  # (P | B, T, F)
+    d = adas[0].linear.out_features // adas[0].chunks
+    if isinstance(cond, TargetCondition):
+        chunks = _GatherChunks.apply(table, cond.target, d)  # (B, T, d) each
+        columns = table.split(d, dim=-1)  # (P, d) each
+    else:
+        chunks, columns = table.split(d, dim=-1), None
+    out, i = [], 0
+    for ada in adas:
+        cols = None if columns is None else columns[i : i + ada.chunks]
+        index = None if columns is None else cond.target
+        out.append(Modulation(chunks[i : i + ada.chunks], cols, index))
+        i += ada.chunks
+    return out
 
 
 class Block(nn.Module):
@@ -660,7 +775,7 @@ class Block(nn.Module):
         x: Tensor,
         pos: Positions,
         mask: Mask,
-        cond: Tensor | TargetCondition | None = None,
+        cond: Tensor | TargetCondition | Modulation | None = None,
         kv: KVHook | None = None,
         packing: Packing | None = None,
         qpos: Positions = None,
@@ -668,22 +783,10 @@ class Block(nn.Module):
         if self.ada is None:
             x = x + self.attn(self.norm1(x), pos, mask, kv, packing, qpos)
             return x + self.mlp(self.norm2(x))
-        if isinstance(cond, TargetCondition) and torch.is_grad_enabled():
-            # training on a table: the same numbers, but autograd keeps the table and the
-            # indices instead of four (B, T, d) factors per block
-            shift1, mul1, gate1, shift2, mul2, gate2 = self.ada.table_of(cond).chunk(6, dim=-1)
-            i = cond.target
-            h = modulate_rows(self.norm1(x), shift1, mul1, i)
-            x = gate_rows(x, self.attn(h, pos, mask, kv, packing, qpos), gate1, i)
-            return gate_rows(x, self.mlp(modulate_rows(self.norm2(x), shift2, mul2, i)), gate2, i)
-        # factors: mul = 1 + scale, gate = 1 + gate; addcmul(a, b, c) = a + b * c in one kernel
-        shift1, mul1, gate1, shift2, mul2, gate2 = self.ada(cond)
-        x = torch.addcmul(
-            x,
-            gate1,
-            self.attn(torch.addcmul(shift1, self.norm1(x), mul1), pos, mask, kv, packing, qpos),
-        )
-        return torch.addcmul(x, gate2, self.mlp(torch.addcmul(shift2, self.norm2(x), mul2)))
+        # factors: mul = 1 + scale, gate = 1 + gate (a Modulation: worked out beforehand)
+        m = cond if isinstance(cond, Modulation) else Modulation(self.ada(cond))
+        x = m.gate(2, x, self.attn(m.modulate(0, self.norm1(x)), pos, mask, kv, packing, qpos))
+        return m.gate(5, x, self.mlp(m.modulate(3, self.norm2(x))))
 
 
 def init_weights(module: nn.Module, cfg: ModelConfig) -> None:

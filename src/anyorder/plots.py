@@ -1,11 +1,13 @@
 """Figures from evaluation results: PNG files, matplotlib's Agg backend, imported lazily.
 
-* :func:`plot_ensemble_curve`: perplexity against the context-order ensemble size, one line
-  per dataset, the left-to-right perplexity dashed (the shape of AO-GPT's Figure 3).
+* :func:`plot_ensemble_curve`: the any-order figure against the context-order ensemble size,
+  one line per dataset, the left-to-right one dashed (the shape of AO-GPT's Figure 3), in
+  the unit of the table it goes with: bits per byte for a run's own data and byte-level
+  models, perplexity for the papers' token-level zero-shot table.
 * :func:`plot_gen_sweep`: generative perplexity against decoding steps or temperature, the
   unigram entropy on a second axis (the two belong together).
 
-Error bars are one standard error over the random orders (delta method for perplexity:
+Error bars are one standard error over blocks (the text sample; delta method for perplexity:
 ``d exp(x) = exp(x) dx``).
 """
 
@@ -42,38 +44,55 @@ def _save(fig: Any, path: str | Path) -> Path:
 
 
 def plot_ensemble_curve(
-    results: Mapping[str, Mapping[str, Any]], path: str | Path, *, title: str | None = None
+    results: Mapping[str, Mapping[str, Any]],
+    path: str | Path,
+    *,
+    title: str | None = None,
+    unit: str = "bits/byte",
 ) -> Path:
-    """Perplexity vs ensemble size for each corpus with an ensemble run.
+    """The any-order figure vs ensemble size for each corpus with an ensemble run.
 
     Args:
         results: ``{name: likelihood_suite result}`` (a zero-shot table's ``datasets``).
         path: the PNG to write.
         title: the figure title.
+        unit: ``bits/byte`` or ``ppl`` (the unit of the table beside the plot).
 
     Raises:
-        ConfigError: no result holds an ensemble curve.
+        ConfigError: no result holds an ensemble curve, or a unit the results lack.
     """
+    if unit not in ("bits/byte", "ppl"):
+        raise ConfigError(f"unit={unit!r}: plot in bits/byte or ppl")
     curves = {
         k: r for k, r in results.items() if r.get("ensemble") and r["ensemble"].get("by_size")
     }
     if not curves:
         raise ConfigError("no ensemble results to plot; run with --ensemble M (M > 1)")
+    if unit == "bits/byte" and any(r.get("bytes_per_token") is None for r in curves.values()):
+        raise ConfigError("these results have no bytes per token: plot them with unit='ppl'")
+
+    def value(m: Mapping[str, Any]) -> tuple[float, float]:  # (value, one standard error)
+        if unit == "ppl":
+            return m["ppl"], m["ppl"] * (m["stderr"] or 0.0)
+        return m["bits_per_byte"], m["bpb_stderr"] or 0.0
+
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in curves.items():
         # JSON turns the integer sizes into strings: accept both
         by = {int(m): v for m, v in r["ensemble"]["by_size"].items()}
         sizes = sorted(by)
-        ppl = [by[m]["ppl"] for m in sizes]
-        se = [by[m]["ppl"] * (by[m]["stderr"] or 0.0) for m in sizes]
-        line = ax.errorbar(sizes, ppl, yerr=se, marker="o", capsize=3, label=name)
+        ys, se = zip(*(value(by[m]) for m in sizes), strict=True)
+        line = ax.errorbar(sizes, ys, yerr=se, marker="o", capsize=3, label=name)
         if r.get("l2r"):
-            ax.axhline(r["l2r"]["ppl"], ls="--", lw=1, color=line[0].get_color(), alpha=0.7)
+            y = value(r["l2r"])[0]
+            ax.axhline(y, ls="--", lw=1, color=line[0].get_color(), alpha=0.7)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("ensemble size M (context orders per target)")
-    ax.set_ylabel("perplexity")
-    ax.set_title(title or "Any-order perplexity vs context-order ensemble (dashed: left-to-right)")
+    ax.set_xticks(sizes, [str(m) for m in sizes])
+    ax.set_xlabel("ensemble size M (context orders per target; same target slots for every M)")
+    ax.set_ylabel("bits per byte (lower is better)" if unit == "bits/byte" else "perplexity")
+    what = "bits per byte" if unit == "bits/byte" else "perplexity"
+    ax.set_title(title or f"Any-order {what} vs context-order ensemble (dashed: left to right)")
     ax.legend()
     ax.grid(alpha=0.3)
     try:

@@ -45,7 +45,6 @@ import signal
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -61,6 +60,7 @@ from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig, to_dict
 from anyorder.errors import CheckpointError, ConfigError, TrainingError
 from anyorder.orders import OrderSampler
+from anyorder.runlock import RunLock, check_writable_dir
 
 MDM_L2R_ROWS = 4
 """Sequences the encoder's (costly: one pass per token) left-to-right NLL is measured on."""
@@ -316,6 +316,35 @@ class LossModule(nn.Module):
         return self.model.loss(tokens, order, blocks, generator=generator)
 
 
+COMPILE_AUTO = {"cpu": False, "cuda": False}
+"""What ``train.compile=auto`` means on each device type. Off everywhere for now: on this
+project's CPU a compiled step is no faster (docs/performance.md), and compiled against eager
+on a GPU is measured side by side by ``benchmarks/gpu_check.sh`` (``train_step.py --compile
+both``); turn ``cuda`` on here when that table shows a win."""
+COMPILE_KWARGS: dict[str, Any] = {}
+"""Extra ``torch.compile`` arguments of a compiled run (tests use ``backend="aot_eager"``)."""
+
+
+def use_compile(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether this run compiles: ``train.compile``, with ``auto`` resolved per device."""
+    c = cfg.train.compile
+    return c if isinstance(c, bool) else COMPILE_AUTO.get(device.type, False)
+
+
+def compile_modules(model: nn.Module, train_module: nn.Module) -> None:
+    """Compile, in place, the training entry point (the loss, so the cross-entropy over the
+    vocabulary is compiled with the model) and the model itself (validation calls it).
+
+    In place (``Module.compile``), so nothing is wrapped: parameters, ``state_dict`` keys
+    (no ``_orig_mod.``), EMA and checkpoints see the plain modules. ``train_module`` is the
+    outermost wrapper (DDP's, so that dynamo splits the graph at DDP's gradient buckets;
+    under FSDP2 the loss module over the sharded model, whose hooks dynamo leaves to run
+    eagerly). Calls of the compiled model inside the compiled loss are traced inline.
+    """
+    model.compile(**COMPILE_KWARGS)
+    train_module.compile(**COMPILE_KWARGS)
+
+
 def autocast_context(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
     """bf16 autocast on CUDA (``auto``) or when asked for; fp32 otherwise."""
     dtype = cfg.train.dtype
@@ -375,6 +404,13 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
         )
     if t.dtype not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"train.dtype={t.dtype!r}: use auto, bf16 or fp32")
+    if not 0.0 < cfg.data.val_fraction < 1.0:  # validation runs at the end of every run
+        raise ConfigError(
+            f"data.val_fraction={cfg.data.val_fraction} must lie in (0, 1) for training "
+            "(validation runs at the end); use e.g. 0.05"
+        )
+    if isinstance(t.compile, str) and t.compile != "auto":
+        raise ConfigError(f"train.compile={t.compile!r}: use true, false or auto")
     block_orders = o.kind == "sbp" or (o.kind == "strided" and o.streams > 1)
     if block_orders and m.kind in ("gpt", "aogpt"):
         raise ConfigError(
@@ -728,6 +764,16 @@ def _locate_resume(resume: bool | str, run_dir: Path) -> Path | None:
         raise CheckpointError(
             f"nothing to resume: {run_dir} holds no checkpoint; drop --resume to start"
         )
+    if found is None:
+        # Step folders without a readable manifest: damaged checkpoints, not a new run. A
+        # fresh start would delete metrics.jsonl and overwrite them, so it must be asked for.
+        root = run_dir / ckpt_mod.CHECKPOINTS
+        broken = sorted(p.name for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+        if broken:
+            raise CheckpointError(
+                f"{root} holds {len(broken)} checkpoint folder(s) without a manifest.json "
+                f"({broken[-1]}...); restore them, delete them, or start over with --fresh"
+            )
     return found
 
 
@@ -822,11 +868,43 @@ def train(
 
     cfg = init_model_config(cfg)
     check_config(cfg, env.world_size)
+    check_writable_dir(cfg.data.cache_dir, "data.cache_dir")
     if not dry_run:
+        check_writable_dir(cfg.train.out_dir, "train.out_dir")
         check_resume_early(cfg, resume)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory())) if dry_run else None
+        if not dry_run:  # one writer per run folder, from before the resume decision to the end
+            lock = _lock_run_folder(cfg, env)
+            if lock is not None:
+                stack.callback(lock.release, remove_made=True)
         return _train(cfg, env, resume, dry_run, progress, stop_at, time_limit_s, tmp)
+
+
+def _lock_run_folder(cfg: RunConfig, env: DistEnv) -> RunLock | None:
+    """Rank 0 takes the run folder's lock (:mod:`anyorder.runlock`); every rank learns
+    whether it did, and all stop together when another training holds it.
+
+    Raises:
+        ConfigError: the folder is in use by another training (its PID named).
+    """
+    lock, error, holder = None, None, 0
+    if env.is_main:
+        try:
+            lock = RunLock(cfg.train.out_dir).acquire()
+        except ConfigError as e:
+            error, holder = e, RunLock(cfg.train.out_dir).holder() or -1
+    if env.distributed:
+        holder = _from_rank0(holder, env)
+    if error is not None:
+        raise error
+    if holder:
+        who = f"PID {holder}" if holder > 0 else "another process"
+        raise ConfigError(
+            f"train.out_dir={cfg.train.out_dir!r} is in use by another training ({who}); wait "
+            "for it to finish, stop it, or pick another train.out_dir"
+        )
+    return lock
 
 
 def _train(
@@ -866,8 +944,6 @@ def _train(
     n_params = model.num_params()
     wrapper = LossModule(model)
     fsdp = _is_fsdp(cfg, env)
-    if t.compile:
-        model.compile()
     if fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -882,12 +958,13 @@ def _train(
         for block in list(model.blocks)[first:]:
             fully_shard(block, mp_policy=mp)
         # The model itself is the root unit, so validation (which calls the model, not the
-        # loss wrapper) unshards it too; the encoder's denoise() is an entry point as well.
+        # loss wrapper) unshards it too; token_nll (trunk and head in chunks, not through
+        # forward) and the encoder's denoise() are entry points as well.
         fully_shard(model, mp_policy=mp)
-        if cfg.model.kind == "mdm":
-            from torch.distributed.fsdp import register_fsdp_forward_method
+        from torch.distributed.fsdp import register_fsdp_forward_method
 
-            register_fsdp_forward_method(model, "denoise")
+        for entry in ("token_nll", "denoise") if cfg.model.kind == "mdm" else ("token_nll",):
+            register_fsdp_forward_method(model, entry)
         train_module: nn.Module = wrapper
     elif env.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -895,6 +972,8 @@ def _train(
         train_module = DDP(wrapper, device_ids=[device.index] if device.type == "cuda" else None)
     else:
         train_module = wrapper
+    if use_compile(cfg, device):  # after wrapping: see compile_modules
+        compile_modules(model, train_module)
     opt = make_optimizer(model, cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
     ema = EMA(params, t.ema, t.ema_warmup) if t.ema > 0 else None
@@ -906,17 +985,15 @@ def _train(
     torch.manual_seed(t.seed + 1000 * env.rank)  # dropout differs between ranks
     sampler = BlockSampler(data.num_blocks("train"), t.batch_size, t.seed, env.rank, env.world_size)
     autocast = autocast_context(cfg, device)
-    if device.type == "cpu" and isinstance(autocast, torch.autocast):
-        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
 
     # ---- resume
     step = 0
     tokens_seen = 0
     if resume_from is not None:
         state = ckpt_mod.read_state(resume_from)
-        ckpt_mod.verify(resume_from, [ckpt_mod.MODEL_FILE, ckpt_mod.EMA_FILE])
+        listed = ckpt_mod.verify(resume_from, [ckpt_mod.MODEL_FILE, ckpt_mod.EMA_FILE])["files"]
         if ema is not None:
-            if not (resume_from / ckpt_mod.EMA_FILE).is_file():
+            if ckpt_mod.EMA_FILE not in listed:  # never load an EMA file nothing vouches for
                 raise CheckpointError(
                     f"{resume_from} has no EMA weights but train.ema={t.ema}; resume with "
                     "train.ema=0 or start a new run"
@@ -943,6 +1020,7 @@ def _train(
         f"{cfg.model.kind}: {n_params / 1e6:.2f}M parameters, {cfg.model.n_layer} layers x "
         f"{cfg.model.d_model}, seq_len {n}; order {cfg.order.kind}; {env.world_size} process(es) "
         f"on {device}, dtype {t.dtype}; batch {B} = {env.world_size} x {t.grad_accum} x {micro}"
+        + (" (compiled)" if use_compile(cfg, device) else "")
         + (" (dry run: one micro-batch of at most 2)" if dry_run else "")
     )
     if dry_run:

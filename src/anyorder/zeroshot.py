@@ -14,8 +14,18 @@ Datasets (name: hub path, config, split, field):
 * ``lambada``: OpenAI's ``lambada_test.jsonl`` (through the ``json`` builder), ``text``
 * ``lm1b``: ``lm1b``, test, ``text``
 
+Splits and protocols: every set is read on its test split (``ours``, the SEDD/RADD
+protocol), except where a protocol or ``--splits`` says otherwise. ``reference`` reproduces
+the AO-GPT reference code (scxue/AO-GPT-MDM, ``data.get_valid_dataloaders``): WikiText-2 on
+its *train* split, the others on test, so its published WikiText-2 column (31.52 / 33.73 /
+30.16) is on other text than a test-split figure. That code also scores one random order
+per block on up to 128 randomly drawn blocks per set (PTB: all); use ``--orders 1`` and
+``--max-blocks`` to come close (ours takes the first blocks).
+
 Offline layout (``--data-dir DIR``): one folder per dataset, named as above, holding that
-dataset's *test split only*, in any of
+dataset's *test split*; another split goes in a subfolder named after it
+(``DIR/wikitext2/train/wiki.train.raw.txt``; a ``test/`` subfolder is read before the
+files beside it). Files in any of
 
 * ``.txt``: one example per line, line ending kept; a whitespace-only line is the empty
   example ``""`` (this is how the ``wikitext`` builder turns ``wiki.test.raw`` into rows);
@@ -29,10 +39,8 @@ Design choices:
 
 * Every example gets its EOS, empty ones included (a wikitext blank row is a lone EOS), as
   in the peers' pipeline, which maps the tokenizer over every row without filtering.
-* The detokenizers are written from the published rules (wikitext's ``@-@`` separators,
-  spacing around punctuation and brackets, ``= =`` headings; PTB's ``<unk>`` -> ``?``,
-  ``N`` -> ``1`` and joined clitics; LM1B's clitics and punctuation; LAMBADA's straight
-  quotes and leading newline). Each is a pure ``str -> str`` function.
+* The detokenizers (:mod:`anyorder.detokenize`) are written from the published rules;
+  each is a pure ``str -> str`` function.
 * Bits per byte use the UTF-8 bytes of the detokenized text over all its tokens (EOS
   included), before the remainder is dropped, as :mod:`anyorder.data` does.
 """
@@ -42,7 +50,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -51,100 +58,13 @@ from typing import Any
 
 import numpy as np
 
+from anyorder.detokenize import (  # noqa: F401 (re-exported: the protocol's detokenizers)
+    lambada_detokenize,
+    lm1b_detokenize,
+    ptb_detokenize,
+    wikitext_detokenize,
+)
 from anyorder.errors import DataError
-
-# ----------------------------------------------------------------------------- detokenizers
-
-
-def _apply(text: str, literal: Sequence[tuple[str, str]]) -> str:
-    for old, new in literal:
-        text = text.replace(old, new)
-    return text
-
-
-_WIKI_NUMBERS = ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."))
-_WIKI_PUNCT = tuple((f" {p} ", f"{p} ") for p in ":;.!?,")
-# Inner padding of paired brackets and quotes: "( a b )" -> "(a b)".
-_PAIRS = tuple(
-    (re.compile(rf"{re.escape(o)}\s*([^{re.escape(c)}]*?)\s*{re.escape(c)}"), f"{o}\\1{c}")
-    for o, c in (("(", ")"), ("[", "]"), ("{", "}"), ('"', '"'), ("'", "'"))
-)
-_HEADINGS = (("= = = =", "===="), ("= = =", "==="), ("= =", "=="))
-
-
-def wikitext_detokenize(text: str) -> str:
-    """WikiText's tokenized text back to plain text.
-
-    ``" @-@ "`` -> ``-`` (likewise ``@,@`` and ``@.@``), no space before ``: ; . ! ? ,``,
-    no padding inside brackets and quotes, ``= = x = =`` headings -> ``== x ==``, `` ° ``
-    -> ``°``, no space at line edges, `` N `` -> `` 1 ``, `` 's`` -> ``'s``.
-    """
-    text = text.replace("s '", "s'")
-    text = _apply(text, _WIKI_NUMBERS + _WIKI_PUNCT)
-    for pattern, repl in _PAIRS:
-        text = pattern.sub(repl, text)
-    text = _apply(text, _HEADINGS)
-    return (
-        _apply(text, ((" \N{DEGREE SIGN} ", "\N{DEGREE SIGN}"), (" \n", "\n"), ("\n ", "\n")))
-        .replace(" N ", " 1 ")
-        .replace(" 's", "'s")
-    )
-
-
-def ptb_detokenize(text: str) -> str:
-    """Penn Treebank (``ptb_text_only``) sentences back to plain text.
-
-    Clitics join (`` 's`` -> ``'s``, `` n't`` -> ``n't``, ``s ' `` -> ``s' ``), ``\\/`` ->
-    ``/``, the number placeholder `` N `` -> `` 1 `` (repeated, so runs of ``N`` all
-    change), ``$ 1`` -> ``$1``, ``# 1`` -> ``#1``, and ``<unk>`` -> ``?``.
-    """
-    text = _apply(text, ((" 's", "'s"), ("s ' ", "s' "), (" n't", "n't"), (" \n ", "\n")))
-    text = text.replace("\\/", "/")
-    while " N " in text:  # " N N " needs two passes: the matches overlap
-        text = text.replace(" N ", " 1 ")
-    return _apply(text, (("$ 1", "$1"), ("# 1", "#1"), ("<unk>", "?")))
-
-
-_LM1B_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(p), r)
-    for p, r in (
-        (r"http : / / ", "http://"),
-        (r"https : / / ", "https://"),
-        (r" '(\w+)", r"'\1"),  # clitics: " 's" -> "'s", " 've" -> "'ve"
-        (r" (\w+) \. ", r" \1. "),
-        (r" (\w+) \.$", r" \1."),
-        (r" \? ", "? "),
-        (r" \?$", "?"),
-        (r" ! ", "! "),
-        (r" !$", "!"),
-        (r" , ", ", "),
-        (r" : ", ": "),
-        (r" ; ", "; "),
-        (r" / ", "/"),
-        (r'" ([^"]+) "', r'"\1"'),
-        (r"' ([^']+) '", r"'\1'"),
-        (r"\( ([^()]+) \)", r"(\1)"),
-        (r"\[ ([^\[\]]+) \]", r"[\1]"),
-        (r"\$ ", "$"),
-        ("\N{POUND SIGN} ", "\N{POUND SIGN}"),
-    )
-)
-
-
-def lm1b_detokenize(text: str) -> str:
-    """One Billion Word sentences back to plain text: URLs, clitics (`` 's`` -> ``'s``), no
-    space before ``. ? ! , : ;``, no padding inside quotes and brackets, ``$``/``£`` joined."""
-    for pattern, repl in _LM1B_RULES:
-        text = pattern.sub(repl, text)
-    return text
-
-
-def lambada_detokenize(text: str) -> str:
-    """LAMBADA: curly double quotes straightened, the text stripped, a newline prepended."""
-    text = text.replace("\N{LEFT DOUBLE QUOTATION MARK}", '"')
-    text = text.replace("\N{RIGHT DOUBLE QUOTATION MARK}", '"')
-    return "\n" + text.strip()
-
 
 # ----------------------------------------------------------------------------- datasets
 
@@ -157,10 +77,11 @@ class ZeroShotSet:
         name: short name, also the folder name under ``--data-dir``.
         path: the ``datasets`` path (a hub id, a builder such as ``json``, or a folder).
         config: the dataset configuration, if any.
-        split: the split to read.
+        split: the ``datasets`` split that holds the *test* set.
         field: the column that holds the text.
         detokenize: ``str -> str``.
         data_files: files or URLs for a builder path such as ``json``.
+        splits: the splits the set has (``test`` is ``split`` on the hub).
     """
 
     name: str
@@ -170,6 +91,19 @@ class ZeroShotSet:
     field: str
     detokenize: Callable[[str], str]
     data_files: str | None = None
+    splits: tuple[str, ...] = ("train", "validation", "test")
+
+    def hub_split(self, split: str) -> str:
+        """The ``datasets`` split name of ``split`` (``test``: :attr:`split`).
+
+        Raises:
+            DataError: a split the set does not have.
+        """
+        if split not in self.splits:
+            raise DataError(
+                f"{self.name} has no {split!r} split; use one of {', '.join(self.splits)}"
+            )
+        return self.split if split == "test" else split
 
 
 LAMBADA_URL = "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl"
@@ -177,17 +111,66 @@ LAMBADA_URL = "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_tes
 DATASETS: dict[str, ZeroShotSet] = {
     s.name: s
     for s in (
-        ZeroShotSet("lambada", "json", None, "train", "text", lambada_detokenize, LAMBADA_URL),
+        ZeroShotSet("lambada", "json", None, "train", "text", lambada_detokenize, LAMBADA_URL,
+                    splits=("test",)),
         ZeroShotSet("wikitext2", "wikitext", "wikitext-2-raw-v1", "test", "text",
                     wikitext_detokenize),
         ZeroShotSet("ptb", "ptb_text_only", None, "test", "sentence", ptb_detokenize),
         ZeroShotSet("wikitext103", "wikitext", "wikitext-103-raw-v1", "test", "text",
                     wikitext_detokenize),
-        ZeroShotSet("lm1b", "lm1b", None, "test", "text", lm1b_detokenize),
+        ZeroShotSet("lm1b", "lm1b", None, "test", "text", lm1b_detokenize,
+                    splits=("train", "test")),
     )
 }  # fmt: skip
 """The paper's five test sets, in the order of its table (the ``json`` builder names its
 only split ``train``: it is LAMBADA's test file)."""
+
+PROTOCOLS: dict[str, tuple[str, dict[str, str]]] = {
+    "ours": ("every set on its test split (SEDD/RADD)", {}),
+    "reference": (
+        "the AO-GPT reference code's splits: WikiText-2 on train, the others on test",
+        {"wikitext2": "train"},
+    ),
+}
+"""Zero-shot protocols: a description and the splits that differ from ``test``."""
+
+
+def resolve_splits(
+    names: Sequence[str], protocol: str = "ours", overrides: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The split of each set: ``test``, the protocol's preset, then ``overrides``.
+
+    Raises:
+        DataError: an unknown protocol, set or split.
+    """
+    if protocol not in PROTOCOLS:
+        raise DataError(f"unknown protocol {protocol!r}; use one of {', '.join(PROTOCOLS)}")
+    preset = PROTOCOLS[protocol][1]
+    for name in overrides or {}:
+        dataset(name)
+    out = {}
+    for name in names:
+        split = (overrides or {}).get(name, preset.get(name, "test"))
+        dataset(name).hub_split(split)  # validates
+        out[name] = split
+    return out
+
+
+def parse_splits(text: str | None) -> dict[str, str]:
+    """``"wikitext2=train,ptb=test"`` -> a dict (None or empty: none).
+
+    Raises:
+        DataError: an entry that is not ``NAME=SPLIT``.
+    """
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        name, sep, split = item.partition("=")
+        if not sep or not name.strip() or not split.strip():
+            raise DataError(f"--splits entry {item!r}: give NAME=SPLIT, e.g. wikitext2=train")
+        out[name.strip()] = split.strip()
+    return out
 
 
 def dataset(name: str) -> ZeroShotSet:
@@ -230,18 +213,30 @@ def _local_rows(folder: Path, field: str) -> list[str]:
     return rows
 
 
-def load_texts(spec: ZeroShotSet, data_dir: str | Path | None = None) -> list[str]:
-    """The raw (not yet detokenized) examples of a test set.
+def load_texts(
+    spec: ZeroShotSet, data_dir: str | Path | None = None, split: str = "test"
+) -> list[str]:
+    """The raw (not yet detokenized) examples of one split of a set.
 
     Args:
-        spec: the test set.
-        data_dir: read ``data_dir/<name>/`` instead of the hub (see the module docstring).
+        spec: the set.
+        data_dir: read ``data_dir/<name>/[<split>/]`` instead of the hub (module docstring).
+        split: ``test`` (default), ``train`` or ``validation`` where the set has it.
 
     Raises:
-        DataError: a missing folder or file, or a dataset ``datasets`` cannot load.
+        DataError: a missing folder or file, a split the set lacks, or a dataset
+            ``datasets`` cannot load.
     """
+    hub_split = spec.hub_split(split)
     if data_dir is not None:
         folder = Path(data_dir).expanduser() / spec.name
+        if (folder / split).is_dir():
+            return _local_rows(folder / split, spec.field)
+        if split != "test":
+            raise DataError(
+                f"no folder {folder / split} for the {split} split of {spec.name}; put it "
+                "there (see `anyorder eval --help` for the layout) or choose another split"
+            )
         if not folder.is_dir():
             raise DataError(
                 f"no folder {folder} for {spec.name}; put its test split there (see "
@@ -256,7 +251,7 @@ def load_texts(spec: ZeroShotSet, data_dir: str | Path | None = None) -> list[st
         ) from None
     try:
         ds = datasets.load_dataset(
-            spec.path, spec.config, split=spec.split, data_files=spec.data_files
+            spec.path, spec.config, split=hub_split, data_files=spec.data_files
         )
         return [str(t) for t in ds[spec.field]]
     except Exception as e:
@@ -336,10 +331,11 @@ def load_corpus(
     seq_len: int,
     data_dir: str | Path | None = None,
     max_examples: int | None = None,
+    split: str = "test",
 ) -> ZeroShotCorpus:
-    """A test set by name, through the whole protocol: read, detokenize, pack."""
+    """A set's split by name, through the whole protocol: read, detokenize, pack."""
     spec = dataset(name)
-    texts = load_texts(spec, data_dir)
+    texts = load_texts(spec, data_dir, split)
     if max_examples is not None:
         texts = texts[:max_examples]
     return pack_examples(texts, tokenizer, seq_len, spec.detokenize, name=name)
@@ -355,71 +351,123 @@ def zero_shot(
     *,
     data_dir: str | Path | None = None,
     max_blocks: int | None = None,
+    protocol: str = "ours",
+    splits: dict[str, str] | None = None,
     progress: bool = True,
     echo: bool = True,
     **suite: Any,
 ) -> dict[str, Any]:
-    """Run :func:`anyorder.corpus.likelihood_suite` on each test set.
+    """Run :func:`anyorder.corpus.likelihood_suite` on each set.
 
     Args:
         model: the model (its ``cfg.seq_len`` is the block length).
         tokenizer: the checkpoint's tokenizer.
-        names: the test sets.
+        names: the sets.
         data_dir: local copies (see the module docstring); None reads the hub.
         max_blocks: evaluate only the first blocks of each set (quick runs).
-        progress: tqdm bars.
+        protocol: ``ours`` (every set on test) or ``reference`` (:data:`PROTOCOLS`).
+        splits: per-set splits that override the protocol's, ``{"wikitext2": "test"}``.
+        progress: estimates and progress bars (lines when not on a terminal).
         echo: print each set's result as it is done.
         **suite: passed to ``likelihood_suite`` (orders, ensemble, targets, seed, ...).
 
     Returns:
-        ``{"datasets": {name: result}, "ensemble": M, ...}`` ready for :func:`table_markdown`.
+        ``{"datasets": {name: result}, "protocol", "splits", "unit", "ensemble": M, ...}``
+        ready for :func:`table_markdown`; each result names its ``split``.
     """
     from anyorder.corpus import format_likelihood, likelihood_suite
 
+    split_of = resolve_splits(names, protocol, splits)
     seq_len = model.cfg.seq_len
     results: dict[str, Any] = {}
     for name in names:
-        corpus = load_corpus(name, tokenizer, seq_len, data_dir)
+        corpus = load_corpus(name, tokenizer, seq_len, data_dir, split=split_of[name])
         blocks = corpus.blocks[:max_blocks] if max_blocks else corpus.blocks
         res = likelihood_suite(
             model, blocks, bytes_per_token=corpus.bytes_per_token, progress=progress, **suite
         )
-        res.update(examples=corpus.examples, blocks_total=len(corpus.blocks))
+        res.update(examples=corpus.examples, blocks_total=len(corpus.blocks), split=split_of[name])
         results[name] = res
         if echo:
             print(f"[{name}] " + format_likelihood(res), flush=True)
-    return {"datasets": results, "ensemble": suite.get("ensemble", 1), "seq_len": seq_len}
+    return {
+        "datasets": results,
+        "protocol": protocol,
+        "protocol_text": PROTOCOLS[protocol][0],
+        "splits": split_of,
+        "unit": "bits/byte" if getattr(tokenizer, "name", "") == "bytes" else "ppl",
+        "ensemble": suite.get("ensemble", 1),
+        "targets": suite.get("targets"),
+        "seq_len": seq_len,
+    }
 
 
-def _ppl(m: dict[str, Any] | None) -> str:
+def _cell(m: dict[str, Any] | None, unit: str) -> str:
+    """``value ± se (orders ± so)`` in the table's unit; perplexity's se by the delta method
+    (``d exp(x) = exp(x) dx``)."""
     if m is None:
         return "n/a"
-    se = m.get("stderr") or 0.0
-    if se and math.isfinite(se):
-        return f"{m['ppl']:.2f} ± {m['ppl'] * se:.2f}"  # delta method: d(e^x) = e^x dx
-    return f"{m['ppl']:.2f}"
+    if unit == "ppl":
+        scale, value = m["ppl"], m["ppl"]
+        se, so = m.get("stderr"), m.get("stderr_orders")
+    else:
+        scale, value = 1.0, m["bits_per_byte"]
+        se, so = m.get("bpb_stderr"), m.get("bpb_stderr_orders")
+    digits = 2 if unit == "ppl" else 4
+    text = f"{value:.{digits}f}"
+    if se is not None and math.isfinite(se) and se > 0:
+        text += f" ± {scale * se:.{digits}f}"
+    if so is not None and math.isfinite(so):
+        text += f" (orders ± {scale * so:.{digits}f})"
+    return text
 
 
 def table_rows(table: dict[str, Any]) -> list[list[str]]:
-    """Header and one row per dataset: name, blocks, PPL l2r, any-order, any-order + ens."""
+    """Header and one row per set: name, split, blocks, then left to right, any order and,
+    with an ensemble, the plain value on the ensemble's targets and the ensemble's, in the
+    table's one unit (``unit``: ``ppl`` or ``bits/byte``)."""
     M = table.get("ensemble", 1)
-    head = ["dataset", "blocks", "PPL l2r", "PPL any-order", f"PPL any-order + ens x{M}"]
+    unit = table.get("unit", "ppl")
+    u = "PPL" if unit == "ppl" else "bits/byte"
+    protocol = table.get("protocol", "ours")
+    head = ["dataset", f"split ({protocol} protocol)", "blocks", f"{u} l2r", f"{u} any order"]
+    ens_runs = [r["ensemble"] for r in table["datasets"].values() if r["ensemble"]]
+    with_ens = M > 1 and any(e.get("by_size") for e in ens_runs)
+    sampled = with_ens and any(e.get("targets") is not None for e in ens_runs)
+    if sampled:  # the ensemble's own baseline: the plain value on the same target slots
+        t = max(e["targets"] or 0 for e in ens_runs)
+        head += [f"{u} any order, x1 on {t} targets", f"{u} ens x{M} on {t} targets"]
+    elif with_ens:
+        head += [f"{u} ens x{M}"]
     rows = [head]
     for name, r in table["datasets"].items():
-        rows.append(
-            [name, str(r["blocks"]), _ppl(r["l2r"]), _ppl(r["any_order"]), _ppl(r["ensemble"])]
-        )
+        row = [name, r.get("split", "test"), str(r["blocks"]), _cell(r["l2r"], unit),
+               _cell(r["any_order"], unit)]  # fmt: skip
+        ens = r["ensemble"] or {}
+        if sampled:
+            row += [_cell(ens.get("baseline"), unit), _cell(ens or None, unit)]
+        elif with_ens:
+            row += [_cell(ens or None, unit)]
+        rows.append(row)
     return rows
 
 
 def table_markdown(table: dict[str, Any]) -> str:
-    """The paper-style table as Markdown (± is one standard error over random orders)."""
+    """The paper-style table as Markdown, with the protocol, the splits and the error bars
+    named under it."""
     rows = table_rows(table)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     fmt = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     fmt.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     notes = sorted({n for r in table["datasets"].values() for n in r["notes"]})
-    tail = ["", "± is one standard error over the random orders (the text is fixed)."]
+    protocol = table.get("protocol", "ours")
+    text = table.get("protocol_text") or PROTOCOLS.get(protocol, ("", {}))[0]
+    tail = [
+        "",
+        f"Protocol: {protocol} ({text}); every figure above is on the split in its row.",
+        "± is one standard error over the blocks (the text sample, order draw included); "
+        "(orders ± ) is the order draw's part alone. Left to right is exact per block.",
+    ]
     return "\n".join(fmt + tail + [f"- {n}" for n in notes]) + "\n"
 
 

@@ -5,6 +5,12 @@
 ``logits[:, t]`` is the prediction of ``tokens[order[:, t]]`` from the tokens of blocks
 before ``blocks[:, t]`` — slot-aligned, so ``loss`` is a plain cross-entropy against
 ``tokens.gather(1, order)``.
+
+The forward is two halves, ``head_logits(features(tokens, order, blocks))``: the final
+hidden states (B, T, d) and the vocabulary head. Likelihoods (:meth:`AnyOrderLM.token_nll`,
+the ensembles of :mod:`anyorder.evaluate`) apply the head only to the slots they score and
+only ``head_rows`` of them at a time: at a vocabulary of 50257 the logits of every slot of a
+batch are what does not fit (a (8, 1024, 50257) fp32 tensor is 1.6 GB).
 """
 
 from __future__ import annotations
@@ -15,6 +21,20 @@ from torch import Tensor, nn
 
 from anyorder.config import ModelConfig
 from anyorder.errors import ConfigError
+
+DEFAULT_MAX_TOKENS = 1 << 13
+"""Default chunk of the likelihood paths: token positions per trunk call, and as many
+logits elements as ``max_tokens x d_model`` per head call (see :func:`head_rows`). A
+trunk call's peak is about 20 floats of width ``d_model`` per position (measured: 45 MB at
+8192 positions and d_model 64; so about 0.5 GB at GPT-2 small's 768): raise it on a GPU
+with memory to spare, for larger batches."""
+
+
+def head_rows(cfg: ModelConfig, max_tokens: int = DEFAULT_MAX_TOKENS) -> int:
+    """Rows per head call so that their logits hold no more elements than ``max_tokens``
+    hidden states: ``max_tokens * d / V`` (at least 16). 8192 tokens, d = 768, V = 50257:
+    125 rows, 25 MB of fp32 logits."""
+    return max(16, max_tokens * cfg.d_model // max(cfg.d_model, cfg.vocab_size))
 
 
 class AnyOrderLM(nn.Module):
@@ -33,7 +53,32 @@ class AnyOrderLM(nn.Module):
     def forward(
         self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
     ) -> Tensor:
+        return self.head_logits(self.features(tokens, order, blocks))
+
+    def features(
+        self,
+        tokens: Tensor,
+        order: Tensor | None = None,
+        blocks: Tensor | None = None,
+        *,
+        max_tokens: int | None = None,
+    ) -> Tensor:
+        """Final hidden states (B, T, d), slot-aligned: what the head reads at each slot.
+
+        ``order`` may be a prefix of a permutation (T < n) for the decoders. ``max_tokens``
+        bounds the token positions per trunk call where a model runs several (the encoder's
+        masked copies); the decoders run the batch they are given.
+        """
         raise NotImplementedError
+
+    def head_logits(self, h: Tensor) -> Tensor:
+        """Logits (..., V) from final hidden states (..., d)."""
+        return self.head(h)
+
+    def has_features(self) -> bool:
+        """Whether this model splits its forward into :meth:`features` and the head (a test
+        double that defines ``forward`` alone does not)."""
+        return type(self).features is not AnyOrderLM.features
 
     def loss(
         self,
@@ -53,12 +98,35 @@ class AnyOrderLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), self.targets(tokens, order).flatten())
 
     def token_nll(
-        self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
+        self,
+        tokens: Tensor,
+        order: Tensor | None = None,
+        blocks: Tensor | None = None,
+        *,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
     ) -> Tensor:
-        """Exact per-slot NLL (B, n) in nats of ``tokens[order[:, t]]`` given earlier blocks."""
-        logits = self(tokens, order, blocks).float()
-        targets = self.targets(tokens, order)
-        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        """Exact per-slot NLL (B, T) in nats of ``tokens[order[:, t]]`` given earlier blocks.
+
+        The head runs on :func:`head_rows` slots at a time, so the logits never exceed that
+        chunk (``max_tokens``); equal to the cross-entropy of the full forward's logits.
+        """
+        if not self.has_features():
+            logits = self(tokens, order, blocks).float()
+            targets = self.targets(tokens, order)[:, : logits.shape[1]]
+            return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+        h = self.features(tokens, order, blocks, max_tokens=max_tokens)  # (B, T, d)
+        return self.head_nll(h, self.targets(tokens, order)[:, : h.shape[1]], max_tokens)
+
+    def head_nll(self, h: Tensor, targets: Tensor, max_tokens: int = DEFAULT_MAX_TOKENS) -> Tensor:
+        """NLL (...) in nats of ``targets`` (...) from hidden states (..., d), the head applied
+        to :func:`head_rows` rows at a time (fp32 log-softmax, as the full path)."""
+        flat, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        out = torch.empty(tgt.shape, dtype=torch.float32, device=h.device)
+        rows = head_rows(self.cfg, max_tokens)
+        for i in range(0, len(tgt), rows):
+            logits = self.head_logits(flat[i : i + rows]).float()  # (rows, V)
+            out[i : i + rows] = F.cross_entropy(logits, tgt[i : i + rows], reduction="none")
+        return out.view(targets.shape)
 
     # -- helpers ------------------------------------------------------------------------
 

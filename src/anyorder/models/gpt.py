@@ -80,6 +80,10 @@ class GPT(AnyOrderLM):
         """:meth:`condition` for a decoding call (may keep per-decode tables in ``cache``)."""
         return self.condition(target)
 
+    def decode_conditions(self, cache: KVCache, target: Tensor) -> list:
+        """:meth:`layer_conditions` for a decoding call: ``n_layer + 1`` entries."""
+        return self.layer_conditions(self.decode_condition(cache, target))
+
     def inject(self, h: Tensor, target: Tensor) -> Tensor:
         """Additive target injection (only AO-GPT's ``add`` ablation uses it)."""
         return h
@@ -91,9 +95,15 @@ class GPT(AnyOrderLM):
         target positions (queries are rotated there under ``model.rope_query=target``)."""
         qpos = self.query_positions(target)
         pos = positions(self.cfg, pos)  # RoPE tables once, for every layer
-        for block in self.blocks:
-            h = block(h, pos, mask, cond, qpos=qpos)
-        return self.final_norm(h, cond)
+        *layers, final = self.layer_conditions(cond)  # adaLN once, for every layer
+        for block, c in zip(self.blocks, layers):
+            h = block(h, pos, mask, c, qpos=qpos)
+        return self.final_norm(h, final)
+
+    def layer_conditions(self, cond: Condition) -> list:
+        """What each block's and the final norm's adaLN reads, worked out once per forward:
+        ``n_layer + 1`` entries (all None for the plain GPT)."""
+        return [cond] * (len(self.blocks) + 1)
 
     def query_positions(self, target: Tensor | None) -> Positions:
         """RoPE tables of the queries when they differ from the keys' (else None)."""
@@ -113,19 +123,25 @@ class GPT(AnyOrderLM):
 
     # -- the interface --------------------------------------------------------------------
 
-    def forward(
-        self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
+    def features(
+        self,
+        tokens: Tensor,
+        order: Tensor | None = None,
+        blocks: Tensor | None = None,
+        *,
+        max_tokens: int | None = None,
     ) -> Tensor:
         self.check_tokens(tokens)
         if order is not None and not torch.equal(order, self.resolve_order(tokens, None)):
             raise ConfigError("gpt is a left-to-right model; give order=None (or l2r)")
         self.check_blocks(blocks)
-        return self._forward(tokens, self.resolve_order(tokens, order))
+        return self._features(tokens, self.resolve_order(tokens, order))
 
-    def _forward(self, tokens: Tensor, order: Tensor) -> Tensor:
+    def _features(self, tokens: Tensor, order: Tensor) -> Tensor:
+        """The trunk over the permuted slots of ``order`` (a prefix is fine): (B, T, d)."""
         x_in, pos_in = self.slot_inputs(tokens, order)
         h = self.inject(self.embed(x_in, pos_in), order)
-        return self.head(self.trunk(h, pos_in, "causal", self.condition(order), order))
+        return self.trunk(h, pos_in, "causal", self.condition(order), order)
 
     # -- cached decoding (see anyorder.sample) ------------------------------------------
 
@@ -166,10 +182,10 @@ class GPT(AnyOrderLM):
         if packing is not None:
             x_in, pos_in, target = packing.pack(x_in), packing.pack(pos_in), packing.pack(target)
         h = self.inject(self.embed(x_in, pos_in), target)
-        cond = self.decode_condition(cache, target)
-        for i, block in enumerate(self.blocks):
+        *layers, final = self.decode_conditions(cache, target)  # adaLN once, for every layer
+        for i, (block, cond) in enumerate(zip(self.blocks, layers, strict=True)):
             h = block(h, pos, mask, cond, kv=cache.hook(i), packing=packing, qpos=qpos)
-        h = self.final_norm(h, cond)
+        h = self.final_norm(h, final)
         if packing is not None:
             h = packing.unpack(h)
         if isinstance(queries, int):

@@ -12,7 +12,9 @@ The loss is the ELBO in the form of Eq. 5 (AO-GPT): draw ``m ~ U{1..n}``, mask t
 
 ``forward(tokens, order, blocks)`` keeps the common interface: for every slot it runs the
 encoder on a copy with the positions of that slot's block and later ones masked. That is
-one encoder pass per slot (the encoder's conditionals depend on the visible *set*).
+one encoder pass per slot (the encoder's conditionals depend on the visible *set*); only
+the hidden state at the slot's target position is kept, so the head runs once per slot
+(``features``), not over every position of every copy.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ class MDM(AnyOrderLM):
 
     def denoise(self, x_t: Tensor) -> Tensor:
         """Logits (B, n, V) of ``x_0`` at every position of ``x_t`` (masked = ``mask_id``)."""
+        return self.head_logits(self.denoise_features(x_t))
+
+    def denoise_features(self, x_t: Tensor) -> Tensor:
+        """Final hidden states (B, n, d) of the encoder at every position of ``x_t``."""
         B, n = x_t.shape
         pos = torch.arange(n, device=x_t.device).expand(B, n)
         h = self.tok_emb(x_t)
@@ -55,7 +61,9 @@ class MDM(AnyOrderLM):
         pos = positions(self.cfg, pos)  # RoPE tables once, for every layer
         for block in self.blocks:
             h = block(h, pos, None)
-        h = self.norm_f(h)
+        return self.norm_f(h)
+
+    def head_logits(self, h: Tensor) -> Tensor:
         weight = (
             self.tok_emb.weight[: self.cfg.vocab_size] if self.head is None else self.head.weight
         )
@@ -70,21 +78,45 @@ class MDM(AnyOrderLM):
         block_of_pos = blocks.gather(1, slot_of)
         return block_of_pos[:, None, :] < blocks[:, :, None]
 
-    def forward(
-        self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
+    def features(
+        self,
+        tokens: Tensor,
+        order: Tensor | None = None,
+        blocks: Tensor | None = None,
+        *,
+        max_tokens: int | None = None,
     ) -> Tensor:
+        """Per slot, the encoder's hidden state at the slot's target position, on a copy
+        with that slot's block and later ones masked: (B, T, d) for an order of T slots (a
+        prefix of a permutation is fine: the positions it leaves out stay masked).
+
+        ``max_tokens`` positions per encoder call (``max_tokens // n`` copies; default
+        :data:`copies_per_pass`); only one hidden state per copy is kept.
+        """
         self.check_tokens(tokens)
         order = self.resolve_order(tokens, order)
         B, n = tokens.shape
-        vis = self.visible(order, blocks)  # (B, n, n)
-        copies = torch.where(vis, tokens[:, None, :], self.mask_id).flatten(0, 1)  # (B*n, n)
-        target_pos = order.flatten()  # position each copy predicts
-        out = []
-        for i in range(0, B * n, self.copies_per_pass):
-            logits = self.denoise(copies[i : i + self.copies_per_pass])
-            idx = target_pos[i : i + self.copies_per_pass]
-            out.append(logits[torch.arange(len(idx), device=idx.device), idx])
-        return torch.cat(out).view(B, n, -1)
+        T = order.shape[1]
+        slot_of = torch.full((B, n), T, dtype=order.dtype, device=order.device)
+        slot_of.scatter_(1, order, torch.arange(T, device=order.device).expand(B, T))
+        if blocks is None:
+            rank = slot_of  # (B, n) by position; T: never context
+        else:
+            after = blocks.max(dim=1, keepdim=True).values + 1
+            rank = torch.cat([blocks, after], dim=1).gather(1, slot_of)
+        per = self.copies_per_pass if max_tokens is None else max(1, max_tokens // n)
+        out = None  # (B*T, d), allocated once: small tensors kept between the big ones
+        for i in range(0, B * T, per):  # copy r: row r // T, slot r % T
+            r = torch.arange(i, min(i + per, B * T), device=tokens.device)
+            b, t = r // T, r % T
+            # the context of slot t: positions of earlier slots (earlier blocks)
+            own = t if blocks is None else blocks[b, t]
+            copies = torch.where(rank[b] < own[:, None], tokens[b], self.mask_id)  # (per, n)
+            h = self.denoise_features(copies)  # (per, n, d)
+            if out is None:  # (fragment the heap, and the peak creeps up call after call)
+                out = h.new_empty(B * T, h.shape[-1])
+            out[i : i + len(r)] = h[torch.arange(len(r), device=r.device), order[b, t]]
+        return out.view(B, T, -1)
 
     def elbo_estimate(
         self,

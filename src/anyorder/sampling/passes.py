@@ -168,7 +168,8 @@ class ARMDPasses:
         if group.has_empty:
             rows_empty = empty.bool()[:, None, :, None]  # (rows, 1, C + G, 1)
             vis = vis | (empty.bool()[:, :, None] & (cache.content.slot_ids[: group.keys] == 0))
-        two = PreparedMask(self.masks(vis), rows_empty)
+        bias = self.masks(vis)
+        two = PreparedMask(vis[:, None], rows_empty, additive={bias.dtype: bias})
         # the query stream: rank < own (and itself) token by token; <= in block mode
         own = None if self.block else slot[:, C:]
         query_mask = self.masks(cache.query.visible(qlim[:, C:], own))
