@@ -44,6 +44,8 @@ CASES = [
     ("aogpt", dict(prompt="rows")),
     ("armd", dict(prompt="shared", steps=4)),
     ("aogpt", dict(prompt="shared", steps=N)),
+    ("armd-all-two-stream", dict(steps=4)),
+    ("armd-all-two-stream", {}),
 ]
 
 
@@ -52,7 +54,7 @@ def _run(kind: str, kw: dict, graphs: str, B: int = 3):
     if "prompt" in kw:
         prompt, known = _known(B)
         kw["prompt"], kw["known"] = (prompt[:1] if kw["prompt"] == "shared" else prompt), known
-    model = tiny_model(kind)
+    model = tiny_model("armd", l2s=2) if kind == "armd-all-two-stream" else tiny_model(kind)
     with torch.no_grad():  # adaLN and every weight off their initialisation
         g = torch.Generator().manual_seed(11)
         for p in model.parameters():

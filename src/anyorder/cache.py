@@ -260,8 +260,9 @@ class StaticKV:
             self.rank[:, start : start + slots.shape[1]] = keep
             return
         self.rank.scatter_(1, slots, keep)
-        B, H, _, D = self.k[0].shape if self.k else (0, 0, 0, 0)
-        self.index = slots[:, None, :, None].expand(B, H, slots.shape[1], D)
+        if self.k:  # (a cache of no layers: ARMD with only two-stream layers)
+            B, H, _, D = self.k[0].shape
+            self.index = slots[:, None, :, None].expand(B, H, slots.shape[1], D)
 
     def visible(self, limit: Tensor, self_slots: Tensor | None = None) -> Tensor:
         """(B, Tq, keys) boolean: slot rank ``< limit`` (B, Tq) per query, or the query's own

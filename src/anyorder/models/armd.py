@@ -171,6 +171,7 @@ class ARMD(AnyOrderLM):
         prefix: Callable[[Tensor], Tensor] | None = None,
         two_stream_mask: PreparedMask | None = None,
         queries: slice | None = None,
+        row_pos: Tensor | None = None,
     ) -> Tensor:
         """Logits (B, G, V) of ``G`` query-stream slots, after adding ``C`` decided tokens.
 
@@ -202,6 +203,7 @@ class ARMD(AnyOrderLM):
                 content keys, prepared already (in place of ``content_mask`` and
                 ``query_content_mask``).
             queries: logits of these query slots only; None: all ``G``.
+            row_pos: (B, C + G) ``content_pos`` then ``target``, joined already (or None).
         """
         B, C = content.shape
         G = target.shape[1]
@@ -228,7 +230,9 @@ class ARMD(AnyOrderLM):
         # C + G rows: one matmul per weight and one attention call per layer (the query rows
         # read the content keys/values under their own mask, as the training forward does).
         x = torch.cat([h0, g], dim=1)  # (B, C + G, d)
-        pos = positions(self.cfg, torch.cat([content_pos, target], dim=1))
+        if row_pos is None:
+            row_pos = torch.cat([content_pos, target], dim=1)
+        pos = positions(self.cfg, row_pos)
         pos_c, pos_g = slice_positions(pos, 0, C), slice_positions(pos, C, C + G)
         if two_stream_mask is not None:
             mask = two_stream_mask

@@ -152,7 +152,7 @@ class ARMDPasses:
 
             return self.model.decode(
                 cache, tok[:rows].gather(1, col[:, :C]), pos[:, :C], pos[:, C:],
-                prefix=mean, queries=queries,
+                prefix=mean, queries=queries, row_pos=pos,
             )  # fmt: skip
         # two-stream rows over the content: content rows see rank <= their own (lim =
         # rank + 1), query rows rank < theirs; a query row that sees nothing reads slot 0
@@ -191,6 +191,7 @@ class ARMDPasses:
             prefix=prefix,
             two_stream_mask=two,
             queries=queries,
+            row_pos=pos,
         )
 
     def fork(self) -> None:
