@@ -272,3 +272,37 @@ def test_reference_counts_and_cosine_through_the_cli_and_api(tmp_path, capsys) -
     model = anyorder.load(tmp_path / "aogpt")
     texts = model.generate(12, 2, steps=5, reveal="reference", schedule="cosine", seed=1)
     assert len(texts) == 2
+
+
+@pytest.mark.parametrize("armd", [False, True])
+def test_rows_alike_write_consecutive_slots(armd: bool) -> None:
+    """The CPU path writes a pass whose rows are alike by slice copies at ``start``: its
+    table must put entry j of every row at slot start + j (kept entries first)."""
+    from anyorder.sampling.plan import A_SLOT, G_SLOT
+
+    r = draw_reveals(60, 20, 1, generator=torch.Generator().manual_seed(0)).expand(3)
+    blocks = strided(1, 64, 4).blocks[0].numpy() if armd else None
+    for counts, steps, block_of, k in [
+        (r.counts, r.step, None, 4),  # shared counts after a shared 4-token prompt
+        (np.ones((60, 3), np.int64), np.arange(60), None, 4),  # sequential
+        *([(np.bincount(blocks)[:, None].repeat(3, 1), np.arange(19), blocks, 0)] if armd else []),
+    ]:
+        plan = Plan(armd, 3, 64, k, counts, steps, block_of, prefill=k > 0, bucket=False)
+        plan.ship(torch.stack([torch.randperm(64) for _ in range(3)]))
+        checked = 0
+        for p in plan.passes:
+            if p.start is None or p.prefill:
+                continue
+            g = plan.groups[p.group]
+            slots = g.table[p.index][:, A_SLOT if armd else G_SLOT]
+            if armd:
+                C = g.widths[0]
+                assert torch.equal(slots[:, :C], p.start[0] + torch.arange(C).expand(3, C))
+                G = slots.shape[1] - C
+                assert torch.equal(slots[:, C:], p.start[1] + torch.arange(G).expand(3, G))
+            else:
+                assert torch.equal(
+                    slots, p.start[0] + torch.arange(slots.shape[1]).expand_as(slots)
+                )
+            checked += 1
+        assert checked > 0

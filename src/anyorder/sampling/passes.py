@@ -80,15 +80,15 @@ class GPTPasses:
         queries: slice | None = None,
         packing: tuple | None = None,
         start: tuple[int, ...] | None = None,
+        dense: bool = False,
     ) -> Tensor:
         """Logits of one pass: ``tab`` (rows, F, T) its table row (see plan.G_*); ``start``:
-        a dense pass (every query sees every slot read: no mask; the slots of every row
-        start there)."""
+        every row's slots start there (slice copies); ``dense``: every query sees every slot
+        read (no mask)."""
         rows, _, T = tab.shape
         cache = self.cache if rows == self.cache.batch else self.cache.head(rows)
         x_col, pos, target, rank, slot, keep = tab.unbind(1)  # (rows, T) each
-        dense = start is not None
-        cache.begin(slot, keep, group.keys, start[0] if dense else None)
+        cache.begin(slot, keep, group.keys, None if start is None else start[0])
         mask = None if dense else self.masks(cache.visible(rank, slot))
         pk = None if packing is None else Packing(packing[0], rows, T)
         x_in = tok[:rows].gather(1, x_col)
@@ -127,9 +127,11 @@ class ARMDPasses:
         queries: slice | None = None,
         packing: tuple | None = None,
         start: tuple[int, ...] | None = None,
+        dense: bool = False,
     ) -> Tensor:
         """Logits of one pass: ``tab`` (rows, F, C + G) its table row (see plan.A_*);
-        ``start``: as for :meth:`GPTPasses.run` (content and query-stream slots)."""
+        ``start`` (content and query-stream slots) and ``dense``: as for
+        :meth:`GPTPasses.run`."""
         rows, C = tab.shape[0], group.widths[0]
         cache = self.cache
         if rows != self.batch:
@@ -140,14 +142,14 @@ class ARMDPasses:
                 cache.prefix_count,
             )
         col, pos, lim, empty, slot, keep, qlim, count = tab.unbind(1)  # (rows, C + G) each
-        K, dense = group.keys, start is not None
-        cache.content.begin(slot[:, :C], keep[:, :C], K, start[0] if dense else None)
-        cache.query.begin(slot[:, C:], keep[:, C:], group.keys_q, start[1] if dense else None)
+        K, (sc, sq) = group.keys, (None, None) if start is None else start
+        cache.content.begin(slot[:, :C], keep[:, :C], K, sc)
+        cache.query.begin(slot[:, C:], keep[:, C:], group.keys_q, sq)
         if dense:  # one query row per row, seeing all the content read: no masks
             emb = self.emb[:rows]
 
             def mean(h0: Tensor) -> Tensor:
-                emb[:, start[0] : start[0] + C] = h0
+                emb[:, sc : sc + C] = h0  # a dense pass has its rows alike
                 return emb[:, :K].sum(dim=1, keepdim=True) / count[:, C:, None]
 
             return self.model.decode(
@@ -161,7 +163,10 @@ class ARMDPasses:
         emb, seen = self.emb[:rows], vis[:, C:]
 
         def prefix(h0: Tensor) -> Tensor:  # (rows, G, d): mean of the earlier tokens
-            emb.scatter_(1, slot[:, :C, None].expand_as(h0), h0)
+            if sc is None:
+                emb.scatter_(1, slot[:, :C, None].expand_as(h0), h0)
+            else:
+                emb[:, sc : sc + C] = h0
             return (seen.to(h0.dtype) @ emb[:, :K]) / count[:, C:, None]
 
         rows_empty = None
@@ -272,8 +277,9 @@ def run_plan(
             g = plan.groups[p.group]
             rows = slice(start, start + Q)
             logits = engine.run(
-                g.table[p.index], tok, g, queries=rows, packing=p.pack_dev, start=p.start
-            )
+                g.table[p.index], tok, g, queries=rows, packing=p.pack_dev, start=p.start,
+                dense=p.dense,
+            )  # fmt: skip
         q = samp[:, :, p.q_offset : p.q_offset + Q]
         q_pos, q_slot = q[:, 0], q[:, 1]  # (B, Q); padding -> column n
         new = sample_logits(logits, generator, ctl.temperature, ctl.top_k, ctl.top_p)

@@ -79,7 +79,7 @@ class Pass:
     index: int = -1  # its row in the group's table
     keys: int = 0  # cache slots it needs to read (set with its group's widths)
     dense: bool = False  # every query sees every slot it reads: no mask (the CPU's path)
-    start: tuple[int, ...] | None = None  # dense: its first write slot per cache (all rows)
+    start: tuple[int, ...] | None = None  # rows alike: the first write slot per cache
     q_offset: int = 0  # its columns in the sampling table
     pack: tuple | None = None  # host packing indices (eager CPU path)
     pack_dev: tuple | None = None
@@ -232,7 +232,9 @@ class Plan:
                     g = exact[w, ks] = Group(w, ks[0], ks[-1])
                 g.passes.append(p)
                 p.keys, p.dense = g.keys, self._dense(p)
-                if p.dense:  # every row writes at the same slots: slice copies, no scatter
+                if all(bool((a == a[0]).all()) for a in p.state):
+                    # every row alike: each writes slots base, base + 1, ... (kept entries
+                    # come first in a pass), so slice copies replace the scatters
                     p.start = tuple(int(b) for b in self._base(p))
         self.groups = list(exact.values())
 
