@@ -333,7 +333,9 @@ def use_compile(cfg: RunConfig, device: torch.device) -> bool:
 
 def compile_modules(model: nn.Module, train_module: nn.Module) -> None:
     """Compile, in place, the training entry point (the loss, so the cross-entropy over the
-    vocabulary is compiled with the model) and the model itself (validation calls it).
+    vocabulary is compiled with the model) and the model itself: its ``forward`` and, for the
+    models that have one, its ``features`` trunk, which validation's ``token_nll`` calls
+    before the head runs in chunks.
 
     In place (``Module.compile``), so nothing is wrapped: parameters, ``state_dict`` keys
     (no ``_orig_mod.``), EMA and checkpoints see the plain modules. ``train_module`` is the
@@ -342,6 +344,8 @@ def compile_modules(model: nn.Module, train_module: nn.Module) -> None:
     eagerly). Calls of the compiled model inside the compiled loss are traced inline.
     """
     model.compile(**COMPILE_KWARGS)
+    if model.has_features():  # an instance attribute: the class and state_dict are untouched
+        model.features = torch.compile(model.features, **COMPILE_KWARGS)
     train_module.compile(**COMPILE_KWARGS)
 
 
