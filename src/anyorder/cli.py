@@ -322,13 +322,37 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def add_convert(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="transformers GPT-2: hub id (gpt2) or folder with config.json")
-    p.add_argument("--to", required=True, choices=("gpt", "aogpt", "armd"), help="model kind")
+    p.add_argument(
+        "source",
+        help="gpt2: a transformers GPT-2 (hub id or folder with config.json); aogpt-ref / "
+        "sigmagpt-ref: the authors' ckpt_N.pt, or hf:OWNER/REPO/PATH/ckpt_N.pt",
+    )
+    p.add_argument(
+        "--from",
+        dest="source_format",
+        choices=("gpt2", "aogpt-ref", "sigmagpt-ref"),
+        default="gpt2",
+        help="what the source is: a GPT-2, or a checkpoint of the AO-GPT authors' code "
+        "(scxue/AO-GPT-MDM: AO-GPT or sigma-GPT)",
+    )
+    p.add_argument(
+        "--to",
+        default=None,
+        choices=("gpt", "aogpt", "armd"),
+        help="model kind (--from gpt2: required; the reference formats give aogpt)",
+    )
     p.add_argument("--out", required=True, help="folder to write the converted model to")
+    p.add_argument(
+        "--weights",
+        choices=("ema", "raw"),
+        default=None,
+        help="reference formats: the EMA or the raw weights (default: EMA when kept)",
+    )
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer to ship with it (default: the source folder's own, when it has one)",
+        help="tokenizer to ship with it (default: the source folder's own, when it has one; "
+        "GPT-2's for a reference checkpoint with GPT-2's vocabulary; none: no tokenizer)",
     )
     p.add_argument("--seq-len", type=int, default=None, help="context (default n_positions - 1)")
     p.add_argument("--l2s", type=int, default=None, help="armd: two-stream layers (n_layer/2)")
@@ -339,24 +363,56 @@ def add_convert(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_convert(args: argparse.Namespace) -> int:
-    from anyorder.convert import convert
+def _convert_reference(args: argparse.Namespace):
+    from anyorder.convert_ref import convert_ref
+    from anyorder.errors import ConfigError
 
-    conv = convert(
+    if args.to not in (None, "aogpt"):
+        raise ConfigError(f"--from {args.source_format} converts into aogpt; leave out --to")
+    gpt2_only = {"--seq-len": args.seq_len, "--l2s": args.l2s, "--bos-id": args.bos_id}
+    given = [k for k, v in gpt2_only.items() if v is not None]
+    if given or args.target_dim != 128:
+        flag = given[0] if given else "--target-dim"
+        raise ConfigError(f"{flag} is for --from gpt2; a reference checkpoint fixes its own sizes")
+    return convert_ref(
         args.source,
-        args.to,
         args.out,
+        args.source_format,
         dtype=args.dtype,
-        seq_len=args.seq_len,
-        l2s=args.l2s,
-        target_dim=args.target_dim,
-        bos_id=args.bos_id,
+        weights=args.weights,
         tokenizer=args.tokenizer,
     )
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from anyorder.convert import convert
+    from anyorder.errors import ConfigError
+
+    if args.source_format != "gpt2":
+        conv = _convert_reference(args)
+    else:
+        if args.to is None:
+            raise ConfigError("--from gpt2 needs --to gpt, aogpt or armd")
+        if args.weights is not None:
+            raise ConfigError("--weights is for the reference formats; a GPT-2 has one set")
+        conv = convert(
+            args.source,
+            args.to,
+            args.out,
+            dtype=args.dtype,
+            seq_len=args.seq_len,
+            l2s=args.l2s,
+            target_dim=args.target_dim,
+            bos_id=args.bos_id,
+            tokenizer=args.tokenizer,
+        )
     m = conv.model
     tok = conv.tokenizer.name if conv.tokenizer is not None else "none (pass --tokenizer)"
+    what = (
+        f" ({conv.info['reference_weights']} weights)" if "reference_weights" in conv.info else ""
+    )
     print(
-        f"{m.kind}: {m.num_params() / 1e6:.2f}M parameters, {m.cfg.n_layer} layers x "
+        f"{m.kind}{what}: {m.num_params() / 1e6:.2f}M parameters, {m.cfg.n_layer} layers x "
         f"{m.cfg.d_model}, seq_len {m.cfg.seq_len}, tokenizer {tok}"
     )
     print(f"wrote {conv.folder}")
@@ -684,7 +740,12 @@ def commands() -> list[Command]:
         ("data", "tokenize and pack a config's data; print its statistics", add_data, run_data),
         ("demo", "train a tiny ARMD, sample, evaluate, write a report", add_demo, run_demo),
         ("eval", "likelihoods, zero-shot table, generative perplexity", add_eval, run_eval),
-        ("convert", "GPT-2 weights (transformers) -> gpt, aogpt or armd", add_convert, run_convert),
+        (
+            "convert",
+            "GPT-2 weights -> gpt, aogpt or armd; the AO-GPT authors' checkpoints -> aogpt",
+            add_convert,
+            run_convert,
+        ),
         ("export", "training checkpoint -> uploadable model folder", add_export, run_export),
         ("sample", "generate or infill text from a checkpoint", add_sample, run_sample),
         ("serve", "a local web page that shows generation as it happens", add_serve, run_serve),
