@@ -198,3 +198,10 @@ def test_a_finished_run_is_reused_across_new_default_off_fields() -> None:
     assert not _same_config(old, want)
     assert not _same_config({**cfg, "model": {**cfg["model"], "retired": 1}}, want)
     assert not _same_config(None, want)
+
+
+def test_arms_filter_runs_only_the_matching_arms(root: Path) -> None:
+    res = run_experiment("four", _ctx(root, "four-published", only="published"))
+    assert list(res["arms"]) == ["aogpt published, 10% l2r"]
+    with pytest.raises(ConfigError, match="--arms 'nope' matches no arm; the arms are: gpt"):
+        run_experiment("four", _ctx(root, "four-nope", only="nope"))

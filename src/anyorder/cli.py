@@ -236,6 +236,11 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--device {args.device!r} is not a device; use cpu or cuda:N") from None
     ckpt = load_model(args.checkpoint, weights=args.weights, device=device)
     model, progress = ckpt.model, not args.no_progress
+    if ckpt.tokenizer is None:
+        raise ConfigError(
+            f"{args.checkpoint} holds no tokenizer, so eval cannot tokenize text for it; "
+            "convert or export it again with --tokenizer"
+        )
     run_dir = ckpt.path.parent.parent if ckpt.path.parent.name == "checkpoints" else ckpt.path
     out = Path(args.out) if args.out else run_dir / "eval"
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
@@ -545,6 +550,11 @@ def run_sample(args: argparse.Namespace) -> int:
     device = resolve_device(args.device, what="--device")
     ckpt = load_model(args.checkpoint, weights=args.weights, device=device)
     model, tok = ckpt.model, ckpt.tokenizer
+    if tok is None and (args.prompt or args.infill is not None):
+        raise SamplingError(
+            f"{args.checkpoint} holds no tokenizer, so text cannot be encoded; sample without "
+            "--prompt/--infill (token ids), or convert/export it again with --tokenizer"
+        )
     order = args.order or ("l2r" if model.kind == "gpt" else "random")
     if order == "strided" and args.streams is None:
         raise SamplingError("--order strided needs --streams S")
@@ -571,9 +581,10 @@ def run_sample(args: argparse.Namespace) -> int:
         known[: len(ids)] = True
     sequential = args.steps is None and streams is None
     cut = not args.no_stop_at_eos and args.infill is None
-    stop = tok.eos_id if cut and sequential and order == "l2r" and model.kind != "mdm" else None
+    eos = tok.eos_id if tok is not None else None
+    stop = eos if cut and sequential and order == "l2r" and model.kind != "mdm" else None
     stream = None
-    if sequential and order == "l2r" and args.num_samples == 1 and not args.json:
+    if tok and sequential and order == "l2r" and args.num_samples == 1 and not args.json:
         stream = _Streamer(tok, tok.eos_id if cut else None)
         if prompt is not None:
             stream.ids = prompt[known].tolist()
@@ -603,7 +614,10 @@ def run_sample(args: argparse.Namespace) -> int:
         )
     seconds = time.perf_counter() - start
     tokens = result.tokens.cpu()
-    texts = [decode_text(tok, row, tok.eos_id if cut else None) for row in tokens]
+    if tok is None:  # no tokenizer: the token ids themselves
+        texts = [" ".join(map(str, row.tolist())) for row in tokens]
+    else:
+        texts = [decode_text(tok, row, tok.eos_id if cut else None) for row in tokens]
     generated = int((result.step_of >= 0).sum())
     mode = "encoder" if model.kind == "mdm" else "strided" if streams else "lemma1"
     mode = "sequential" if sequential and model.kind != "mdm" else mode
@@ -710,6 +724,9 @@ def add_experiment(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=8, help="paper scale: GPUs for torchrun")
     p.add_argument("--print-only", action="store_true", help="paper scale: print the commands")
     p.add_argument("--smoke", action="store_true", help="minimal sizes (tests the code path)")
+    p.add_argument(
+        "--arms", default=None, metavar="TEXT", help="only the arms whose label contains TEXT"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress messages")
 
 
@@ -725,7 +742,7 @@ def run_experiment(args: argparse.Namespace) -> int:
         ctx = Context(
             out=root / name, runs=root / "runs", scale=args.scale, minutes=args.minutes,
             seeds=args.seeds, smoke=args.smoke, progress=not args.no_progress,
-            nproc=args.nproc, print_only=args.print_only,
+            nproc=args.nproc, print_only=args.print_only, only=args.arms,
         )  # fmt: skip
         res = run_one(name, ctx)
         print(f"experiment {name}: {ctx.out / 'section.md'} ({res['wall_s']:.0f} s)", flush=True)

@@ -74,6 +74,9 @@ class Context:
     """paper scale: print the commands instead of running them."""
     commands: list[list[str]] = field(default_factory=list)
     """paper scale: the command lines built (and run unless print_only)."""
+    only: str | None = None
+    """Run only the arms whose label contains this text (re-running a changed arm; the
+    section then shows those arms alone)."""
 
     @property
     def steps(self) -> int:
@@ -706,12 +709,23 @@ def _variant_arms(
     }
 
 
+def _only(ctx: Context, arms: dict[str, tuple[str, list[str]]]) -> dict:
+    """The arms ``ctx.only`` selects (all when unset; an error when none match)."""
+    if not ctx.only:
+        return arms
+    kept = {k: v for k, v in arms.items() if ctx.only in k}
+    if not kept:
+        raise ConfigError(f"--arms {ctx.only!r} matches no arm; the arms are: {', '.join(arms)}")
+    return kept
+
+
 def exp_finding1(ctx: Context) -> dict[str, Any]:
     """AO-GPT Finding 1: left-to-right vs uniform any-order training, same architecture."""
     arms = _variant_arms(
         {"l2r-trained": ["order.kind=l2r"], "uniform-trained": ["order.kind=uniform"]},
         rope=ctx.scale != "paper",
     )
+    arms = _only(ctx, arms)
     if ctx.scale == "paper":
         return _paper(ctx, "aogpt-small-owt.yaml", arms)
     note = " " + VARIANTS_NOTE
@@ -735,7 +749,7 @@ def exp_finding3(ctx: Context) -> dict[str, Any]:
         "10% l2r": ["order.kind=mix", "order.p_l2r=0.1"],
         "50% l2r": ["order.kind=mix", "order.p_l2r=0.5"],
     }
-    arms = _variant_arms(mixes, rope=ctx.scale != "paper")
+    arms = _only(ctx, _variant_arms(mixes, rope=ctx.scale != "paper"))
     if ctx.scale == "paper":
         return _paper(ctx, "aogpt-small-owt.yaml", arms)
     return _bpb_experiment(ctx, arms, "Finding 3: left-to-right mix", " " + VARIANTS_NOTE)
@@ -751,7 +765,7 @@ def exp_finding5(ctx: Context) -> dict[str, Any]:
     mix = ["order.kind=mix", "order.p_l2r=0.1"]
     # our extension too: a model of the same budget that has learnt much more about
     # uniform orders (experiment 5), so that there is order-dependent skill to average
-    arms = _variant_arms({"10% l2r": mix}, rope=ctx.scale != "paper")
+    arms = _only(ctx, _variant_arms({"10% l2r": mix}, rope=ctx.scale != "paper"))
     if ctx.scale == "paper":
         return _paper(ctx, "aogpt-small-owt.yaml", arms, evaluate="--ensemble 16")
     sizes = [1, 2, 4] if ctx.smoke else [1, 2, 4, 8, 16]
@@ -851,7 +865,7 @@ def _four(ctx: Context) -> dict[str, tuple[str, list[str]]]:
 
 def exp_four(ctx: Context) -> dict[str, Any]:
     """ARMD vs AO-GPT vs mdm vs gpt at equal tokens: bits/byte (l2r and any order) vs tokens."""
-    arms = _four(ctx)
+    arms = _only(ctx, _four(ctx))
     if ctx.scale == "paper":
         return _paper_four(ctx)
     note = (
@@ -1011,6 +1025,7 @@ def exp_decode(ctx: Context) -> dict[str, Any]:
         f"{ROPE_LABEL}, 10% l2r",
     ]
     four = _four(ctx)
+    qarms = list(_only(ctx, {k: four[k] for k in qarms}))
     for label in qarms:
         kind, order = four[label]
         loaded = _load(train_run(ctx, run_name(kind, order), kind, order, 0))
