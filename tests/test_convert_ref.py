@@ -378,3 +378,26 @@ def test_variants_train_from_scratch_with_the_reference_init(tmp_path, capsys) -
                 "model.seq_len=32", f"train.out_dir={tmp_path / variant}",
                 "data.source=builtin:pydoc", f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
         assert main(argv) == 0, capsys.readouterr().err
+
+
+def test_sample_and_eval_on_a_folder_without_a_tokenizer(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # eval's data cache goes to the working folder
+    out = tmp_path / "ao"
+    assert main(["convert", str(AO), "--from", "aogpt-ref", "--out", str(out)]) == 0
+    assert "tokenizer none (pass --tokenizer)" in capsys.readouterr().out
+    assert main(["sample", str(out), "--num-samples", "2", "--length", "8"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if not r.startswith("===")]
+    assert len(rows) == 2 and all(
+        len(r.split()) == 8 and r.replace(" ", "").isdigit() for r in rows
+    )
+    assert main(["sample", str(out), "--prompt", "hi"]) == 2
+    assert "holds no tokenizer, so text cannot be encoded" in capsys.readouterr().err
+    assert main(["eval", str(out), "--no-progress"]) == 2
+    assert "holds no tokenizer, so eval cannot tokenize text" in capsys.readouterr().err
+    # with one, eval scores its data tokenized by the folder's own tokenizer
+    src = padded_checkpoint(tmp_path / "ckpt_1234.pt", rows=320)
+    byte = tmp_path / "byte"
+    argv = ["convert", str(src), "--from", "aogpt-ref", "--tokenizer", "bytes", "--out", str(byte)]
+    assert main(argv) == 0
+    assert main(["eval", str(byte), "--max-blocks", "2", "--orders", "1", "--no-progress"]) == 0
+    assert "any-order" in capsys.readouterr().out
