@@ -398,9 +398,10 @@ def _tokenizer(spec: str | None, rows: int) -> Tokenizer | None:
     try:
         return load_tokenizer(spec)
     except AnyorderError as e:
+        why = str(e).split("; pass ")[0]  # its own fix names a config key, not this option
         raise CheckpointError(
-            f"tokenizer {spec!r} cannot be loaded ({e}); pass --tokenizer with a folder "
-            "holding GPT-2's vocab.json and merges.txt, or --tokenizer none"
+            f"{why}; pass --tokenizer with a folder holding GPT-2's vocab.json and merges.txt "
+            "(or another tokenizer of the checkpoint), or --tokenizer none"
         ) from None
 
 
