@@ -94,7 +94,7 @@ class ModelConfig:
     bos_pos_row: bool = False
     """gpt/aogpt with learned positions: the BOS slot adds row 0 of the position table and a
     token at position p reads row p + 1 (the AO-GPT reference's layout, seq_len + 1 rows).
-    False: the BOS vector stands alone and a token at p reads row p."""
+    False: the BOS vector stands alone and a token at p reads row p. No effect with rope."""
     adaln_gate_offset: bool = True
     """aogpt: each adaLN gate multiplies as 1 + gate, so zero modulation is the plain block
     (ours); False: as the raw gate (the AO-GPT reference, as in DiT)."""
@@ -157,10 +157,10 @@ class ModelConfig:
                 "model.padded_vocab and model.head_bias are for the decoders (gpt, aogpt, "
                 "armd); leave them unset for mdm"
             )
-        if self.bos_pos_row and (self.kind not in ("gpt", "aogpt") or self.positional != "learned"):
+        if self.bos_pos_row and self.kind not in ("gpt", "aogpt"):
             raise ConfigError(
-                "model.bos_pos_row places gpt/aogpt's BOS in the learned position table: it "
-                "needs model.kind=gpt or aogpt and model.pos_emb=learned"
+                "model.bos_pos_row places the BOS slot of gpt/aogpt in the position table; "
+                "leave it off for armd and mdm"
             )
         if self.l2s is not None and not 1 <= self.l2s <= self.n_layer:
             raise ConfigError(

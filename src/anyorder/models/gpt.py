@@ -45,6 +45,7 @@ class GPT(AnyOrderLM):
         d = cfg.d_model
         self.tok_emb = nn.Embedding(cfg.table_vocab, d)
         rows = cfg.seq_len + int(cfg.bos_pos_row)  # row 0 for BOS in the reference layout
+        self.bos_row = cfg.bos_pos_row and cfg.positional == "learned"
         self.pos_emb = nn.Embedding(rows, d) if cfg.positional == "learned" else None
         self.bos = nn.Parameter(torch.zeros(d))
         self.blocks = nn.ModuleList(Block(cfg, self.cond_dim) for _ in range(cfg.n_layer))
@@ -65,7 +66,7 @@ class GPT(AnyOrderLM):
         """Slot-input embeddings: token (``BOS`` = -1: the learned BOS) at position ``pos_in``."""
         is_bos = (x_in == BOS)[..., None]
         h = self.tok_emb(x_in.clamp(min=0))
-        if self.cfg.bos_pos_row:  # BOS + row 0, a token at p + row p + 1
+        if self.bos_row:  # BOS + row 0, a token at p + row p + 1
             h = torch.where(is_bos, self.bos.to(h.dtype), h)
             return h + self.pos_emb(torch.where(is_bos[..., 0], 0, pos_in + 1))
         if self.pos_emb is not None:
