@@ -112,6 +112,14 @@ def test_cli_convert_writes_a_folder_every_loader_takes(tmp_path, capsys) -> Non
     with torch.no_grad():
         got = anyorder.load(raw).model(exp["tokens"], exp["orders"])
     assert_close(got, exp["logits_raw"][:, :32], atol=1e-4, rtol=0)
+    sigma = tmp_path / "sigma"  # a tied head: stored once, re-tied on loading
+    assert main(["convert", str(SIGMA), "--from", "sigmagpt-ref", "--out", str(sigma)]) == 0
+    model = anyorder.load(sigma).model
+    assert model.head.weight is model.tok_emb.weight
+    exp = expected("sigmagpt")
+    with torch.no_grad():
+        got = model(exp["tokens"], exp["orders"])
+    assert_close(got, exp["logits_raw"][:, :32], atol=1e-4, rtol=0)
 
 
 def _hub_cache(cache: Path, repo: str, files: dict[str, Path]) -> None:
