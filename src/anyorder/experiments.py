@@ -536,7 +536,7 @@ def exp_eq5(ctx: Context) -> dict[str, Any]:
         for name, key in (("published", "aogpt"), ("ours", "aogpt_ours")):
             md.append(
                 f"| {r['n']} | {name} | {r[key + '_avg_orders']:.3f} | {r[key + '_l2r']:.3f} "
-                f"| {fmt(*r[key + '_spread'])} |"
+                f"| {fmt(*r[key + '_spread'], 4)} |"
             )
     plot = _plot_xy(
         {
