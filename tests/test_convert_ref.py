@@ -233,6 +233,16 @@ def test_bad_checkpoints_give_one_line_exit_2_and_write_nothing(tmp_path, capsys
     assert not (tmp_path / "out").exists()
 
 
+def test_legacy_torch_save_format_reads_too(tmp_path) -> None:
+    """Files written by torch.save's pre-zip format cannot be memory-mapped: read whole."""
+    legacy = tmp_path / "ckpt_1234.pt"
+    torch.save(torch.load(AO, weights_only=True), legacy, _use_new_zipfile_serialization=False)
+    exp = expected("aogpt")
+    with torch.no_grad():
+        got = convert_reference(legacy, "aogpt-ref").model(exp["tokens"], exp["orders"])
+    assert_close(got, exp["logits_ema"][:, :32], atol=1e-4, rtol=0)
+
+
 def test_option_errors(tmp_path, capsys) -> None:
     out = str(tmp_path / "o")
     for argv, message in [

@@ -99,8 +99,10 @@ class ReferenceCheckpoint:
 
 
 def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+    """``Kind: first sentence`` of an exception (torch's messages run to paragraphs)."""
+    text = " ".join(str(e).split())
+    first = text.split(". ")[0].rstrip(".")
+    return f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__
 
 
 def resolve_source(spec: str | Path, cache_dir: str | Path | None = None) -> Path:
@@ -149,18 +151,28 @@ def resolve_source(spec: str | Path, cache_dir: str | Path | None = None) -> Pat
 
 
 def _load_pt(path: Path) -> Any:
+    """``torch.load(weights_only=True)``, memory-mapped when the file allows it; one clear
+    :class:`CheckpointError` for every way a file can be wrong."""
+    where = repr(str(path))
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            # torch.save's legacy (pre-zip) format cannot be memory-mapped: read it whole
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        if "weights only" in str(e).lower() or "weights_only" in str(e):
+        if "Unsupported global" in str(e):
             raise CheckpointError(
-                f"{str(path)!r} holds Python objects besides tensors and plain values; anyorder "
+                f"{where} holds Python objects besides tensors and plain values; anyorder "
                 "reads checkpoints with torch.load(weights_only=True) and never unpickles code: "
                 "re-save it as plain tensors and dicts"
             ) from None
+        why = "WeightsUnpickler error" if "Weights only load failed" in str(e) else _first_line(e)
         raise CheckpointError(
-            f"{str(path)!r} cannot be read as a torch checkpoint ({_first_line(e)}); the file "
-            "is damaged, incomplete or not a .pt: download it again"
+            f"{where} cannot be read as a torch checkpoint ({why}); the file is damaged, "
+            "incomplete or not a .pt: download it again"
         ) from None
 
 
@@ -204,7 +216,7 @@ def read_reference(source: str | Path, fmt: str | None = None) -> ReferenceCheck
     if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"reference format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     path = resolve_source(source)
-    where = str(source)
+    where = repr(str(source))
     obj = _load_pt(path)
     if not isinstance(obj, dict):
         raise CheckpointError(
@@ -336,7 +348,7 @@ def _shape(t: Tensor) -> tuple[int, ...]:
 def map_state(ref: ReferenceCheckpoint, weights: str, want: dict[str, Tensor]) -> dict:
     """Our state dict from the reference's ``model`` (``raw``) or EMA list (``ema``), checked
     against ``want`` (the built model's state dict) name by name and shape by shape."""
-    where = str(ref.path)
+    where = repr(str(ref.path))
     order = parameter_order(ref)
     if weights == "ema":
         if len(ref.ema) != len(order):
@@ -437,7 +449,7 @@ def convert_reference(
         weights = "ema" if ref.ema is not None else "raw"
     if weights == "ema" and ref.ema is None:
         raise CheckpointError(
-            f"{source} has no EMA weights (no ema_model); convert its raw weights with "
+            f"{str(source)!r} has no EMA weights (no ema_model); convert its raw weights with "
             "--weights raw"
         )
     tok = _tokenizer(tokenizer, ref.model_args["vocab_size"])
