@@ -118,7 +118,7 @@ def test_failed_write_leaves_nothing(tmp_path):
 
     cfg = _config("gpt", tmp_path)
     run = tmp_path / "run"
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match=r"step_0000005 \(OSError: disk full\); free disk"):
         ck.save_checkpoint(run, 5, model=_model(cfg), config=cfg, tokenizer=BrokenTokenizer())
     assert list((run / "checkpoints").iterdir()) == []
     assert ck.latest_checkpoint(run) is None

@@ -257,6 +257,7 @@ def test_prepare_is_atomic(tmp_path, monkeypatch):
         "tokenizer",
         "train.bin",
         "val.bin",
+        "verified.json",
     ]
 
 

@@ -59,6 +59,85 @@ def _flip_byte(folder: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _data_folder(folder: Path) -> Path:
+    (cache,) = (folder / "cache").iterdir()
+    return cache
+
+
+def _edit_json(path: Path, edit) -> None:
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+
+def _flip_shard_byte(folder: Path) -> None:
+    path = _data_folder(folder) / "val.bin"
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0x01  # another byte-level token id: same size, other checksum
+    path.write_bytes(bytes(data))
+
+
+def _token_beyond_vocab(folder: Path) -> None:
+    """A token id the vocabulary lacks, with the manifest's checksum made to match."""
+    import hashlib
+
+    cache = _data_folder(folder)
+    data = bytearray((cache / "val.bin").read_bytes())
+    data[10:12] = (300).to_bytes(2, "little")  # uint16 shards
+    (cache / "val.bin").write_bytes(bytes(data))
+
+    def fix(m):
+        m["splits"]["val"]["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+        return m
+
+    _edit_json(cache / "manifest.json", fix)
+
+
+def _shard_dtype(folder: Path) -> None:
+    _edit_json(_data_folder(folder) / "manifest.json", lambda m: {**m, "dtype": "uint32"})
+
+
+def _manifest(folder: Path) -> Path:
+    return folder / CKPT / "manifest.json"
+
+
+def _manifest_list(folder: Path) -> None:
+    _manifest(folder).write_text("[]")
+
+
+def _manifest_no_bytes(folder: Path) -> None:
+    def drop(m):
+        del m["files"]["model.safetensors"]["bytes"]
+        return m
+
+    _edit_json(_manifest(folder), drop)
+
+
+def _manifest_bad_step(folder: Path) -> None:
+    _edit_json(_manifest(folder), lambda m: {**m, "step": "two"})
+
+
+def _unlisted_ema(folder: Path) -> None:
+    """EMA weights whose manifest entry was removed (here: a file no entry vouches for)."""
+    shutil.copy(folder / CKPT / "model.safetensors", folder / CKPT / "ema.safetensors")
+
+
+def _no_manifests(folder: Path) -> None:
+    for p in (folder / "run" / "checkpoints").glob("step_*/manifest.json"):
+        p.unlink()
+
+
+def _huge_export_config(folder: Path) -> None:
+    _edit_json(folder / "exp" / "config.json", lambda c: {**c, "n_layer": 4096, "d_model": 4096})
+
+
+_HELD: list = []  # run-folder locks held by this process for the rows' lifetime
+
+
+def _hold_run_lock(folder: Path) -> None:
+    from anyorder.runlock import RunLock
+
+    _HELD.append(RunLock(folder / "run").acquire())
+
+
 REF = REPO / "tests" / "fixtures" / "aogpt-ref"  # checkpoints in the AO-GPT authors' format
 
 
@@ -142,6 +221,39 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
         },
         None,
     ),
+    # issue 17: one writer per run folder, bounds, verified data, manifests, tracebacks
+    "run-folder-busy": ([*TRAIN], {}, _hold_run_lock),
+    "sample-steps-too-many": (["sample", "run", "--steps", "100000000"], {}, None),
+    "data-shard-corrupted": (["eval", "run"], {}, _flip_shard_byte),
+    "data-token-out-of-range": (["eval", "run"], {}, _token_beyond_vocab),
+    "data-manifest-damaged": (["eval", "run"], {}, _shard_dtype),
+    "data-val-fraction-zero": ([*TRAIN, "data.val_fraction=0", *FRESH], {}, None),
+    "checkpoint-manifest-damaged": (["sample", "run"], {}, _manifest_list),
+    "checkpoint-manifest-no-bytes": (["sample", "run"], {}, _manifest_no_bytes),
+    "checkpoint-manifest-bad-step": (["sample", "run"], {}, _manifest_bad_step),
+    "checkpoint-ema-unlisted": (["sample", "run"], {}, _unlisted_ema),
+    "checkpoint-manifests-missing": ([*TRAIN], {}, _no_manifests),
+    "infill-hole-huge": (["sample", "run", "--infill", "a[MASK:" + "9" * 5000 + "]"], {}, None),
+    "seed-out-of-range": (["sample", "run", "--seed", str(2**70)], {}, None),
+    "num-samples-out-of-range": (["sample", "run", "--num-samples", "100000000"], {}, None),
+    "length-zero": (["sample", "run", "--length", "0"], {}, None),
+    "eval-targets-zero": (["eval", "run", "--ensemble", "2", "--targets", "0"], {}, None),
+    "eval-out-is-file": (["eval", "run", "--out", "cfg.yaml"], {}, None),
+    "out-dir-is-file": ([*TRAIN, "train.out_dir=cfg.yaml"], {}, None),
+    "out-dir-unwritable": ([*TRAIN, "train.out_dir=/proc/anyorder-run"], {}, None),
+    "cache-dir-under-file": (
+        [*TRAIN, NEW, "data.cache_dir=cfg.yaml/cache"],
+        {},
+        None,
+    ),
+    "serve-port-out-of-range": (["serve", "run", "--port", "99999"], {}, None),
+    "config-empty-file": (["train", "empty.yaml"], {}, None),
+    "tokenizer-hub-unreachable": (
+        [*TRAIN, "data.tokenizer=nope", *FRESH],
+        {"HF_ENDPOINT": "http://127.0.0.1:CLOSED_PORT"},
+        None,
+    ),
+    "export-config-does-not-fit": (["sample", "exp"], {}, _huge_export_config),
 }
 
 
@@ -201,6 +313,7 @@ def world(tmp_path_factory) -> Path:
     (root / "cfg.yaml").write_text(CONFIG)
     (root / "typo.yaml").write_text("train: {stpes: 3}\n")
     (root / "broken.yaml").write_text("model: {kind: [armd\n")
+    (root / "empty.yaml").write_text("# nothing set\n")
     (root / "corpus").mkdir()
     (root / "corpus" / "empty.txt").write_text("")
     (root / "corpus" / "tiny.txt").write_text("hello\n")
@@ -235,7 +348,7 @@ def _run_row(ident: str, world: Path, base: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    env.update({k: str(_closed_port()) if v == "CLOSED_PORT" else v for k, v in extra.items()})
+    env.update({k: v.replace("CLOSED_PORT", str(_closed_port())) for k, v in extra.items()})
     before = _tree(folder)
     out = subprocess.run(
         [sys.executable, "-m", "anyorder.cli", *args],

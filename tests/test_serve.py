@@ -255,18 +255,31 @@ def test_other_refusals(server, exports) -> None:
 
 
 @pytest.mark.parametrize("server", [("armd", Limits(time_limit_s=0.0))], indirect=True)
-def test_time_limit_stops_a_generation(server) -> None:
-    status, text = server.post({"mode": "l2r", "length": 24})
-    events = parse_sse(text)
-    assert status == 200 and [e for e, _ in events] == ["start", "step", "error"]
-    assert "this server's limit is 0 s per request" in events[-1][1]["message"]
+def test_time_limit_is_checked_before_planning(server) -> None:
+    status, text = server.post({"mode": "lemma1", "steps": 24, "length": 24})
+    assert status == 503
+    assert "this server's limit is 0 s per request" in json.loads(text)["error"]
     # the slot is free again: the next request runs (and is stopped the same way)
-    assert parse_sse(server.post({"mode": "l2r", "length": 24})[1])[-1][0] == "error"
+    assert server.post({"mode": "l2r", "length": 24})[0] == 503
+
+
+@pytest.mark.parametrize("server", [("armd", Limits(time_limit_s=3.0))], indirect=True)
+def test_time_limit_stops_a_generation_between_passes(server) -> None:
+    # 32 passes with a 0.5 s pause each would take 16 s; the limit stops it after ~3 s
+    status, text = server.post({"mode": "l2r", "length": 32, "delay_ms": 500})
+    events = parse_sse(text)
+    assert status == 200 and events[0][0] == "start" and events[-1][0] == "error"
+    assert 1 <= sum(e == "step" for e, _ in events) < 32
+    assert "this server's limit is 3 s per request" in events[-1][1]["message"]
 
 
 def test_one_generation_at_a_time_and_a_closed_page_frees_the_server(server) -> None:
     slow = {"mode": "l2r", "length": 32, "delay_ms": 200}  # about 6 s if left to run
-    req = urllib.request.Request(f"{server.url}/api/generate", data=json.dumps(slow).encode())
+    req = urllib.request.Request(
+        f"{server.url}/api/generate",
+        data=json.dumps(slow).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     first = urllib.request.urlopen(req, timeout=60)
     assert first.readline().decode().startswith("event: start")  # running now
     status, text = server.post({"mode": "l2r", "length": 8})
@@ -383,3 +396,174 @@ def test_page_is_shipped_as_package_data() -> None:
     for name in ("index.html", "app.js", "style.css"):
         assert (resources.files("anyorder") / "web" / name).is_file()
     assert 'anyorder = ["web/*"]' in (REPO / "pyproject.toml").read_text()
+
+
+# ----------------------------------------------------------------------------- as an attacker
+
+
+def raw(server, request: bytes, timeout: float = 60) -> tuple[int, dict[str, str], bytes]:
+    """Send bytes as they are (no client library fixing them up); the status line, headers
+    and body of the answer."""
+    import socket
+
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(request)
+        s.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), headers, body
+
+
+def post_raw(server, body: bytes, **headers: str) -> bytes:
+    fields = {"Host": "127.0.0.1", "Content-Type": "application/json"}
+    fields.update({k.replace("_", "-"): v for k, v in headers.items()})
+    fields.setdefault("Content-Length", str(len(body)))
+    head = "".join(f"{k}: {v}\r\n" for k, v in fields.items() if v is not None)
+    return f"POST /api/generate HTTP/1.1\r\n{head}\r\n".encode() + body
+
+
+def test_huge_steps_are_refused_before_any_work(server) -> None:
+    import time
+
+    t0 = time.perf_counter()
+    status, text = server.post({"mode": "lemma1", "steps": 1_000_000})
+    assert status == 400 and time.perf_counter() - t0 < 30
+    assert json.loads(text)["error"] == (
+        "steps=1000000 must lie in 1..n=32 (at most n reverse steps reveal a token); use e.g. "
+        "steps=8"
+    )
+    big = {"mode": "lemma1", "steps": 3_000_000, "text": "a[MASK:4]"}
+    assert "must lie in 1..n=5" in json.loads(server.post(big)[1])["error"]
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"seed": 2**70}, "seed=1180591620717411303424 must be a whole number in 0..9223372"),
+        ({"seed": -1}, "seed=-1 must be a whole number in 0.."),
+        ({"text": "a[MASK:" + "9" * 5000 + "]"}, "hole [MASK:999999... (5000 digits)] is longer"),
+        ({"length": 0}, "length=0 must be at least 1"),
+        ({"temperature": 1e400}, "temperature=inf must be a finite number > 0"),
+    ],
+)
+def test_out_of_range_numbers_get_400(server, body, message) -> None:
+    status, text = server.post(None, raw=json.dumps(body).encode())
+    assert status == 400 and message in json.loads(text)["error"]
+
+
+def test_malformed_http_gets_json_errors(server) -> None:
+    deep = b"[" * 30_000 + b"]" * 30_000
+    status, _, body = raw(server, post_raw(server, deep))
+    assert status == 400 and "nests deeper than 4 levels" in json.loads(body)["error"]
+    status, _, body = raw(
+        server, post_raw(server, b"{}", Content_Length="\u00b2".encode().decode("latin-1"))
+    )
+    assert status == 411 and "Content-Length" in json.loads(body)["error"]
+    status, _, body = raw(server, post_raw(server, b'{"steps": ' + b"9" * 5000 + b"}"))
+    assert status == 400 and "Exceeds the limit (4300 digits)" in json.loads(body)["error"]
+    status, _, body = raw(server, post_raw(server, b"{}", Content_Length="9" * 5000))
+    assert status in (411, 431) and json.loads(body)["error"]
+    chunked = post_raw(
+        server, b"2\r\n{}\r\n0\r\n\r\n", Transfer_Encoding="chunked", Content_Length=None
+    )
+    assert raw(server, chunked)[0] == 411
+    status, headers, body = raw(server, b"GARBAGE\r\n\r\n")
+    assert status == 400 and headers["Content-Type"] == "application/json"
+    assert json.loads(body)["error"]
+    for method in ("PUT", "DELETE", "OPTIONS", "PATCH", "BREW"):
+        status, headers, body = raw(
+            server, f"{method} /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+        )
+        assert status == 405 and headers["Allow"] == "POST", method
+        assert json.loads(body)["error"] == f"{method} is not served at /api/generate; use POST"
+        status, _, body = raw(
+            server, f"{method} /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+        )
+        assert status == 404 and json.loads(body)["error"] == "no page at /nowhere; the page is /"
+    status, headers, body = raw(server, b"HEAD / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert status == 405 and headers["Allow"] == "GET" and body == b""
+    # the server is still up
+    assert server.get("/api/info")[0] == 200
+
+
+def test_other_sites_cannot_drive_or_read_the_server(server) -> None:
+    body = json.dumps({"mode": "l2r", "length": 4}).encode()
+    # a cross-site form or fetch: text/plain needs no preflight, so the server must refuse it
+    status, _, text = raw(server, post_raw(server, body, Content_Type="text/plain"))
+    assert status == 415 and "Content-Type: application/json" in json.loads(text)["error"]
+    status, _, text = raw(server, post_raw(server, body, Origin="http://evil.example"))
+    assert status == 403
+    assert json.loads(text)["error"].startswith("cross-origin request from 'http://evil.example'")
+    assert raw(server, post_raw(server, body, Origin="null"))[0] == 403
+    # DNS rebinding: the page's own name in the Host header, on every path
+    for request in (
+        post_raw(server, body, Host="evil.example:8000"),
+        b"GET /api/info HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+        b"GET /api/info HTTP/1.1\r\nHost: 127.0.0.1.evil.example\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: 10.1.2.3\r\n\r\n",
+        b"GET /api/info HTTP/1.0\r\n\r\n",
+    ):
+        status, _, text = raw(server, request)
+        assert status == 403, request
+        assert "is not this server's address" in json.loads(text)["error"]
+    # the page itself: loopback names and the same origin
+    port = server.url.rsplit(":", 1)[1]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "[::1]"):
+        same = post_raw(server, body, Host=host, Origin=f"http://{host}")
+        status, _, text = raw(server, same)
+        assert status == 200 and parse_sse(text.decode())[-1][0] == "done", host
+
+
+def _stuck(server, count: int) -> list:
+    """``count`` connections holding half a request each."""
+    import socket
+
+    port = int(server.url.rsplit(":", 1)[1])
+    out = []
+    for _ in range(count):
+        s = socket.create_connection(("127.0.0.1", port), timeout=60)
+        s.sendall(b"POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("server", [("armd", Limits(read_timeout_s=1.0))], indirect=True)
+def test_partial_requests_are_dropped_after_the_read_timeout(server) -> None:
+    stuck = _stuck(server, 20)
+    for s in stuck:  # the server closes each one by itself (the client would wait 60 s)
+        assert s.recv(65536) == b""
+        s.close()
+    assert server.get("/api/info")[0] == 200
+
+
+@pytest.mark.parametrize(
+    "server", [("armd", Limits(read_timeout_s=120.0, max_connections=4))], indirect=True
+)
+def test_open_connections_are_capped(server) -> None:
+    import time
+
+    stuck = _stuck(server, 4)
+    try:
+        # one more is answered 503 at once (the four may not all be accepted yet: retry)
+        deadline = time.monotonic() + 60
+        while True:
+            status, headers, body = raw(
+                server, b"GET /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+            )
+            if status == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert status == 503 and headers["Content-Type"] == "application/json"
+        assert json.loads(body)["error"] == "busy: 4 connections are open; retry"
+    finally:
+        for s in stuck:
+            s.close()
+    # closed by their clients: the slots free up
+    while server.get("/api/info")[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.get("/api/info")[0] == 200

@@ -197,9 +197,15 @@ class Model:
         Raises:
             SamplingError: a bad length, controls, or an order the model cannot follow.
         """
+        from anyorder import bounds
+
         if order is not None and order not in GENERATE_ORDERS:
             raise SamplingError(f"order={order!r}: use one of {', '.join(GENERATE_ORDERS)}")
-        n = self.seq_len if n is None else n
+        bounds.check_controls(
+            temperature=temperature, top_p=top_p, top_k=top_k, num_samples=num_samples,
+            seed=seed, steps=steps, length=n,
+        )  # fmt: skip
+        n = bounds.check_fit(self.seq_len, length=n, steps=steps)
         prompt_ids = known = None
         if prompt:
             ids = self._encode(prompt)
@@ -250,11 +256,15 @@ class Model:
         Raises:
             SamplingError: a malformed template, one longer than the context, bad controls.
         """
+        from anyorder import bounds
         from anyorder.sample import parse_template
 
         if order not in (None, "random", "l2r"):
             raise SamplingError(f"order={order!r}: infilling takes random or l2r")
+        bounds.check_controls(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        bounds.check_holes(template, self.seq_len)
         tokens, known = parse_template(template, self._tok(), self.seq_len)
+        bounds.check_steps(steps, len(tokens))
         return self._sample(
             len(tokens), 1, tokens, known, order, None, steps, schedule, False,
             temperature, top_p, top_k, seed, False,
@@ -278,11 +288,10 @@ class Model:
         stop_at_eos: bool,
     ) -> list[str]:
         """The sampling path of ``anyorder sample`` (cli.run_sample), step for step."""
+        from anyorder import bounds
         from anyorder.sample import decode_text, sample
 
         model, tok = self.model, self._tok()
-        if num_samples < 1:
-            raise SamplingError(f"num_samples={num_samples} must be at least 1")
         order = order or ("l2r" if model.kind == "gpt" else "random")
         if order == "strided" and streams is None:
             raise SamplingError("order='strided' needs streams=S")
@@ -295,23 +304,24 @@ class Model:
             else None
         )
         gen = torch.Generator(model.device).manual_seed(seed)
-        result = sample(
-            model,
-            n,
-            order=None if order == "strided" else order,
-            streams=streams,
-            steps=steps,
-            schedule=schedule,
-            shared_counts=shared_counts,
-            batch=num_samples,
-            prompt=prompt,
-            known=known,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            generator=gen,
-            stop_at_eos=stop,
-        )
+        with bounds.out_of_memory_as_error(f"num_samples={num_samples} x {n} tokens"):
+            result = sample(
+                model,
+                n,
+                order=None if order == "strided" else order,
+                streams=streams,
+                steps=steps,
+                schedule=schedule,
+                shared_counts=shared_counts,
+                batch=num_samples,
+                prompt=prompt,
+                known=known,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                generator=gen,
+                stop_at_eos=stop,
+            )
         eos = tok.eos_id if stop_at_eos else None
         return [decode_text(tok, row, eos) for row in result.tokens.cpu()]
 
@@ -357,6 +367,9 @@ class Model:
             raise ConfigError(f"order={order!r}: use l2r or any")
         if ensemble < 1 or num_orders < 1:
             raise ConfigError("ensemble and num_orders must be at least 1")
+        from anyorder.bounds import check_seed
+
+        check_seed(seed)
         if order == "l2r" and ensemble > 1:
             raise ConfigError("an ensemble averages context orders: use it with order='any'")
         if order == "any" and self.kind == "gpt":

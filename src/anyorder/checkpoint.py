@@ -26,13 +26,14 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,17 +130,68 @@ def read_manifest(ckpt: str | Path) -> dict[str, Any]:
     path = Path(ckpt) / MANIFEST
     try:
         manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        if not Path(ckpt).is_dir():
+            raise CheckpointError(
+                f"checkpoint {ckpt} disappeared while it was read (pruned by a running "
+                "training?); give the run folder to use its latest checkpoint"
+            ) from None
         raise CheckpointError(
             f"{path} is missing or unreadable ({type(e).__name__}); the checkpoint is "
-            "incomplete: delete it and use an earlier one"
+            f"incomplete: delete {ckpt} and use an earlier checkpoint"
         ) from None
-    if manifest.get("format") != FORMAT_VERSION or not isinstance(manifest.get("files"), dict):
+    problem = manifest_problem(manifest)
+    if problem == "format":
         raise CheckpointError(
             f"{path} has checkpoint format {manifest.get('format')!r}, this version reads "
             f"{FORMAT_VERSION}; use the anyorder version that wrote it"
         )
+    if problem:
+        raise CheckpointError(
+            f"{path} is damaged ({problem}); delete {ckpt} and use an earlier checkpoint"
+        )
     return manifest
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def manifest_problem(manifest: Any) -> str:
+    """What is wrong with a parsed manifest ("" when nothing; "format" for another version).
+
+    The schema: an object with ``format`` (this version's), ``step`` (an int >= 0),
+    ``files`` (relative paths inside the folder -> ``{"bytes": int >= 0, "sha256": 64 hex
+    digits}``, at least the weights and the config) and, when present, ``has_ema`` (a bool
+    that agrees with whether ``ema.safetensors`` is listed).
+    """
+    if not isinstance(manifest, dict):
+        return f"it holds {type(manifest).__name__}, not a JSON object"
+    if manifest.get("format") != FORMAT_VERSION:
+        return "format"
+    step = manifest.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"step is {json.dumps(step)[:40]}, not a whole number >= 0"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return "'files' is not an object of file names"
+    for name, info in files.items():
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or not parts or name == MANIFEST:
+            return f"file name {name[:60]!r} is not a path inside the checkpoint"
+        if not isinstance(info, dict):
+            return f"the entry of {name} is not an object"
+        size = info.get("bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return f"the entry of {name} has no byte count"
+        if not isinstance(info.get("sha256"), str) or not _SHA256.match(info["sha256"]):
+            return f"the entry of {name} has no SHA-256"
+    for need in (MODEL_FILE, CONFIG_FILE):
+        if need not in files:
+            return f"it lists no {need}"
+    has_ema = manifest.get("has_ema")
+    if has_ema is not None and has_ema is not (EMA_FILE in files):
+        return f"has_ema is {json.dumps(has_ema)} but {EMA_FILE} is {'not ' * bool(has_ema)}listed"
+    return ""
 
 
 def verify(ckpt: str | Path, files: Iterable[str] | None = None) -> dict[str, Any]:
@@ -171,15 +223,24 @@ def verify(ckpt: str | Path, files: Iterable[str] | None = None) -> dict[str, An
         info = listed[name]
         path = ckpt / name
         fix = f"delete {ckpt} and use an earlier checkpoint"
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint file {path} is missing; {fix}")
-        size = path.stat().st_size
+        try:
+            size = path.stat().st_size if path.is_file() else None
+            digest = sha256_file(path) if size == info["bytes"] else None
+        except OSError:  # removed between the checks (a prune) or unreadable
+            size = digest = None
+        if size is None and not ckpt.is_dir():
+            raise CheckpointError(
+                f"checkpoint {ckpt} disappeared while it was read (pruned by a running "
+                "training?); give the run folder to use its latest checkpoint"
+            )
+        if size is None:
+            raise CheckpointError(f"checkpoint file {path} is missing or unreadable; {fix}")
         if size != info["bytes"]:
             raise CheckpointError(
                 f"checkpoint file {path} is truncated or altered ({size} bytes, the manifest "
                 f"says {info['bytes']}); {fix}"
             )
-        if sha256_file(path) != info["sha256"]:
+        if digest != info["sha256"]:
             raise CheckpointError(f"checkpoint file {path} does not match its checksum; {fix}")
     return manifest
 
@@ -221,7 +282,12 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     """
     from safetensors.torch import load_file
 
-    state = load_file(str(path))
+    try:
+        state = load_file(str(path))
+    except Exception as e:  # removed by a prune, or not safetensors at all
+        raise CheckpointError(
+            f"weights file {path} cannot be read ({type(e).__name__}: {_first_line(e)})"
+        ) from None
     detail = fit_state(model, state)
     if detail:
         raise CheckpointError(
@@ -229,6 +295,60 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
             "the checkpoint was altered or written by another version"
         )
     model.load_state_dict(state, strict=True)
+
+
+_MAX_HEADER = 100 * 2**20  # a safetensors header larger than this is not one of ours
+
+
+def read_header_shapes(path: str | Path, fix: str = "") -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes from a safetensors file's header (nothing else is read).
+
+    Raises:
+        CheckpointError: the file is missing or its header is malformed.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(size - 8, _MAX_HEADER):
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n))
+        shapes = {
+            k: tuple(int(d) for d in v["shape"]) for k, v in header.items() if k != "__metadata__"
+        }
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        raise CheckpointError(
+            f"{path} is corrupt (its safetensors header: {_first_line(e)}){fix}"
+        ) from None
+    return shapes
+
+
+def header_problem(model_cfg: Any, shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """How a weights file's tensor shapes (its header) do not fit a model config ("" when
+    they do), decided before the model is built: first the number of blocks and the
+    embedding (cheap, and they bound the model's size by the file's), then every tensor of
+    the model built on the meta device (no memory)."""
+    from anyorder.models import build_model
+
+    blocks = {k.split(".")[1] for k in shapes if k.startswith("blocks.") and k.count(".") > 1}
+    if len(blocks) != model_cfg.n_layer:
+        return f"the weights hold {len(blocks)} blocks, the config says n_layer={model_cfg.n_layer}"
+    emb = shapes.get("tok_emb.weight")
+    if emb is None or len(emb) != 2 or emb[1] != model_cfg.d_model:
+        return f"tok_emb.weight is {emb}, the config says d_model={model_cfg.d_model}"
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    aliases = tied_aliases(model)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in aliases}
+    missing = sorted(set(want) - set(shapes))
+    unexpected = sorted(set(shapes) - set(want) - set(aliases))
+    wrong = sorted(k for k in set(want) & set(shapes) if want[k] != shapes[k])
+    return "; ".join(
+        f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+        for what, names in (("missing", missing), ("unexpected", unexpected), ("shape", wrong))
+        if names
+    )
 
 
 def fit_state(model: nn.Module, state: dict[str, Tensor]) -> str:
@@ -281,25 +401,93 @@ def _finalize(folder: Path) -> dict[str, dict[str, Any]]:
     return files
 
 
+_TEMP_PID = re.compile(r"\.tmp-(?:del-|old-)?(\d+)(?:-|$)")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0  # someone else's process: alive
+    return True
+
+
 def _remove_stale_temps(root: Path) -> None:
+    """Remove temporary folders of this process or of dead ones: a folder named with a live
+    PID belongs to a writer still at work (names without a PID come from older versions)."""
     for p in root.glob(".step_*.tmp-*"):
-        shutil.rmtree(p, ignore_errors=True)
+        m = _TEMP_PID.search(p.name)
+        pid = int(m.group(1)) if m else None
+        if pid is None or pid == os.getpid() or not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _lock_manifest(ckpt: Path, exclusive: bool) -> int | None:
+    """An open fd of ``ckpt``'s manifest holding a shared (reader) or exclusive (pruner)
+    ``flock``; None where there is no manifest or no ``fcntl``. A pruner does not wait:
+    it raises BlockingIOError when a reader holds the checkpoint. A reader waits for a
+    prune in progress (milliseconds), then finds its checkpoint gone and starts again."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(ckpt / MANIFEST, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def reading(ckpt: Path) -> Iterator[None]:
+    """Hold ``ckpt`` while it is read: a training's prune leaves it for a later save."""
+    fd = _lock_manifest(ckpt, exclusive=False)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def prune(run_dir: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` checkpoints; returns the deleted folders."""
+    """Delete all but the newest ``keep_last`` checkpoints; returns the deleted folders.
+
+    A checkpoint a reader holds (:func:`reading`) is left for a later prune."""
     found = list_checkpoints(run_dir)
     doomed = found[: max(0, len(found) - max(1, keep_last))]
+    deleted = []
     for p in doomed:
-        # Renamed out of the way first (atomic), so a process killed mid-delete never leaves
-        # a half-deleted step_* folder that still looks complete; the next save sweeps it.
-        gone = p.with_name(f".{p.name}.tmp-del-{os.getpid()}")
         try:
-            os.replace(p, gone)
-        except OSError:
-            gone = p
-        shutil.rmtree(gone, ignore_errors=True)
-    return doomed
+            fd = _lock_manifest(p, exclusive=True)
+        except OSError:  # a reader holds it: next time
+            continue
+        try:
+            # Renamed out of the way first (atomic), so a process killed mid-delete never
+            # leaves a half-deleted step_* folder that still looks complete; the next save
+            # sweeps it.
+            gone = p.with_name(f".{p.name}.tmp-del-{os.getpid()}")
+            try:
+                os.replace(p, gone)
+            except OSError:
+                gone = p
+            shutil.rmtree(gone, ignore_errors=True)
+            deleted.append(p)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return deleted
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:200]
 
 
 def save_checkpoint(
@@ -333,7 +521,12 @@ def save_checkpoint(
     import yaml
 
     root = Path(run_dir) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot create {root} ({e.strerror}); pick a folder you can write"
+        ) from None
     _remove_stale_temps(root)
     name = checkpoint_name(step)
     final = root / name
@@ -343,7 +536,13 @@ def save_checkpoint(
     else:
         weights = model
         aliases = dict(aliases or {})
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=root))
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot write checkpoint {final} ({e.strerror}); free disk space or fix the "
+            "folder's permissions, then resume"
+        ) from None
     try:
         save_weights(weights, tmp / MODEL_FILE, aliases)
         if ema is not None:
@@ -375,6 +574,14 @@ def save_checkpoint(
         _fsync_dir(root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+    except Exception as e:  # disk full, quota, permissions (torch and safetensors wrap them)
+        shutil.rmtree(tmp, ignore_errors=True)
+        before = latest_checkpoint(run_dir)
+        kept = f"; {before} is intact" if before is not None else ""
+        raise CheckpointError(
+            f"cannot write checkpoint {final} ({type(e).__name__}: {_first_line(e)}){kept}; "
+            "free disk space or fix the folder's permissions, then resume"
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -396,6 +603,11 @@ def read_config(ckpt: str | Path) -> RunConfig:
     try:
         return load_config(ckpt / CONFIG_FILE)
     except ConfigError as e:
+        if not ckpt.is_dir():
+            raise CheckpointError(
+                f"checkpoint {ckpt} disappeared while it was read (pruned by a running "
+                "training?); give the run folder to use its latest checkpoint"
+            ) from None
         raise CheckpointError(
             f"{ckpt / CONFIG_FILE} is not a config this version reads ({e}); use the anyorder "
             "version that wrote it"
@@ -440,6 +652,13 @@ def weights_file(ckpt: str | Path, weights: str = "ema") -> Path:
     manifest = read_manifest(ckpt)
     if weights == "ema" and EMA_FILE in manifest["files"]:
         return Path(ckpt) / EMA_FILE
+    if weights == "ema" and (Path(ckpt) / EMA_FILE).exists():
+        # The run kept EMA weights but the manifest does not vouch for them: never fall back
+        # to the raw weights silently (--weights raw is the explicit choice).
+        raise CheckpointError(
+            f"{Path(ckpt) / MANIFEST} does not list {EMA_FILE}, which is there; the manifest "
+            f"is damaged: delete {ckpt} and use an earlier checkpoint, or pass --weights raw"
+        )
     return Path(ckpt) / MODEL_FILE
 
 
@@ -492,17 +711,42 @@ def load_model(
         CheckpointError: a missing path, a folder without checkpoints, or a damaged file.
     """
     from anyorder import hub
-    from anyorder.models import build_model
 
     if hub.is_exported(path):  # an exported model (anyorder export/convert): one set of weights
         return hub.from_pretrained(path, device=device)
-    ckpt = resolve_checkpoint(path)
+    for attempt in (1, 2):  # a training may prune the latest checkpoint while it is read
+        ckpt = resolve_checkpoint(path)
+        try:
+            with reading(ckpt):
+                return _load_checkpoint(ckpt, weights, device)
+        except CheckpointError:
+            if attempt == 2 or ckpt.is_dir() or ckpt == Path(path).expanduser():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _load_checkpoint(ckpt: Path, weights: str, device: str | torch.device) -> Loaded:
+    from anyorder.models import build_model
+
     manifest = read_manifest(ckpt)
     config = read_config(ckpt)
     tokenizer = read_tokenizer(ckpt)
     check_tokenizer_fits(tokenizer, config.model.vocab_size, str(ckpt))
     file = weights_file(ckpt, weights)
+    if weights == "ema" and file.name != EMA_FILE and config.train.ema > 0:
+        raise CheckpointError(
+            f"{ckpt / MANIFEST} lists no {EMA_FILE} but the run kept EMA weights "
+            f"(train.ema={config.train.ema}); delete {ckpt} and use an earlier checkpoint, or "
+            "pass --weights raw"
+        )
     verify(ckpt, [file.name])
+    shapes = read_header_shapes(file, f"; delete {ckpt} and use an earlier checkpoint")
+    problem = header_problem(config.model, shapes)
+    if problem:
+        raise CheckpointError(
+            f"weights in {file} do not fit the model its config.yaml describes ({problem}); "
+            "the checkpoint was altered or written by another version"
+        )
     model = build_model(config.model)
     load_weights(model, file)
     model.to(device).eval()

@@ -213,6 +213,26 @@ def _numbers(text: str | None, kind: type, name: str) -> list:
         raise ConfigError(f"--{name} {text!r}: give comma-separated numbers") from None
 
 
+def _check_eval_args(args: argparse.Namespace) -> None:
+    """Counts and controls of ``anyorder eval``, before a model is loaded."""
+    from anyorder import bounds
+    from anyorder.errors import ConfigError
+
+    for name in ("orders", "ensemble", "batch_size", "num_samples", "targets", "max_blocks",
+                 "max_tokens", "length"):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.batch_size > bounds.MAX_NUM_SAMPLES:
+        raise ConfigError(f"--batch-size must be at most {bounds.MAX_NUM_SAMPLES}")
+    bounds.check_seed(args.seed, "--seed")
+    if args.suite == "gen":
+        for temp in _numbers(args.temperature, float, "temperature"):
+            bounds.check_controls(temperature=temp, top_p=args.top_p)
+        for steps in _numbers(args.steps, int, "steps"):
+            bounds.check_controls(steps=steps)
+
+
 def run_eval(args: argparse.Namespace) -> int:
     import contextlib
     import json
@@ -222,10 +242,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from anyorder.checkpoint import load_model
     from anyorder.errors import ConfigError
+    from anyorder.runlock import check_writable_dir
 
-    for name in ("orders", "ensemble", "batch_size", "num_samples"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    _check_eval_args(args)
     name = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     name = "cpu" if name == "auto" else name
     if not (name == "cpu" or (name.startswith("cuda") and torch.cuda.is_available())):
@@ -243,6 +262,7 @@ def run_eval(args: argparse.Namespace) -> int:
         )
     run_dir = ckpt.path.parent.parent if ckpt.path.parent.name == "checkpoints" else ckpt.path
     out = Path(args.out) if args.out else run_dir / "eval"
+    check_writable_dir(out, "--out")
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     ctx = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
     print(f"{model.kind} step {ckpt.step} ({ckpt.weights} weights) from {ckpt.path} on {device}")
@@ -302,7 +322,9 @@ def run_eval(args: argparse.Namespace) -> int:
         judge = load_judge(args.judge, device)
         steps = _numbers(args.steps, int, "steps")
         temps = _numbers(args.temperature, float, "temperature")
-        n = args.length or model.cfg.seq_len
+        from anyorder.bounds import check_length
+
+        n = check_length(args.length, model.cfg.seq_len)
         with ctx:
             rows = gen_sweep(
                 model, ckpt.tokenizer, judge, n=n, num=args.num_samples, steps=steps,
@@ -538,13 +560,16 @@ def run_sample(args: argparse.Namespace) -> int:
 
     import torch
 
+    from anyorder import bounds
     from anyorder.checkpoint import load_model
     from anyorder.errors import SamplingError
     from anyorder.sample import decode_text, parse_template, sample
     from anyorder.train import resolve_device
 
-    if args.num_samples < 1:
-        raise SamplingError(f"--num-samples={args.num_samples} must be at least 1")
+    bounds.check_controls(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        num_samples=args.num_samples, seed=args.seed, steps=args.steps, length=args.length,
+    )  # fmt: skip
     if args.infill is not None and args.length is not None:
         raise SamplingError("--infill takes its length from the template; leave out --length")
     device = resolve_device(args.device, what="--device")
@@ -563,12 +588,15 @@ def run_sample(args: argparse.Namespace) -> int:
     streams = args.streams
     if streams is not None:
         order = "strided"
-    n = args.length or model.cfg.seq_len
     prompt = known = None
     if args.infill is not None:
+        bounds.check_holes(args.infill, model.cfg.seq_len)
         prompt, known = parse_template(args.infill, tok, model.cfg.seq_len)
         n = len(prompt)
-    elif args.prompt:
+        bounds.check_steps(args.steps, n)
+    else:
+        n = bounds.check_fit(model.cfg.seq_len, length=args.length, steps=args.steps)
+    if args.prompt:
         ids = tok.encode(args.prompt)
         if len(ids) >= n:
             raise SamplingError(
@@ -593,7 +621,7 @@ def run_sample(args: argparse.Namespace) -> int:
     ctx = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
     gen = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
-    with ctx:
+    with ctx, bounds.out_of_memory_as_error(f"--num-samples {args.num_samples} x {n} tokens"):
         result = sample(
             model,
             n,
@@ -685,11 +713,16 @@ def add_serve(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from anyorder.bounds import MAX_NUM_SAMPLES
     from anyorder.errors import ConfigError
     from anyorder.serve import Limits, serve
 
-    if args.max_samples < 1 or not args.time_limit > 0:
-        raise ConfigError("--max-samples must be at least 1 and --time-limit above 0")
+    if not 1 <= args.max_samples <= MAX_NUM_SAMPLES or not args.time_limit > 0:
+        raise ConfigError(
+            f"--max-samples must lie in 1..{MAX_NUM_SAMPLES} and --time-limit be above 0"
+        )
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} must lie in 0..65535 (0: any free port)")
     limits = Limits(max_samples=args.max_samples, time_limit_s=args.time_limit)
     serve(
         args.checkpoint,

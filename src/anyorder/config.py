@@ -552,8 +552,11 @@ def load_config(
             raise ConfigError(
                 f"config file {str(path)!r} is not valid YAML ({problem}{where}); fix the file"
             ) from None
-        if loaded is None:
-            loaded = {}
+        if loaded is None:  # an empty file (or only comments) is a mistake, not "defaults"
+            raise ConfigError(
+                f"config file {str(path)!r} is empty; write the settings to change (e.g. "
+                "model: {kind: armd}), or start from a file in configs/"
+            )
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
         values = loaded

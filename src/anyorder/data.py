@@ -11,7 +11,14 @@ Design choices:
   A document's split depends on nothing but its text. When the hash leaves validation
   without a single full block while ``val_fraction > 0`` (small corpora), the last train
   documents of the corpus move to validation, after the hashed ones, until it has one
-  block; train must keep at least one block or :class:`DataError` is raised.
+  block; train must keep at least one block. When whole documents cannot do that (a
+  corpus that is one large ``.txt`` file is one document), the last ``val_fraction`` of the
+  train tokens (at least one block) becomes validation, said in one log line and recorded
+  as ``splits.val.split_tokens``; below one block per split, :class:`DataError`.
+* Opening a cache checks it: the manifest's schema (types, the dtype the vocabulary
+  implies, shard names), each shard's size, SHA-256 and largest token id against the
+  vocabulary. The hash is taken once: ``verified.json`` records each shard's size and
+  modification time at its last check, and a shard that still matches is not read again.
 * Shards are raw numpy memmaps of shape ``(num_blocks, seq_len)``, uint16 when the
   vocabulary fits and uint32 otherwise, in ``cache_dir/<key>/`` beside the tokenizer files
   and a ``manifest.json``. The key hashes everything that changes the tokens (source,
@@ -46,6 +53,7 @@ import glob as globlib
 import hashlib
 import itertools
 import json
+import math
 import os
 import platform
 import secrets
@@ -465,12 +473,36 @@ def _load_folder(path: Path) -> Tokenizer:
     )
 
 
+def _hub_unreachable(timeout_s: float = 5.0) -> str:
+    """Why the hub cannot be reached ("" when a TCP connection to it opens), in one try:
+    ``HF_HUB_OFFLINE``, a name that does not resolve, a refused or timed-out connection."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{host}: {e.strerror or type(e).__name__}"
+    return ""
+
+
 def _load_hub(spec: str) -> Tokenizer:
     auto = _import_transformers().AutoTokenizer
     try:
         # The local cache first: it answers at once, where a failing hub retries for a minute.
         tok = auto.from_pretrained(spec, local_files_only=True)
     except Exception:
+        unreachable = _hub_unreachable()
+        if unreachable:  # fail now, not after a minute of retries and a screen of warnings
+            raise DataError(
+                f"tokenizer {spec!r} is not a local folder or a cached hub tokenizer, and the "
+                f"Hugging Face hub cannot be reached ({unreachable}); check the name, or pass a "
+                "local tokenizer folder as data.tokenizer"
+            ) from None
         try:
             tok = auto.from_pretrained(spec)
         except Exception as e:
@@ -920,34 +952,27 @@ def _pack(
         raise DataError(
             f"data.source {source!r} holds no documents (all empty); give a corpus with text"
         )
-    moved = 0
+    moved = split_tokens = 0
     if val_fraction > 0 and val.tokens < seq_len:
         need = seq_len - val.tokens
         take: list[tuple[int, int, int]] = []
         while tail and sum(t[1] for t in take) < need:
             take.insert(0, tail.pop())
         got = sum(t[1] for t in take)
-        if got < need or train.tokens - got < seq_len:
-            total = train.tokens + val.tokens
-            raise DataError(
-                f"corpus {source!r} has {total} tokens, fewer than one train and one validation "
-                f"block of seq_len={seq_len}; use a larger corpus, a smaller model.seq_len or "
-                "data.val_fraction=0"
-            )
-        start = take[0][0]
-        itemsize = dtype.itemsize
-        tail_ids = np.fromfile(train.path, dtype=dtype, offset=start * itemsize)
-        with open(val.path, "ab") as f:
-            f.write(tail_ids.tobytes())
-        os.truncate(train.path, start * itemsize)
-        moved = len(take)
-        train.documents -= moved
-        val.documents += moved
-        train.tokens -= got
-        val.tokens += got
-        moved_bytes = sum(t[2] for t in take)
-        train.bytes -= moved_bytes
-        val.bytes += moved_bytes
+        if got >= need and train.tokens - got >= seq_len:
+            _move_tail(train, val, take[0][0], dtype, None)
+            moved_bytes = sum(t[2] for t in take)
+            moved = len(take)
+            train.documents -= moved
+            val.documents += moved
+            train.tokens -= got
+            val.tokens += got
+            train.bytes -= moved_bytes
+            val.bytes += moved_bytes
+    if val_fraction > 0 and min(train.tokens, val.tokens) < seq_len:
+        # Too few documents to split by whole ones (one large .txt file is one document,
+        # and its hash puts it all in one split): split the tokens instead.
+        split_tokens = _split_by_tokens(train, val, seq_len, val_fraction, dtype, tok, source)
     if train.tokens < seq_len:
         raise DataError(
             f"corpus {source!r} has {train.tokens} train tokens, fewer than one block of "
@@ -969,7 +994,76 @@ def _pack(
             "bytes_per_token": w.bytes / w.tokens if w.tokens else 0.0,
             "sha256": sha256_file(w.path),
         }
+    stats["val"]["split_tokens"] = split_tokens  # taken from the end of the train text
     return stats, moved
+
+
+def _split_by_tokens(
+    train: _SplitWriter,
+    val: _SplitWriter,
+    seq_len: int,
+    val_fraction: float,
+    dtype: np.dtype,
+    tok: Tokenizer,
+    source: str,
+) -> int:
+    """Make validation the last ``val_fraction`` of all tokens (at least one block, leaving
+    train one): train's tail moves to val, or val's head to train. Says so in one line.
+    Returns the size of validation in tokens.
+
+    Raises:
+        DataError: fewer than two blocks in all.
+    """
+    total = train.tokens + val.tokens
+    want = min(total - seq_len, max(seq_len, math.ceil(val_fraction * total)))
+    if want < seq_len:
+        raise DataError(
+            f"corpus {source!r} has {total} tokens, fewer than one train and one validation "
+            f"block of seq_len={seq_len} ({2 * seq_len} tokens); use a larger corpus or a "
+            "smaller model.seq_len"
+        )
+    if val.tokens < want:
+        count = want - val.tokens
+        moved_bytes = _move_tail(train, val, train.tokens - count, dtype, tok)
+        train.tokens, val.tokens = train.tokens - count, val.tokens + count
+        train.bytes, val.bytes = train.bytes - moved_bytes, val.bytes + moved_bytes
+    else:
+        count = val.tokens - want
+        itemsize = dtype.itemsize
+        with open(val.path, "rb") as src, open(train.path, "ab") as dst:
+            left = count * itemsize
+            while left:
+                chunk = src.read(min(left, 1 << 22))
+                dst.write(chunk)
+                left -= len(chunk)
+            rest = np.frombuffer(src.read(), dtype=dtype)
+        rest.tofile(val.path)
+        kept = tok.decode(_text_ids(rest, tok.vocab_size, tok.eos_id))
+        moved_bytes = val.bytes - len(kept.encode("utf-8", errors="replace"))
+        train.tokens, val.tokens = train.tokens + count, val.tokens - count
+        train.bytes, val.bytes = train.bytes + moved_bytes, val.bytes - moved_bytes
+    print(
+        f"data: {source!r} has too few documents to hold some out; its last {want:,} tokens "
+        f"({want / total:.1%}) are the validation split",
+        flush=True,
+    )
+    return want
+
+
+def _move_tail(
+    train: _SplitWriter, val: _SplitWriter, start: int, dtype: np.dtype, tok: Tokenizer | None
+) -> int:
+    """Move train tokens ``start:`` to the end of val; returns their UTF-8 bytes when ``tok``
+    is given (decoded, EOS left out; a cut inside a character counts its replacement)."""
+    itemsize = dtype.itemsize
+    tail_ids = np.fromfile(train.path, dtype=dtype, offset=start * itemsize)
+    with open(val.path, "ab") as f:
+        f.write(tail_ids.tobytes())
+    os.truncate(train.path, start * itemsize)
+    if tok is None:
+        return 0
+    text = tok.decode(_text_ids(tail_ids, tok.vocab_size, tok.eos_id))
+    return len(text.encode("utf-8", errors="replace"))
 
 
 def _bpe_texts(cfg: DataConfig) -> Iterator[str]:
@@ -1021,6 +1115,11 @@ def _build(cfg: DataConfig, seq_len: int, key: str, folder: Path, progress: bool
     }
     # The manifest is written last: a folder with a manifest is a complete folder.
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    stamp = {}
+    for info in stats.values():  # the shards were checked as they were written
+        st = (folder / info["file"]).stat()
+        stamp[info["file"]] = [st.st_size, st.st_mtime_ns, info["sha256"]]
+    _write_stamp(folder / STAMP, stamp)
 
 
 @dataclass(eq=False)  # arrays make == ambiguous; compare .train/.val explicitly
@@ -1059,14 +1158,20 @@ class TokenData:
         folder = Path(folder)
         try:
             manifest = json.loads((folder / "manifest.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise DataError(
                 f"{folder} is not a prepared data folder ({_first_line(e)}); run prepare again"
             ) from None
-        if manifest.get("format") != FORMAT_VERSION:
+        if isinstance(manifest, dict) and manifest.get("format") != FORMAT_VERSION:
             raise DataError(
                 f"{folder} has data format {manifest.get('format')}, this version reads "
                 f"{FORMAT_VERSION}; delete the folder and prepare again"
+            )
+        problem = data_manifest_problem(manifest)
+        if problem:
+            raise DataError(
+                f"data cache manifest {folder / 'manifest.json'} is damaged ({problem}); delete "
+                f"{folder} and prepare again"
             )
         seq_len = int(manifest["seq_len"])
         dtype = np.dtype(manifest["dtype"])
@@ -1088,7 +1193,14 @@ class TokenData:
                 else np.zeros((0, seq_len), dtype=dtype)
             )
         tokenizer = load_tokenizer(str(folder / "tokenizer"))
-        return cls(folder, manifest, tokenizer, arrays["train"], arrays["val"], reused)
+        if tokenizer.vocab_size != manifest["vocab_size"]:
+            raise DataError(
+                f"the tokenizer in {folder} has {tokenizer.vocab_size} token ids but its manifest "
+                f"says {manifest['vocab_size']}; delete {folder} and prepare again"
+            )
+        data = cls(folder, manifest, tokenizer, arrays["train"], arrays["val"], reused)
+        data.verify(stamped=True)
+        return data
 
     @property
     def seq_len(self) -> int:
@@ -1124,19 +1236,111 @@ class TokenData:
         idx = np.asarray(indices, dtype=np.int64)
         return torch.from_numpy(np.asarray(self.split(split)[idx], dtype=np.int64))
 
-    def verify(self) -> None:
-        """Check every shard against the SHA-256 in the manifest.
+    def verify(self, stamped: bool = False) -> None:
+        """Check every shard against the SHA-256 in the manifest and its token ids against
+        the vocabulary. :meth:`load` calls it with ``stamped``: a shard whose size and
+        modification time match the stamp of its last check (``verified.json``) is not read
+        again, so a large cache is hashed once, not at every start.
 
         Raises:
-            DataError: a shard whose contents changed.
+            DataError: a shard whose contents changed, or an id outside the vocabulary.
         """
+        stamp_path = self.path / STAMP
+        stamp: dict[str, Any] = {}
+        if stamped:
+            with contextlib.suppress(OSError, ValueError, RecursionError):
+                stamp = json.loads(stamp_path.read_text())
+            stamp = stamp if isinstance(stamp, dict) else {}
+        fresh = {}
         for split in SPLITS:
             info = self.manifest["splits"][split]
-            if sha256_file(self.path / info["file"]) != info["sha256"]:
+            path = self.path / info["file"]
+            st = path.stat()
+            fresh[info["file"]] = [st.st_size, st.st_mtime_ns, info["sha256"]]
+            if stamp.get(info["file"]) == fresh[info["file"]]:
+                continue
+            digest, top = _scan_shard(path, np.dtype(self.manifest["dtype"]))
+            if digest != info["sha256"]:
                 raise DataError(
-                    f"shard {self.path / info['file']} does not match its checksum; delete "
-                    f"{self.path} and prepare again"
+                    f"shard {path} does not match its checksum; delete {self.path} and "
+                    "prepare again"
                 )
+            if top >= self.vocab_size:
+                raise DataError(
+                    f"shard {path} holds token id {top}, outside the vocabulary of "
+                    f"{self.vocab_size} ids; delete {self.path} and prepare again"
+                )
+        if fresh != stamp:
+            _write_stamp(stamp_path, fresh)
+
+
+STAMP = "verified.json"
+"""A cache folder's record of its last shard check: file -> [size, mtime_ns, sha256]."""
+
+
+def _write_stamp(path: Path, stamp: dict[str, Any]) -> None:
+    """Write the stamp atomically; a read-only cache just goes unstamped (checked again)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        tmp.write_text(json.dumps(stamp) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _scan_shard(path: Path, dtype: np.dtype) -> tuple[str, int]:
+    """SHA-256 and the largest token id of a shard, in one pass of 4 MiB chunks."""
+    h = hashlib.sha256()
+    top = -1
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+            ids = np.frombuffer(chunk[: len(chunk) - len(chunk) % dtype.itemsize], dtype=dtype)
+            if ids.size:
+                top = max(top, int(ids.max()))
+    return h.hexdigest(), top
+
+
+_HEX64 = frozenset("0123456789abcdef")
+
+
+def _count(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def data_manifest_problem(manifest: Any) -> str:
+    """What is wrong with a data cache's parsed manifest ("" when nothing): the keys
+    :class:`TokenData` reads, with their types and the dtype the vocabulary implies."""
+    if not isinstance(manifest, dict):
+        return f"it holds {type(manifest).__name__}, not a JSON object"
+    for key in ("seq_len", "vocab_size"):
+        if not _count(manifest.get(key), 1):
+            return f"{key} is {json.dumps(manifest.get(key))[:40]}, not a whole number >= 1"
+    vocab = manifest["vocab_size"]
+    eos = manifest.get("eos_id")
+    if not _count(eos) or eos >= vocab:
+        return f"eos_id is {json.dumps(eos)[:40]}, not an id below vocab_size={vocab}"
+    if manifest.get("dtype") != token_dtype(vocab).name:
+        return f"dtype is {json.dumps(manifest.get('dtype'))[:40]}, not {token_dtype(vocab).name}"
+    splits = manifest.get("splits")
+    if not isinstance(splits, dict):
+        return "'splits' is not an object"
+    for split in SPLITS:
+        info = splits.get(split)
+        if not isinstance(info, dict):
+            return f"it has no {split} split"
+        if info.get("file") != f"{split}.bin":
+            return f"the {split} file is {json.dumps(info.get('file'))[:60]}, not {split}.bin"
+        if not _count(info.get("blocks")):
+            return f"the {split} split has no block count"
+        digest = info.get("sha256")
+        if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX64:
+            return f"the {split} split has no SHA-256"
+        bpt = info.get("bytes_per_token")
+        if not isinstance(bpt, (int, float)) or isinstance(bpt, bool) or not 0 <= bpt < 1e6:
+            return f"the {split} split has no bytes_per_token"
+    return ""
 
 
 def prepare(cfg: DataConfig, seq_len: int, *, progress: bool = True) -> TokenData:
@@ -1161,14 +1365,26 @@ def prepare(cfg: DataConfig, seq_len: int, *, progress: bool = True) -> TokenDat
     if (final / "manifest.json").is_file():
         return TokenData.load(final, reused=True)
     made = [p for p in (root, *root.parents) if not p.exists()]  # removed again on failure
-    root.mkdir(parents=True, exist_ok=True)
     # A unique name per process: ranks preparing the same key at once do not collide. (Not
     # tempfile.mkdtemp: its 0700 mode would survive the rename and hide the data from others.)
     tmp = root / f".{key}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
     ok = False
     try:
-        _build(cfg, seq_len, key, tmp, progress)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        except OSError as e:
+            raise DataError(
+                f"data.cache_dir={cfg.cache_dir!r} cannot be created ({e.strerror}); pick a "
+                "folder you can write"
+            ) from None
+        try:
+            _build(cfg, seq_len, key, tmp, progress)
+        except OSError as e:  # reading the source is wrapped where it is read: this is writing
+            raise DataError(
+                f"cannot write the data cache in {str(root)!r} ({e.strerror or e}); free disk "
+                "space or pick another data.cache_dir"
+            ) from None
         try:
             os.replace(tmp, final)
         except OSError:

@@ -533,8 +533,25 @@ def from_pretrained(
             f"{str(spec)!r} holds a {model_cfg.kind} model, not {kind}; load it as "
             f"{model_cfg.kind} or pick an export of a {kind} model"
         )
+    step = config.get("step") or 0
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME} has step {json.dumps(step)[:40]}, not a whole number >= 0; "
+            "export again"
+        )
+    weights = folder / WEIGHTS_NAME
+    if weights.is_file():  # its shapes against the config before anything is allocated
+        from anyorder.checkpoint import header_problem, read_header_shapes
+
+        shapes = read_header_shapes(weights, "; export or download it again")
+        problem = header_problem(model_cfg, shapes)
+        if problem:
+            raise CheckpointError(
+                f"{weights} does not fit the model {CONFIG_NAME} describes ({problem}); "
+                "export or download it again"
+            )
     model = build_model(model_cfg)
-    load_state(model, folder / WEIGHTS_NAME, config.get("weights_sha256"))
+    load_state(model, weights, config.get("weights_sha256"))
     tokenizer = _read_tokenizer(folder)
     from anyorder.checkpoint import check_tokenizer_fits
 
@@ -545,7 +562,7 @@ def from_pretrained(
         model=model,
         tokenizer=tokenizer,  # type: ignore[arg-type]
         config=run_config,
-        step=int(config.get("step") or 0),
+        step=step,
         path=folder,
         weights=str(config.get("weights", "model")),
     )

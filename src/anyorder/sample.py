@@ -1087,7 +1087,8 @@ def parse_template(
         if j < 0:
             break
         m = _HOLE.match(text, j)
-        if m is None or int(m.group(1)) < 1:
+        digits = m.group(1).lstrip("0") if m else ""  # "" for no hole or [MASK:0]
+        if not digits:
             close = text.find("]", j)
             if close < 0:
                 raise SamplingError(
@@ -1102,11 +1103,13 @@ def parse_template(
                 f"bad hole {text[j : close + 1]!r} at character {j}; write [MASK:n] with a "
                 "whole number n >= 1"
             )
-        size = int(m.group(1))
-        if max_len is not None and size > max_len:
+        # int() refuses thousands of digits: judge a long number by its length first
+        if max_len is not None and (len(digits) > 18 or int(digits) > max_len):
+            shown = digits if len(digits) <= 12 else f"{digits[:6]}... ({len(digits)} digits)"
             raise SamplingError(
-                f"hole [MASK:{size}] is longer than the model's context ({max_len} tokens)"
+                f"hole [MASK:{shown}] is longer than the model's context ({max_len} tokens)"
             )
+        size = int(digits)
         ids += [0] * size
         known += [False] * size
         holes += 1

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import sys
 import threading
 import time
@@ -50,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from anyorder import bounds, serve_guard
 from anyorder.errors import AnyorderError, CheckpointError, SamplingError
 
 if TYPE_CHECKING:
@@ -83,6 +85,10 @@ class Limits:
     """Longest slow-motion pause per pass."""
     max_concurrent: int = 1
     """Generations running at once; more get 429."""
+    max_connections: int = 32
+    """Connections open at once (each holds a thread); more get 503 and are closed."""
+    read_timeout_s: float = 10.0
+    """Seconds a connection may stay silent (a partial request) or not read the stream."""
 
 
 @dataclass
@@ -157,11 +163,11 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
         raise SamplingError("mode strided needs the number of streams S (field streams)")
     if req.mode == "lemma1" and req.steps is None:
         raise SamplingError("mode lemma1 needs the number of steps T (field steps)")
-    if not 1 <= req.num_samples <= limits.max_samples:
-        raise SamplingError(
-            f"num_samples={req.num_samples} must lie in 1..{limits.max_samples} "
-            "(this server's limit)"
-        )
+    bounds.check_controls(
+        temperature=req.temperature, top_p=req.top_p, num_samples=req.num_samples,
+        seed=req.seed, steps=req.steps, length=req.length, max_samples=limits.max_samples,
+        limit_note="this server's limit",
+    )  # fmt: skip
     if not 0 <= req.delay_ms <= limits.max_delay_ms:
         raise SamplingError(f"delay_ms={req.delay_ms} must lie in 0..{limits.max_delay_ms}")
     return req
@@ -197,11 +203,14 @@ def plan_request(loaded: Loaded, req: GenRequest) -> Plan:
     seq_len = model.cfg.seq_len
     prompt = known = None
     template = "[MASK" in req.text
+    steps = req.steps if req.mode == "lemma1" else None
     if template:
+        bounds.check_holes(req.text, seq_len)
         prompt, known = parse_template(req.text, tok, seq_len)
         n = len(prompt)
+        bounds.check_steps(steps, n)
     else:
-        n = seq_len if req.length is None else req.length
+        n = bounds.check_fit(seq_len, length=req.length, steps=steps)
         if req.text:
             ids = tok.encode(req.text)
             if len(ids) >= n:
@@ -245,8 +254,12 @@ def run_generation(
     limits: Limits = Limits(),
     *,
     autocast: bool = False,
+    started: float | None = None,
 ) -> dict[str, Any]:
     """Run one request through the real sampler, calling ``emit(event, data)`` as it goes.
+
+    The time limit counts from ``started`` (a ``time.perf_counter()`` value; default: now)
+    and is checked before the sampler plans the request and after every pass.
 
     Events: ``start`` (sizes, the prompt) and ``step`` (one per sampler pass) from inside the
     sampler's ``on_step`` hook, then ``done`` (the texts and the whole result). Nothing is
@@ -260,6 +273,7 @@ def run_generation(
     from anyorder.sample import decode_text, sample
 
     model, tok = loaded.model, loaded.tokenizer
+    t0 = time.perf_counter() if started is None else started
     plan = plan_request(loaded, req)
     n = plan.n
     prompt = plan.kwargs["prompt"]
@@ -267,7 +281,14 @@ def run_generation(
     known_pos = [] if known is None else known.nonzero()[:, 0].tolist()
     prompt_cells = [[p, int(prompt[p]), _piece(tok, int(prompt[p]))] for p in known_pos]
     state = {"passes": 0, "generated": 0, "slept": 0.0}
-    t0 = time.perf_counter()
+
+    def over_time() -> None:
+        now = time.perf_counter()
+        if now - t0 > limits.time_limit_s:
+            raise LimitError(
+                f"stopped after {now - t0:.1f} s: this server's limit is "
+                f"{limits.time_limit_s:g} s per request; ask for fewer tokens or samples"
+            )
 
     def on_step(positions: Tensor, tokens: Tensor, step: int) -> None:
         pos, toks = positions.tolist(), tokens.tolist()  # the stream's one sync per pass
@@ -299,11 +320,7 @@ def run_generation(
                 "elapsed_s": now - t0 - state["slept"],
             },
         )
-        if now - t0 > limits.time_limit_s:
-            raise LimitError(
-                f"stopped after {now - t0:.1f} s: this server's limit is "
-                f"{limits.time_limit_s:g} s per request; ask for fewer tokens or samples"
-            )
+        over_time()
         if req.delay_ms:
             time.sleep(req.delay_ms / 1000)
             state["slept"] += req.delay_ms / 1000
@@ -311,6 +328,7 @@ def run_generation(
     device = model.device
     ctx = torch.autocast(device.type, torch.bfloat16) if autocast else contextlib.nullcontext()
     gen = torch.Generator(device).manual_seed(req.seed)
+    over_time()  # before the sampler plans the request (a slow body or tokenizer counts)
     with ctx:
         result = sample(model, n, generator=gen, on_step=on_step, **plan.kwargs)
     seconds = time.perf_counter() - t0 - state["slept"]
@@ -364,6 +382,13 @@ class App:
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     server_version = "anyorder-serve"
+    default_request_version = "HTTP/1.0"  # answers to malformed lines get a status line too
+
+    def setup(self) -> None:
+        # A per-connection socket timeout: a client that stops sending (a partial request)
+        # or stops reading is dropped after it instead of holding a thread forever.
+        self.timeout = self.server.app.limits.read_timeout_s
+        super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
         if self.server.verbose:
@@ -378,12 +403,65 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in (headers or {}).items():
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def _error(self, status: int, message: str, headers: dict | None = None) -> None:
+        if status >= 400 and status not in (404, 405, 429):
+            self.close_connection = True
         self._json(status, {"error": message}, headers)
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a malformed request line, too many headers, a request
+        line too long) as JSON, like every other answer."""
+        self.close_connection = True
+        short = message or self.responses.get(code, ("error",))[0]
+        with contextlib.suppress(OSError):
+            self._error(code, f"{short}; send one well-formed HTTP request")
+
+    def _refused(self) -> bool:
+        """Host and Origin checks (:mod:`anyorder.serve_guard`); True when refused."""
+        host = self.headers.get("Host")
+        if not serve_guard.host_allowed(host, self.server.bound_host):
+            self._error(
+                403,
+                f"Host {host!r} is not this server's address; open the page at "
+                f"http://127.0.0.1:{self.server.server_address[1]}/",
+            )
+            return True
+        origin = self.headers.get("Origin")
+        if not serve_guard.origin_allowed(origin, host):
+            self._error(403, f"cross-origin request from {origin!r} refused; use the page itself")
+            return True
+        return False
+
+    def _routes(self, path: str) -> str | None:
+        """The method a path takes (None: no such path)."""
+        if path == "/api/generate":
+            return "POST"
+        if path in ("/", "/index.html", "/api/info") or path.removeprefix("/static/") in STATIC:
+            return "GET"
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        # Every other method (PUT, DELETE, OPTIONS, HEAD, made-up ones) gets JSON 404/405
+        # instead of http.server's HTML 501.
+        if name.startswith("do_"):
+            return self._other_method
+        raise AttributeError(name)
+
+    def _other_method(self) -> None:
+        if self._refused():
+            return
+        path = self.path.split("?", 1)[0]
+        allow = self._routes(path)
+        if allow is None:
+            return self._error(404, f"no page at {path}; the page is /")
+        self._error(405, f"{self.command} is not served at {path}; use {allow}", {"Allow": allow})
+
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        if self._refused():
+            return
         path = self.path.split("?", 1)[0]
         if path == "/api/info":
             return self._json(200, self.server.app.info())
@@ -402,27 +480,53 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _read_request(self, app: App) -> GenRequest | None:
+        """The checked body of a generation request, or None after sending the refusal."""
+        if not serve_guard.is_json(self.headers.get("Content-Type")):
+            self._error(415, "send the body as JSON with Content-Type: application/json")
+            return None
+        length = serve_guard.content_length(self.headers.get("Content-Length"))
+        if length is None or self.headers.get("Transfer-Encoding"):
+            self._error(411, "send the JSON body with a Content-Length (not chunked)")
+            return None
+        if length > app.limits.max_body_bytes:
+            self._error(
+                413,
+                f"the request is {length} bytes; this server takes at most "
+                f"{app.limits.max_body_bytes}",
+            )
+            return None
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:
+            self._error(408, f"the body did not arrive within {app.limits.read_timeout_s:g} s")
+            return None
+        if len(raw) < length:
+            self.close_connection = True  # the client went away mid-body
+            return None
+        if serve_guard.json_too_deep(raw):
+            self._error(400, f"the body nests deeper than {serve_guard.MAX_JSON_DEPTH} levels; "
+                        "send one flat JSON object")  # fmt: skip
+            return None
+        try:
+            return parse_request(json.loads(raw.decode("utf-8")), app.limits)
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, a 5000-digit number
+            reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            self._error(400, f"the body is not JSON ({reason}); send a JSON object")
+        except AnyorderError as e:
+            self._error(400, str(e))
+        return None
+
     def do_POST(self) -> None:  # noqa: N802
+        started = time.perf_counter()
+        if self._refused():
+            return
         if self.path.split("?", 1)[0] != "/api/generate":
             return self._error(404, f"nothing to POST at {self.path}; use /api/generate")
         app = self.server.app
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
-            return self._error(411, "send the JSON body with a Content-Length")
-        if int(length) > app.limits.max_body_bytes:
-            return self._error(
-                413,
-                f"the request is {int(length)} bytes; this server takes at most "
-                f"{app.limits.max_body_bytes}",
-            )
-        raw = self.rfile.read(int(length))
-        try:
-            body = json.loads(raw.decode("utf-8"))
-            req = parse_request(body, app.limits)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            return self._error(400, f"the body is not JSON ({e}); send a JSON object")
-        except AnyorderError as e:
-            return self._error(400, str(e))
+        req = self._read_request(app)
+        if req is None:
+            return
         if not app.slots.acquire(blocking=False):
             return self._error(
                 429,
@@ -431,11 +535,11 @@ class _Handler(BaseHTTPRequestHandler):
                 {"Retry-After": "1"},
             )
         try:
-            self._stream(app, req)
+            self._stream(app, req, started)
         finally:
             app.slots.release()
 
-    def _stream(self, app: App, req: GenRequest) -> None:
+    def _stream(self, app: App, req: GenRequest, t0: float) -> None:
         started = False
 
         def emit(event: str, data: dict[str, Any]) -> None:
@@ -451,14 +555,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
 
         try:
-            done = run_generation(app.loaded, req, emit, app.limits, autocast=app.autocast)
+            done = run_generation(
+                app.loaded, req, emit, app.limits, autocast=app.autocast, started=t0
+            )
             self.log_message("generated %d tokens, %.0f tokens/s", done["generated"],
                              done["tokens_per_s"])  # fmt: skip
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True  # the page went away (Stop): generation stopped
+        except OSError:  # the page went away (Stop) or stopped reading: generation stopped
+            self.close_connection = True
         except AnyorderError as e:
             if not started:
-                return self._error(400, str(e))
+                return self._error(503 if isinstance(e, LimitError) else 400, str(e))
             with contextlib.suppress(OSError):
                 emit("error", {"message": str(e)})
         except Exception as e:  # a bug, not the user's: report it, keep serving
@@ -472,9 +578,47 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class _Server(ThreadingHTTPServer):
+    """Threads per connection, at most ``limits.max_connections`` open at once: the next one
+    gets a JSON 503 and is closed without a thread."""
+
     daemon_threads = True
     app: App
     verbose: bool = False
+    bound_host: str = "127.0.0.1"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._open = 0
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            full = self._open >= self.app.limits.max_connections
+            if not full:
+                self._open += 1
+        if not full:
+            return super().process_request(request, client_address)
+        body = json.dumps(
+            {"error": f"busy: {self.app.limits.max_connections} connections are open; retry"}
+        ).encode()
+        head = (
+            "HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+        )
+        with contextlib.suppress(OSError):
+            request.settimeout(0.1)  # short: this runs in the accepting thread
+            request.sendall(head.encode() + body)
+            request.shutdown(socket.SHUT_WR)
+            while request.recv(65536):  # drain the request, so closing sends no reset
+                pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._open_lock:
+                self._open -= 1
 
 
 def make_server(
@@ -487,8 +631,12 @@ def make_server(
     try:
         server = _Server((host, port), _Handler)
     except OSError as e:
-        raise SamplingError(f"cannot listen on {host}:{port} ({e.strerror}); pick --port") from None
-    server.app, server.verbose = app, verbose
+        raise SamplingError(
+            f"cannot listen on {host}:{port} ({e.strerror}); pick another --host or --port"
+        ) from None
+    except OverflowError:
+        raise SamplingError(f"--port {port} must lie in 0..65535 (0: any free port)") from None
+    server.app, server.verbose, server.bound_host = app, verbose, host
     return server
 
 

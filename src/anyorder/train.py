@@ -61,6 +61,7 @@ from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig, to_dict
 from anyorder.errors import CheckpointError, ConfigError, TrainingError
 from anyorder.orders import OrderSampler
+from anyorder.runlock import RunLock, check_writable_dir
 
 MDM_L2R_ROWS = 4
 """Sequences the encoder's (costly: one pass per token) left-to-right NLL is measured on."""
@@ -375,6 +376,11 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
         )
     if t.dtype not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"train.dtype={t.dtype!r}: use auto, bf16 or fp32")
+    if not 0.0 < cfg.data.val_fraction < 1.0:  # validation runs at the end of every run
+        raise ConfigError(
+            f"data.val_fraction={cfg.data.val_fraction} must lie in (0, 1) for training "
+            "(validation runs at the end); use e.g. 0.05"
+        )
     block_orders = o.kind == "sbp" or (o.kind == "strided" and o.streams > 1)
     if block_orders and m.kind in ("gpt", "aogpt"):
         raise ConfigError(
@@ -728,6 +734,16 @@ def _locate_resume(resume: bool | str, run_dir: Path) -> Path | None:
         raise CheckpointError(
             f"nothing to resume: {run_dir} holds no checkpoint; drop --resume to start"
         )
+    if found is None:
+        # Step folders without a readable manifest: damaged checkpoints, not a new run. A
+        # fresh start would delete metrics.jsonl and overwrite them, so it must be asked for.
+        root = run_dir / ckpt_mod.CHECKPOINTS
+        broken = sorted(p.name for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+        if broken:
+            raise CheckpointError(
+                f"{root} holds {len(broken)} checkpoint folder(s) without a manifest.json "
+                f"({broken[-1]}...); restore them, delete them, or start over with --fresh"
+            )
     return found
 
 
@@ -822,11 +838,43 @@ def train(
 
     cfg = init_model_config(cfg)
     check_config(cfg, env.world_size)
+    check_writable_dir(cfg.data.cache_dir, "data.cache_dir")
     if not dry_run:
+        check_writable_dir(cfg.train.out_dir, "train.out_dir")
         check_resume_early(cfg, resume)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory())) if dry_run else None
+        if not dry_run:  # one writer per run folder, from before the resume decision to the end
+            lock = _lock_run_folder(cfg, env)
+            if lock is not None:
+                stack.callback(lock.release, remove_made=True)
         return _train(cfg, env, resume, dry_run, progress, stop_at, time_limit_s, tmp)
+
+
+def _lock_run_folder(cfg: RunConfig, env: DistEnv) -> RunLock | None:
+    """Rank 0 takes the run folder's lock (:mod:`anyorder.runlock`); every rank learns
+    whether it did, and all stop together when another training holds it.
+
+    Raises:
+        ConfigError: the folder is in use by another training (its PID named).
+    """
+    lock, error, holder = None, None, 0
+    if env.is_main:
+        try:
+            lock = RunLock(cfg.train.out_dir).acquire()
+        except ConfigError as e:
+            error, holder = e, RunLock(cfg.train.out_dir).holder() or -1
+    if env.distributed:
+        holder = _from_rank0(holder, env)
+    if error is not None:
+        raise error
+    if holder:
+        who = f"PID {holder}" if holder > 0 else "another process"
+        raise ConfigError(
+            f"train.out_dir={cfg.train.out_dir!r} is in use by another training ({who}); wait "
+            "for it to finish, stop it, or pick another train.out_dir"
+        )
+    return lock
 
 
 def _train(
@@ -914,9 +962,9 @@ def _train(
     tokens_seen = 0
     if resume_from is not None:
         state = ckpt_mod.read_state(resume_from)
-        ckpt_mod.verify(resume_from, [ckpt_mod.MODEL_FILE, ckpt_mod.EMA_FILE])
+        listed = ckpt_mod.verify(resume_from, [ckpt_mod.MODEL_FILE, ckpt_mod.EMA_FILE])["files"]
         if ema is not None:
-            if not (resume_from / ckpt_mod.EMA_FILE).is_file():
+            if ckpt_mod.EMA_FILE not in listed:  # never load an EMA file nothing vouches for
                 raise CheckpointError(
                     f"{resume_from} has no EMA weights but train.ema={t.ema}; resume with "
                     "train.ema=0 or start a new run"

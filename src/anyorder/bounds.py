@@ -1,0 +1,180 @@
+"""The user-facing bounds of a sampling request, shared by the CLI, the API and the server.
+
+``anyorder sample``, :class:`anyorder.api.Model` and ``anyorder serve`` take the same
+numbers from users (steps, length, number of samples, seed, hole widths, temperature,
+top-p, top-k). They are checked here, once, before a sampler is invoked, so a request that
+cannot run allocates nothing and every surface gives the same one-line message.
+
+Design choices:
+
+* Two stages. :func:`check_controls` needs no model and runs before one is loaded (a bad
+  seed fails in milliseconds, not after loading a large checkpoint); :func:`check_fit`
+  checks the length, the steps and the holes against the loaded model's context.
+* ``steps`` lies in ``1..n``: a reverse step that reveals nothing costs no forward pass, so
+  at most ``n`` steps are non-empty and more only cost planning time and memory.
+* ``length`` lies in ``1..seq_len``; 0 is an error, not "the full context" (leave it out
+  for that).
+* Seeds lie in ``0..2**63 - 1``: every generator we seed (torch, numpy) takes them, and
+  JSON clients cannot send a number that silently loses bits.
+* ``num_samples`` is one batch; :data:`MAX_NUM_SAMPLES` bounds it on the CLI and in the API
+  (the server has its own, lower ``--max-samples``).
+* A hole's width is read from its digits only after checking how many there are, so
+  ``[MASK:<5000 digits>]`` is "longer than the context", not Python's int-conversion limit.
+* Names in messages are the JSON/API field names (``num_samples=0``); the CLI flag is the
+  same word with dashes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Iterator
+
+from anyorder.errors import SamplingError
+
+MAX_SEED = 2**63 - 1
+"""Largest seed (the int64 range every generator takes)."""
+MAX_NUM_SAMPLES = 1024
+"""Most samples in one batch on the CLI and in the API."""
+_HOLE_DIGITS = re.compile(r"\[MASK:(\d+)\]")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_seed(seed: object, name: str = "seed") -> int:
+    """A seed in ``0..MAX_SEED``.
+
+    Raises:
+        SamplingError: not a whole number, or out of range.
+    """
+    if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
+        shown = (
+            str(seed) if len(str(seed)) <= 30 else f"{str(seed)[:20]}... ({len(str(seed))} digits)"
+        )
+        raise SamplingError(f"{name}={shown} must be a whole number in 0..{MAX_SEED} (2**63 - 1)")
+    return seed
+
+
+def check_controls(
+    *,
+    temperature: float = 1.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    num_samples: int = 1,
+    seed: int = 0,
+    steps: int | None = None,
+    length: int | None = None,
+    max_samples: int = MAX_NUM_SAMPLES,
+    limit_note: str = "",
+) -> None:
+    """What can be checked without the model: controls, counts and the seed.
+
+    Args:
+        temperature, top_p, top_k: the sampling controls.
+        num_samples: samples in the batch (``1..max_samples``).
+        seed: the seed (:func:`check_seed`).
+        steps: reverse steps (>= 1; the upper bound needs the length, :func:`check_fit`).
+        length: tokens per sample (>= 1; the upper bound is the model's context).
+        max_samples: the largest batch this surface takes.
+        limit_note: appended to the ``num_samples`` message (e.g. "this server's limit").
+
+    Raises:
+        SamplingError: the first value out of range.
+    """
+    if isinstance(temperature, (int, float)) and temperature > 0 and not temperature < math.inf:
+        raise SamplingError(f"temperature={temperature} must be a finite number > 0, e.g. 1.0")
+    if not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+        raise SamplingError(
+            f"temperature={temperature} must be > 0 (use e.g. 0.01 for near-greedy)"
+        )
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise SamplingError(f"top-p={top_p} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut")
+    if top_k is not None and top_k < 1:
+        raise SamplingError(f"top-k={top_k} must be at least 1; leave it out to keep every token")
+    if not _is_int(num_samples) or not 1 <= num_samples <= max_samples:
+        note = f" ({limit_note})" if limit_note else ""
+        raise SamplingError(f"num_samples={num_samples} must lie in 1..{max_samples}{note}")
+    check_seed(seed)
+    if steps is not None and steps < 1:
+        raise SamplingError(f"steps={steps} must be at least 1")
+    if length is not None and length < 1:
+        raise SamplingError(
+            f"length={length} must be at least 1; leave it out for the model's full context"
+        )
+
+
+def check_length(length: int | None, seq_len: int) -> int:
+    """Tokens per sample: ``length`` in ``1..seq_len``, or ``seq_len`` when None.
+
+    Raises:
+        SamplingError: out of range.
+    """
+    if length is None:
+        return seq_len
+    if not 1 <= length <= seq_len:
+        raise SamplingError(f"length n={length} must lie in 1..{seq_len} (the model's context)")
+    return length
+
+
+def check_steps(steps: int | None, n: int) -> None:
+    """``steps`` in ``1..n`` (``n`` the sample's length): more steps reveal nothing more.
+
+    Raises:
+        SamplingError: out of range.
+    """
+    if steps is not None and not 1 <= steps <= n:
+        raise SamplingError(
+            f"steps={steps} must lie in 1..n={n} (at most n reverse steps reveal a token); "
+            f"use e.g. steps={max(1, n // 4)}"
+        )
+
+
+def check_holes(template: str, seq_len: int) -> None:
+    """Every ``[MASK:n]`` hole of a template is at most the context wide, judged from the
+    number of its digits first (``int()`` of thousands of digits is refused by Python).
+
+    Raises:
+        SamplingError: a hole wider than ``seq_len``.
+    """
+    for m in _HOLE_DIGITS.finditer(template):
+        digits = m.group(1).lstrip("0") or "0"
+        if len(digits) > len(str(seq_len)) or int(digits) > seq_len:
+            shown = digits if len(digits) <= 12 else f"{digits[:6]}... ({len(digits)} digits)"
+            raise SamplingError(
+                f"hole [MASK:{shown}] is longer than the model's context ({seq_len} tokens)"
+            )
+
+
+def check_fit(seq_len: int, *, length: int | None = None, steps: int | None = None) -> int:
+    """What needs the model: the length against its context, the steps against the length.
+    Returns the length (``seq_len`` when None). A template's holes are checked with
+    :func:`check_holes` before it is parsed, and its steps with :func:`check_steps` after.
+
+    Raises:
+        SamplingError: the first value out of range.
+    """
+    n = check_length(length, seq_len)
+    check_steps(steps, n)
+    return n
+
+
+@contextlib.contextmanager
+def out_of_memory_as_error(what: str) -> Iterator[None]:
+    """Turn an allocation failure (CPU or CUDA) inside the block into a one-line
+    :class:`SamplingError` naming ``what`` was asked for and the fix."""
+    import torch
+
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        text = str(e)
+        if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and (
+            "can't allocate memory" not in text and "out of memory" not in text
+        ):
+            raise
+        raise SamplingError(
+            f"out of memory for {what}; ask for fewer samples or a shorter length"
+        ) from None
