@@ -390,7 +390,8 @@ def test_paper_configs_have_paper_sizes(name):
     assert (m.n_layer, m.d_model, m.n_head, m.seq_len) == (n_layer, d_model, n_head, seq_len)
     assert m.kind == name.split("-")[0] and m.head_dim == 64
     assert cfg.data.source == source and cfg.data.tokenizer == tokenizer
-    assert cfg.train.batch_size == 512
+    # ~0.5M tokens per step (SEDD/ARMD); the AO-GPT authors' ~1M (16 x 64 x 1024)
+    assert cfg.train.batch_size == (1024 if m.kind == "aogpt" else 512)
     check_config(cfg)
     if m.kind == "armd":
         assert cfg.order.kind == "progressive"
@@ -398,6 +399,15 @@ def test_paper_configs_have_paper_sizes(name):
         assert (cfg.order.i_ar, cfg.order.i_perm, cfg.order.rho) == want
     if m.kind == "aogpt":
         assert (cfg.order.kind, cfg.order.p_l2r, cfg.train.ema) == ("mix", 0.1, 0.9999)
+        # the authors' model and recipe (train_AOGPT_CL.py, submit_124M_train.sh)
+        from anyorder.config import VARIANTS
+
+        assert all(getattr(m, k) == v for k, v in VARIANTS["aogpt-ref"].items())
+        assert m.padded_vocab == 50304 and not m.tie_embeddings and m.head_bias
+        t = cfg.train
+        assert (t.weight_decay, t.beta2, t.warmup_steps) == (0.03, 0.95, 2000)
+        assert t.lr == (6e-4 if "small" in name else 3e-4)
+        assert math.isclose(t.lr * t.min_lr_ratio, 6e-5)
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_CONFIGS) + TINY_CONFIGS)

@@ -591,7 +591,10 @@ def _read_run_config(folder: Path, model_cfg: ModelConfig) -> RunConfig:
             raise CheckpointError(f"{path} is not a config this version reads ({e})") from None
         cfg.model = model_cfg
         return cfg
-    return RunConfig(model=model_cfg)
+    cfg = RunConfig(model=model_cfg)
+    if (folder / TOKENIZER_DIR).is_dir():  # data for `eval`: tokenized as the model reads it
+        cfg.data.tokenizer = str((folder / TOKENIZER_DIR).resolve())
+    return cfg
 
 
 # ----------------------------------------------------------------------------- init_from
