@@ -418,4 +418,4 @@ def test_sample_and_eval_on_a_folder_without_a_tokenizer(tmp_path, capsys, monke
     argv = ["convert", str(src), "--from", "aogpt-ref", "--tokenizer", "bytes", "--out", str(byte)]
     assert main(argv) == 0
     assert main(["eval", str(byte), "--max-blocks", "2", "--orders", "1", "--no-progress"]) == 0
-    assert "any-order" in capsys.readouterr().out
+    assert "any order (K=1 orders)" in capsys.readouterr().out
