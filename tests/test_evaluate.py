@@ -160,8 +160,10 @@ def test_monte_carlo_ci_covers_the_exact_any_order_nll(gen: torch.Generator) -> 
     est = pooled_estimate(values)
     lo, hi = est.ci95()
     assert est.stderr > 1e-4 and lo <= exact <= hi
-    # the draws are per block: the batch size does not change them
-    assert_close(values, corpus_any_order(model, x, 6, seed=3, batch_size=8, progress=False))
+    # the draws are per block: the batch size does not change them (different draws would
+    # move a value by ~0.1; a different batch only reorders float sums, ~1e-7)
+    rebatched = corpus_any_order(model, x, 6, seed=3, batch_size=8, progress=False)
+    assert_close(values, rebatched, rtol=1e-5, atol=1e-5)
 
 
 def test_pooled_estimate() -> None:
