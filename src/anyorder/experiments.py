@@ -290,6 +290,10 @@ def _plot_xy(
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label)
     if logx:
         ax.set_xscale("log", base=2)
+    elif all(float(v).is_integer() for x, _, _ in series.values() for v in x):
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # n = 5, 6, 7: no 5.25
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
