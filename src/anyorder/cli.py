@@ -80,7 +80,7 @@ def run_train(args: argparse.Namespace) -> int:
 
             print0(f"resume with the same command (the run folder is {summary['run_dir']})")
             code = 128 + int(signal.Signals[summary["interrupted"]])
-        elif not summary["dry_run"]:
+        elif not summary["dry_run"] and summary["steps_run"]:
             print0(f"done: step {summary['step']}, {summary['tokens_per_s']:,.0f} tokens/s")
             print0(f"run folder: {summary['run_dir']}")
     except AnyorderError as e:

@@ -1180,7 +1180,10 @@ def _train(
     loop_t0 = time.perf_counter()
     end = t.steps if stop_at is None else min(t.steps, stop_at)
     if step >= end:
-        print0(f"{run_dir} is already at step {step} of {end}: nothing to train")
+        print0(
+            f"{run_dir} is already at step {step} of {end}: nothing to train (raise "
+            "train.steps to go on from there, or pick another train.out_dir)"
+        )
     if time_limit_s is None:
         bar = open_bar(end, step)
     skipped = 0
