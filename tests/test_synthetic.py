@@ -43,7 +43,7 @@ def test_the_floor_is_the_documents_mean_information() -> None:
 def test_documents_are_fixed_and_blocks_start_at_documents(tmp_path) -> None:
     first = next(iter_documents("builtin:synthetic"))
     assert first == next(synthetic.documents(1))
-    assert first.startswith(".kf,;tosc;-psaiu bf")  # the same corpus on every machine
+    assert first.startswith("'mpbai-w'qze tw'mkpze")  # the same corpus on every machine
     cfg = DataConfig(source="builtin:synthetic", cache_dir=str(tmp_path), max_documents=600)
     data = prepare(cfg, 128, progress=False)
     eos = data.tokenizer.eos_id
