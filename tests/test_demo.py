@@ -83,3 +83,34 @@ def test_demo_refuses_a_folder_it_did_not_write(tmp_path) -> None:
         demo(tmp_path / "new", minutes=0)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     assert not (tmp_path / "new").exists()
+
+
+def test_the_number_of_threads_does_not_change_training() -> None:
+    """Why the demo may suggest --threads 1 on a busy machine: the same bits either way."""
+    import torch
+
+    from anyorder import build_model, preset
+    from anyorder.orders import uniform
+
+    def train(threads: int) -> list[torch.Tensor]:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            torch.manual_seed(0)
+            cfg = preset("tiny", kind="armd", n_layer=2, d_model=64, n_head=4, seq_len=64)
+            model = build_model(cfg)
+            opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+            g = torch.Generator().manual_seed(0)
+            for _ in range(3):
+                x = torch.randint(0, 256, (8, 64), generator=g)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model.loss(x, uniform(8, 64, g).order)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            return [p.detach().clone() for p in model.parameters()]
+        finally:
+            torch.set_num_threads(before)
+
+    for a, b in zip(train(1), train(2)):
+        assert torch.equal(a, b)

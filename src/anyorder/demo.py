@@ -322,6 +322,26 @@ def ensemble_bits(model: Any, val: Tensor, bytes_per_token: float) -> dict:
 # ----------------------------------------------------------------------------- the job
 
 
+def _busy_hint(threads: int) -> str | None:
+    """A line for a machine whose cores are taken: more runnable threads than cores slow
+    PyTorch's CPU kernels many-fold (measured: 11 s per step with 2 threads at a load of 14
+    on 2 cores, 0.7 s with 1). Fewer threads give the same report: the result does not
+    depend on the number of threads (tests/test_demo.py)."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    if threads < 2 or load + threads <= cores + 0.5:
+        return None
+    return (
+        f"demo: this machine is busy (load {load:.1f} on {cores} cores): {threads} threads may "
+        "run many times slower than usual; --threads 1 writes the same report"
+    )
+
+
 def estimate_s(steps: int) -> float:
     """The demo's wall seconds on 2 idle cores (calibrated), for ``steps`` training steps."""
     return steps * CALIBRATED_S_PER_STEP + CALIBRATED_REST_S
@@ -399,6 +419,9 @@ def _run(
         elif p.exists():
             p.unlink()
     m = cfg.model
+    busy = _busy_hint(threads)
+    if busy:
+        print(busy, flush=True)
     if limit is None:
         steps = cfg.train.steps
         print(

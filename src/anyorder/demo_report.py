@@ -24,20 +24,24 @@ from anyorder.demo import (
     SEED,
     TEMPERATURE,
     TOP_P,
+    estimate_s,
 )
+from anyorder.progress import format_duration
 
 LARGER_RUN = (
-    "A larger run buys fluency: the papers train GPT-2-size models (124M-355M parameters) "
-    "for 10^5 times more tokens on GPUs, and their samples score close to GPT-2's own under "
-    "a GPT-2-large judge (`configs/armd-small-owt.yaml` is that recipe)."
+    "A larger run buys fluent text: the papers train GPT-2-size models (124M-355M "
+    "parameters) on GPUs for about 10,000 times more tokens, and AO-GPT's samples then score "
+    "a generative perplexity of 4.6-6.1 under GPT-2 large (`configs/armd-small-owt.yaml` "
+    "and `configs/aogpt-small-owt.yaml` are those recipes)."
 )
 
 
 def expectation(info: dict[str, Any]) -> str:
     """The one sentence on what this budget buys (also in the README)."""
     return (
-        f"**What to expect.** {info['step']:,} steps on {info['threads']} CPU cores "
-        f"({info['tokens_seen'] / 1e6:.1f}M bytes of text seen) buy a "
+        f"**What to expect.** {info['step']:,} training steps, about "
+        f"{format_duration(estimate_s(info['step']))} of 2 CPU cores "
+        f"({info['tokens_seen'] / 1e6:.1f}M bytes of text seen), buy a "
         f"{info['params'] / 1e6:.1f}M-parameter model that has learnt the spelling, the common "
         f"words and the layout of Python's documentation, not what the words mean: "
         f"{info['word_share']:.0%} of the words it writes left to right are words of the "
@@ -202,7 +206,8 @@ def _recipe_section(info: dict[str, Any]) -> list[str]:
         f"- training: {info['step']:,} steps of {t['batch_size']} x {m['seq_len']} bytes "
         f"({info['tokens_seen']:,} bytes seen), AdamW lr {t['lr']:g} (warm-up "
         f"{t['warmup_steps']} steps, cosine to {t['min_lr_ratio']:g} x), beta2 {t['beta2']}, "
-        f"weight decay {t['weight_decay']}, bf16 autocast, {info['threads']} threads",
+        f"weight decay {t['weight_decay']}, bf16 autocast (the number of threads does not "
+        "change the result)",
         f"- generation orders in training: {order}",
         f"- seeds: training {t['seed']}, evaluation and samples {SEED}+; "
         f"{EVAL_ORDERS} validation orders, {PROMPTS} passages per decoder",
