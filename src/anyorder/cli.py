@@ -142,10 +142,17 @@ def add_demo(p: argparse.ArgumentParser) -> None:
         "--minutes",
         type=float,
         default=None,
-        help="a wall-clock budget for the whole demo instead of --steps (steps fitted to this "
-        "machine's speed, so the model then depends on the machine and its load)",
+        help="a wall-clock budget for the whole demo instead of --steps (the steps the "
+        "calibration fits into it, cut short where this machine is slower: the model then "
+        "depends on the machine and its load)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default 2, pinned)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default 2; the report does not depend on them, and on a busy "
+        "machine 1 is faster)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
 
 
