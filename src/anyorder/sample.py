@@ -907,7 +907,8 @@ def strided_sample(
     try:
         ordering = strided(batch, n - k, streams, model.device)
     except ConfigError as e:
-        raise SamplingError(str(e).replace(f"n={n - k}", f"n={n - k} (unknown tokens)")) from None
+        after = f"n={n - k} (the unknown tokens after the prompt)" if k else f"n={n}"
+        raise SamplingError(str(e).replace(f"n={n - k}", after)) from None
     head = torch.arange(k, device=model.device)
     order = torch.cat([head.expand(batch, k), ordering.order + k], dim=1)
     tokens, _, order, k = _prepare(model, n, batch, prompt, known, order, generator)
