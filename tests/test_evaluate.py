@@ -49,7 +49,7 @@ from anyorder.zeroshot import (
     zero_shot,
 )
 
-from conftest import GPT2_TOKENIZER_DIR, REPO, tiny_model
+from conftest import GPT2_TOKENIZER_DIR, REPO, has_gpt2_tokenizer, tiny_model
 
 # ----------------------------------------------------------------------------- a known model
 
@@ -449,9 +449,9 @@ def make_judge_folder(path: Path) -> Path:
     """A tiny random-weight GPT-2 and a tokenizer, saved as a transformers folder."""
     from transformers import GPT2Config, GPT2LMHeadModel, GPT2TokenizerFast
 
-    if GPT2_TOKENIZER_DIR.is_dir():
+    if has_gpt2_tokenizer():
         tok = GPT2TokenizerFast.from_pretrained(str(GPT2_TOKENIZER_DIR))
-    else:  # a user's clone has no ../shared: a tiny byte-level BPE instead
+    else:  # no GPT-2 tokenizer files (ANYORDER_GPT2_TOKENIZER): a tiny byte-level BPE
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
         from transformers import PreTrainedTokenizerFast
 

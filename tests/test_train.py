@@ -188,7 +188,7 @@ WORKER = textwrap.dedent(
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # gloo may abort at interpreter exit (MACHINE-NOTES.md)
+    os._exit(code)  # gloo may abort at interpreter exit (see run_train in cli.py)
     """
 )
 
@@ -472,36 +472,3 @@ def test_data_command(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "unigram baseline" in out.stdout and (tmp_path / "cache").is_dir()
-
-
-@pytest.mark.slow
-def test_demo_end_to_end(tmp_path):
-    from anyorder.demo import demo
-
-    info = demo(tmp_path / "demo", minutes=0.1, threads=1, progress=False)
-    report = (tmp_path / "demo" / "report.md").read_text()
-    assert "bits per byte" in report and "unigram baseline" in report
-    assert (tmp_path / "demo" / "loss.png").stat().st_size > 0
-    assert len(info["samples"]) == 5
-    assert "ensemble x8" in report and "Generative metrics" in report and "strided, S=4" in report
-    assert [g["mode"] for g in info["gen"]] == [
-        "sequential, random order",
-        "Lemma 1, T=64",
-        "strided, S=4",
-    ]
-    assert info["gen"][2]["forward_passes"] == 4 + 256 // 4 - 1  # S heads, then S per pass
-    assert info["gen"][1]["forward_passes"] <= 64
-    assert (tmp_path / "demo" / "judge").is_dir()
-
-
-def test_demo_refuses_a_folder_it_did_not_write(tmp_path):
-    from anyorder.demo import demo
-
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(ConfigError, match="not a demo's; pick an empty or new folder"):
-        demo(tmp_path / "mine", minutes=1)
-    with pytest.raises(ConfigError, match="must be positive"):
-        demo(tmp_path / "new", minutes=0)
-    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
-    assert not (tmp_path / "new").exists()

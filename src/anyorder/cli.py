@@ -24,7 +24,7 @@ def add_info(p: argparse.ArgumentParser) -> None:
 
 def run_info(args: argparse.Namespace) -> int:
     from anyorder.config import MODEL_KINDS, PRESETS, describe, preset
-    from anyorder.models import build_model
+    from anyorder.models import count_params
 
     if args.config_keys:
         for key, default, help_text in describe():
@@ -35,9 +35,7 @@ def run_info(args: argparse.Namespace) -> int:
     for name in names:
         counts = []
         for kind in MODEL_KINDS:
-            model = build_model(preset(name, kind=kind))
-            counts.append(f"{model.num_params() / 1e6:11.2f}M")
-            del model
+            counts.append(f"{count_params(preset(name, kind=kind)) / 1e6:11.2f}M")
         print(f"{name:8s} " + " ".join(counts))
     return 0
 
@@ -82,7 +80,7 @@ def run_train(args: argparse.Namespace) -> int:
 
             print0(f"resume with the same command (the run folder is {summary['run_dir']})")
             code = 128 + int(signal.Signals[summary["interrupted"]])
-        elif not summary["dry_run"]:
+        elif not summary["dry_run"] and summary["steps_run"]:
             print0(f"done: step {summary['step']}, {summary['tokens_per_s']:,.0f} tokens/s")
             print0(f"run folder: {summary['run_dir']}")
     except AnyorderError as e:
@@ -99,7 +97,8 @@ def run_train(args: argparse.Namespace) -> int:
         code = 1
     finally:
         if distributed:
-            # gloo can abort at interpreter exit (MACHINE-NOTES); leave without the teardown.
+            # gloo can abort at interpreter exit (about 1 run in 10 on the CPU: "terminate called
+            # without an active exception"); leave without the teardown.
             import torch.distributed as dist
 
             if dist.is_initialized():
@@ -133,19 +132,44 @@ def run_data(args: argparse.Namespace) -> int:
 def add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/demo", help="run folder for the demo and its report")
     p.add_argument(
-        "--minutes", type=float, default=None, help="training budget in minutes (default 8)"
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps (default: the calibrated budget, about 8 minutes in all on 2 idle "
+        "cores; the same steps give the same report)",
     )
     p.add_argument(
-        "--threads", type=int, default=None, help="CPU threads (default 2, 1 on a busy machine)"
+        "--minutes",
+        type=float,
+        default=None,
+        help="a wall-clock budget for the whole demo instead of --steps (the steps the "
+        "calibration fits into it, cut short where this machine is slower: the model then "
+        "depends on the machine and its load)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default 2; the report does not depend on them, and on a busy "
+        "machine 1 is faster)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from anyorder.demo import DEFAULT_MINUTES, demo
+    from anyorder.demo import STEPS, THREADS, demo
 
-    minutes = DEFAULT_MINUTES if args.minutes is None else args.minutes
-    demo(args.out, minutes=minutes, threads=args.threads, progress=not args.no_progress)
+    if args.steps is not None and args.minutes is not None:
+        from anyorder.errors import ConfigError
+
+        raise ConfigError("give --steps or --minutes, not both")
+    demo(
+        args.out,
+        steps=STEPS if args.steps is None else args.steps,
+        minutes=args.minutes,
+        threads=THREADS if args.threads is None else args.threads,
+        progress=not args.no_progress,
+    )
     return 0
 
 

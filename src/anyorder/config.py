@@ -281,8 +281,9 @@ class DataConfig:
     """Where the tokens come from and how they are packed."""
 
     source: str = "builtin:pydoc"
-    """Text source: builtin:pydoc, builtin:stdlib, a file/folder/glob of .txt/.jsonl/.parquet,
-    or hf:NAME[:CONFIG] for a Hugging Face dataset."""
+    """Text source: builtin:pydoc, builtin:stdlib, builtin:synthetic (a Markov chain with a
+    known entropy floor), a file/folder/glob of .txt/.jsonl/.parquet, or hf:NAME[:CONFIG] for
+    a Hugging Face dataset."""
     tokenizer: str = "bytes"
     """Tokenizer: bytes, gpt2, bert-base-uncased, a local tokenizer folder, or bpe:VOCAB."""
     text_field: str = "text"

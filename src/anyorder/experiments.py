@@ -199,22 +199,13 @@ def _same_config(stored: Any, want: str) -> bool:
     return json.dumps(have, sort_keys=True) == want
 
 
-def train_run(
-    ctx: Context,
-    name: str,
-    kind: str,
-    order: list[str],
-    seed: int = 0,
-    *,
-    steps: int | None = None,
-    extra: list[str] | None = None,
-) -> dict[str, Any]:
-    """Train (or reuse) the CPU run ``name``-s``seed``; return its metrics rows and summary.
-
-    A run folder with ``done.json`` whose config matches is reused as it is.
-    """
+def _planned(
+    ctx: Context, name: str, kind: str, order: list[str], seed: int, steps: int | None,
+    extra: list[str] | None,
+) -> tuple[Any, Path, str, dict[str, Any] | None]:  # fmt: skip
+    """``(config, run folder, config JSON, done.json's info or None)`` of a CPU run: the
+    info when a finished run of the same config can be reused."""
     from anyorder.config import load_config, to_dict
-    from anyorder.train import read_metrics, train
 
     out_dir = ctx.runs / f"{name}-s{seed}"
     overrides = [
@@ -229,11 +220,51 @@ def train_run(
     if done.exists():
         info = json.loads(done.read_text())
         if _same_config(info.get("config"), want):
-            return info | {"rows": read_metrics(out_dir), "run_dir": str(out_dir)}
+            return cfg, out_dir, want, info
+    return cfg, out_dir, want, None
+
+
+def estimate_training(ctx: Context, runs: list[tuple[str, str, list[str], int]]) -> None:
+    """Print what training the runs ``(name, kind, order, seed)`` not yet done will cost."""
+    from anyorder.progress import estimate
+
+    todo = [r for r in runs if _planned(ctx, *r, None, None)[3] is None]
+    if ctx.progress and todo:
+        estimate(
+            f"experiment: training {len(todo)} of {len(runs)} run(s) ({len(runs) - len(todo)} "
+            "reused)",
+            len(todo) * ctx.steps,
+            1.0 / CPU_STEPS_PER_S,
+            unit="steps",
+            stream=sys.stdout,
+            how="calibrated, one thread",
+        )
+
+
+def train_run(
+    ctx: Context,
+    name: str,
+    kind: str,
+    order: list[str],
+    seed: int = 0,
+    *,
+    steps: int | None = None,
+    extra: list[str] | None = None,
+) -> dict[str, Any]:
+    """Train (or reuse) the CPU run ``name``-s``seed``; return its metrics rows and summary.
+
+    A run folder with ``done.json`` whose config matches is reused as it is.
+    """
+    from anyorder.train import read_metrics, train
+
+    cfg, out_dir, want, info = _planned(ctx, name, kind, order, seed, steps, extra)
+    if info is not None:
+        return info | {"rows": read_metrics(out_dir), "run_dir": str(out_dir)}
     if ctx.progress:
         print(f"experiment: training {out_dir.name} ({cfg.train.steps} steps)", flush=True)
     t0 = time.perf_counter()
-    summary = train(cfg, resume=False if not out_dir.exists() else "auto", progress=False)
+    resume = False if not out_dir.exists() else "auto"
+    summary = train(cfg, resume=resume, progress=ctx.progress)
     tokens = cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len
     info = {
         "config": json.loads(want),
@@ -243,7 +274,7 @@ def train_run(
         "val": summary.get("val"),
         "params": summary.get("params"),
     }
-    done.write_text(json.dumps(info, indent=2) + "\n")
+    (out_dir / "done.json").write_text(json.dumps(info, indent=2) + "\n")
     return info | {"rows": read_metrics(out_dir), "run_dir": str(out_dir)}
 
 
@@ -344,6 +375,10 @@ def _plot_xy(
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label)
     if logx:
         ax.set_xscale("log", base=2)
+    elif all(float(v).is_integer() for x, _, _ in series.values() for v in x):
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # n = 5, 6, 7: no 5.25
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -582,6 +617,8 @@ def _arms_curves(
     final values (mean ± se over seeds) of each key and the seed-0 curves."""
     tps = tokens_per_step(ctx)
     out: dict[str, Any] = {"arms": {}, "curves": {}}
+    runs = [(run_name(k, o), k, o, s) for k, o in arms.values() for s in range(seeds)]
+    estimate_training(ctx, runs)
     for label, (kind, order) in arms.items():
         name = run_name(kind, order)
         finals: dict[str, list[float]] = {k: [] for k in keys}
