@@ -103,6 +103,7 @@ def test_train_prints_an_estimate_and_progress_lines_in_a_log(tmp_path):
 def test_experiment_prints_an_estimate_and_progress_lines_in_a_log(tmp_path):
     out = _cli("experiment", "progressive", "--smoke", "--out", "exp", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "experiment: training 2 of 2 run(s) (0 reused): about " in out.stdout
+    # the smoke arms of the progressive experiment: uniform and one run per rho
+    assert "experiment: training 3 of 3 run(s) (0 reused): about " in out.stdout
     assert "calibrated, one thread)" in out.stdout
     assert "train: 4/4 steps (100%)" in out.stderr and "\r" not in out.stderr
