@@ -38,7 +38,10 @@ def render_configs() -> str:
         "A run is configured by a YAML file with the sections below, then `key=value`",
         "overrides on the command line (`anyorder train CONFIG train.steps=100`). Unknown keys",
         "and ill-typed values are errors that name the key. `model: {preset: tiny}` starts the",
-        "model section from a preset (`tiny`, `small`, `medium`). `anyorder info --config-keys`",
+        "model section from a preset (`tiny`, `small`, `medium`); `model: {variant: aogpt-ref}`",
+        "(or `sigmagpt-ref`) sets the fields that make the trunk compute exactly what the AO-GPT",
+        "authors' AO-GPT (or sigma-GPT) computes, and keys given beside it win (see",
+        "`anyorder.config.VARIANTS` and docs/checkpoints.md). `anyorder info --config-keys`",
         "prints the same table.",
     ]
     section = None

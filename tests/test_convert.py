@@ -16,7 +16,7 @@ from anyorder.convert import convert, convert_gpt2, read_gpt2
 from anyorder.errors import CheckpointError, ConfigError
 from anyorder.hub import from_pretrained
 
-from conftest import GPT2_TOKENIZER_DIR
+from conftest import GPT2_SKIP, GPT2_TOKENIZER_DIR, has_gpt2_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -204,9 +204,7 @@ def test_sources_we_cannot_convert_are_named(tmp_path, tiny_gpt2) -> None:
 # ----------------------------------------------------------------------------- tokenizer, CLI
 
 
-@pytest.mark.skipif(
-    not GPT2_TOKENIZER_DIR.is_dir(), reason="GPT-2 tokenizer files not found at ../shared"
-)
+@pytest.mark.skipif(not has_gpt2_tokenizer(), reason=GPT2_SKIP)
 def test_converted_folder_carries_the_gpt2_tokenizer(tmp_path, tiny_gpt2) -> None:
     folder, _ = tiny_gpt2
     conv = convert(folder, "aogpt", tmp_path / "out", tokenizer=str(GPT2_TOKENIZER_DIR))

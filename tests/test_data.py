@@ -26,7 +26,7 @@ from anyorder.data import (
 )
 from anyorder.errors import ConfigError, DataError
 
-GPT2_DIR = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "gpt2"
+from conftest import GPT2_SKIP, GPT2_TOKENIZER_DIR, has_gpt2_tokenizer
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -436,10 +436,10 @@ def test_prepare_with_bpe(tmp_path):
 
 
 def test_gpt2_tokenizer_from_shared_folder(tmp_path):
-    if not (GPT2_DIR / "vocab.json").is_file() or not (GPT2_DIR / "merges.txt").is_file():
-        pytest.skip(f"GPT-2 tokenizer files not found in {GPT2_DIR} (a clone without ../shared)")
+    if not has_gpt2_tokenizer():
+        pytest.skip(GPT2_SKIP)
     pytest.importorskip("transformers")
-    tok = load_tokenizer(str(GPT2_DIR))
+    tok = load_tokenizer(str(GPT2_TOKENIZER_DIR))
     assert tok.encode("Hello world") == [15496, 995]
     assert (tok.eos_id, tok.vocab_size) == (50256, 50257)
     assert tok.decode([15496, 995, 50256]) == "Hello world"

@@ -138,7 +138,28 @@ def _hold_run_lock(folder: Path) -> None:
     _HELD.append(RunLock(folder / "run").acquire())
 
 
+REF = REPO / "tests" / "fixtures" / "aogpt-ref"  # checkpoints in the AO-GPT authors' format
+
+
+def _ref_truncated(folder: Path) -> None:
+    data = (REF / "aogpt" / "ckpt_1234.pt").read_bytes()
+    (folder / "ckpt_1234.pt").write_bytes(data[: len(data) // 2])
+
+
+def _ref_ema_short(folder: Path) -> None:
+    import torch
+
+    ckpt = torch.load(REF / "aogpt" / "ckpt_1234.pt", weights_only=True)
+    ckpt["ema_model"]["shadow_params"].pop()
+    torch.save(ckpt, folder / "ckpt_1234.pt")
+
+
+def _ref_sigma(folder: Path) -> None:
+    shutil.copy(REF / "sigmagpt" / "ckpt_1234.pt", folder / "ckpt_1234.pt")
+
+
 TRAIN = ["train", "cfg.yaml", "--no-progress"]
+CONVERT_REF = ["convert", "ckpt_1234.pt", "--from", "aogpt-ref", "--out", "ao"]
 NEW = "train.out_dir=new"  # a run folder that must not appear
 FRESH = [NEW, "data.cache_dir=newcache"]  # and a data cache that must not appear either
 # id: (command line, extra environment, setup of the row's folder)
@@ -173,6 +194,9 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
         {},
         None,
     ),
+    "convert-ref-truncated": (CONVERT_REF, {}, _ref_truncated),
+    "convert-ref-ema-mismatch": (CONVERT_REF, {}, _ref_ema_short),
+    "convert-ref-other-format": (CONVERT_REF, {}, _ref_sigma),
     "prompt-too-long": (["sample", "run", "--prompt", "x" * 40], {}, None),
     "infill-hole-out-of-range": (["sample", "run", "--infill", "ab[MASK:40]"], {}, None),
     "infill-template-too-long": (["sample", "run", "--infill", "y" * 30 + "[MASK:4]"], {}, None),

@@ -16,6 +16,10 @@ import torch
 from anyorder.errors import ConfigError
 from anyorder.experiments import (
     EXPERIMENTS,
+    OURS,
+    OURS_FIELDS,
+    PUBLISHED,
+    ROPE_TARGET,
     Context,
     context_order_spread,
     paper_commands,
@@ -59,12 +63,31 @@ def test_eq5_smoke_mdm_elbo_equals_order_average(root: Path) -> None:
 
 
 def test_equal_arms_share_one_run(root: Path) -> None:
-    """finding3's 10% arm and finding5's model are the same run folder."""
+    """finding3's 10% arms and finding5's models are the same run folders."""
     run_experiment("finding5", _ctx(root, "finding5"))
     run_experiment("finding3", _ctx(root, "finding3"))
-    mix = root / "runs" / (run_name("aogpt", ["order.kind=mix", "order.p_l2r=0.1"]) + "-s0")
-    assert (mix / "done.json").exists()
-    assert run_name("aogpt", ["order.kind=mix", "order.p_l2r=0.1"]) == "aogpt_mix_0.1"
+    mix = ["order.kind=mix", "order.p_l2r=0.1"]
+    for variant, tag in ((PUBLISHED, "published"), (OURS, "ours")):
+        name = run_name("aogpt", [*variant, *mix])
+        assert name == f"aogpt_{tag}_mix_0.1"
+        assert (root / "runs" / f"{name}-s0" / "done.json").exists()
+    assert run_name("aogpt", [*OURS, *mix, *ROPE_TARGET]) == "aogpt_ours_mix_0.1_rope_target"
+    assert run_name("aogpt", mix) == "aogpt_mix_0.1"
+
+
+def test_arms_spell_out_their_variant_whatever_the_defaults() -> None:
+    """The published arm is the reference model and ours today's parameterization, field by
+    field, so a changed default moves neither."""
+    from anyorder.config import VARIANTS, ModelConfig, load_config
+
+    pub = load_config(None, ["model.kind=aogpt", *PUBLISHED]).model
+    assert all(getattr(pub, k) == v for k, v in VARIANTS["aogpt-ref"].items())
+    ours = load_config(None, ["model.kind=aogpt", *OURS]).model
+    names = {f for f in ModelConfig.__dataclass_fields__}
+    sizes = {"kind", "vocab_size", "seq_len", "n_layer", "n_head", "d_model", "rope_base",
+             "target_dim", "l2s"}  # fmt: skip
+    assert set(OURS_FIELDS) == names - sizes  # every other field is spelled out
+    assert ours.adaln_gate_offset and ours.adaln_init == "zero" and ours.gelu == "tanh"
 
 
 def test_context_order_spread_zero_for_encoder_positive_for_decoder(gen) -> None:
@@ -135,7 +158,7 @@ def test_cli_experiment_print_only(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stdout.splitlines() if "torchrun --standalone" in ln]
-    assert len(lines) == 5 and all("--nproc_per_node=2" in ln for ln in lines)
+    assert len(lines) == 6 and all("--nproc_per_node=2" in ln for ln in lines)
     ours = [ln for ln in lines if "model.rope_query=target" in ln]  # our extension's arm
     assert len(ours) == 1 and "configs/aogpt-small-owt.yaml" in ours[0]
     bad = subprocess.run(
@@ -147,12 +170,15 @@ def test_cli_experiment_print_only(tmp_path: Path) -> None:
 
 
 def test_target_position_kl(gen) -> None:
-    """Zero for a fresh aogpt (adaLN-Zero: the target position enters through zero-initialised
-    modulation), positive for models that see the target position from the start."""
+    """Zero for a fresh aogpt of ours (adaLN-Zero: the target position enters through
+    zero-initialised modulation), positive for models that see the target position from the
+    start (the published aogpt's adaLN starts at N(0, 0.02))."""
     from anyorder.experiments import target_position_kl
 
     x = torch.randint(0, 11, (4, 16), generator=gen)
     assert target_position_kl(tiny_model("aogpt"), x) == pytest.approx(0.0, abs=1e-7)
+    # small at N(0, 0.02) twice over (the table through SiLU, then the adaLN weights), not 0
+    assert target_position_kl(tiny_model("aogpt", variant="aogpt-ref"), x) > 1e-8
     assert target_position_kl(tiny_model("armd"), x) > 1e-4
     assert target_position_kl(tiny_model("mdm"), x) > 1e-4
 
@@ -172,3 +198,10 @@ def test_a_finished_run_is_reused_across_new_default_off_fields() -> None:
     assert not _same_config(old, want)
     assert not _same_config({**cfg, "model": {**cfg["model"], "retired": 1}}, want)
     assert not _same_config(None, want)
+
+
+def test_arms_filter_runs_only_the_matching_arms(root: Path) -> None:
+    res = run_experiment("four", _ctx(root, "four-published", only="published"))
+    assert list(res["arms"]) == ["aogpt published, 10% l2r"]
+    with pytest.raises(ConfigError, match="--arms 'nope' matches no arm; the arms are: gpt"):
+        run_experiment("four", _ctx(root, "four-nope", only="nope"))

@@ -228,3 +228,29 @@ def test_checkpoint_load_model_reads_exports_too(tmp_path) -> None:
     out = save_pretrained(model, tmp_path / "export", ByteTokenizer())
     loaded = ckpt_mod.load_model(out)
     assert loaded.model.kind == "mdm" and loaded.path == out
+
+
+def test_export_and_checkpoint_modes_follow_the_umask(tmp_path) -> None:
+    import os
+
+    def modes(root):
+        return {
+            p.relative_to(root).as_posix(): os.stat(p).st_mode & 0o777
+            for p in [root, *root.rglob("*")]
+        }
+
+    model = tiny_model("gpt", vocab_size=257)
+    old = os.umask(0o027)
+    try:
+        folder = save_pretrained(model, tmp_path / "m", ByteTokenizer())
+        run = RunConfig(model=model.cfg)
+        ckpt = ckpt_mod.save_checkpoint(
+            tmp_path / "run", 3, model=model, config=run, tokenizer=ByteTokenizer()
+        )
+    finally:
+        os.umask(old)
+    for root in (folder, ckpt):
+        got = modes(root)
+        assert got["."] == 0o750 and got["tokenizer"] == 0o750, got
+        files = {k: v for k, v in got.items() if (root / k).is_file()}
+        assert set(files.values()) == {0o640}, files  # safetensors alone would write 0600

@@ -13,6 +13,7 @@ from torch.testing import assert_close
 from anyorder import build_model, orders, preset
 from anyorder.errors import ConfigError
 from anyorder.layers import apply_rope, rope_angles
+from anyorder.models import count_params
 from anyorder.models.armd import prefix_mean
 
 from conftest import tiny_model
@@ -267,11 +268,21 @@ def test_loss_is_cross_entropy_of_slot_aligned_logits(gen: torch.Generator) -> N
 
 def test_param_counts_match_gpt2() -> None:
     """gpt small/medium within 5% of GPT-2 small (124M) and medium (355M)."""
-    with torch.device("meta"):
-        small = build_model(preset("small", kind="gpt")).num_params()
-        medium = build_model(preset("medium", kind="gpt")).num_params()
+    small = count_params(preset("small", kind="gpt"))
+    medium = count_params(preset("medium", kind="gpt"))
     assert abs(small / 124.4e6 - 1) < 0.05, small
     assert abs(medium / 354.8e6 - 1) < 0.05, medium
+
+
+@pytest.mark.parametrize("kind", ["gpt", "aogpt", "armd", "mdm"])
+def test_count_params_is_the_built_models_count(kind: str) -> None:
+    extra = {"pos_emb": "rope", "rope_query": "target"} if kind == "aogpt" else {}
+    for cfg in (preset("tiny", kind=kind), preset("tiny", kind=kind, n_layer=3, **extra)):
+        assert count_params(cfg) == build_model(cfg).num_params()
+    # torch.nn.init is back in place afterwards
+    w = torch.empty(64)
+    torch.nn.init.normal_(w)
+    assert w.std() > 0.5
 
 
 def test_config_validation() -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 
 from anyorder.progress import LineProgress, estimate, format_duration, progress
 
@@ -69,3 +72,38 @@ def test_estimate_and_durations():
     assert seconds == 1200 * 0.175
     assert out.getvalue() == "ensemble x8: about 3.5 min (1,200 passes x 0.175 s measured)\n"
     assert [format_duration(s) for s in (42, 210, 7200)] == ["42 s", "3.5 min", "2.0 h"]
+
+
+# ----------------------------------------------------------------------------- long commands
+
+
+def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    """An ``anyorder`` command with stdout and stderr piped (not terminals, as in a log)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "anyorder.cli", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_train_prints_an_estimate_and_progress_lines_in_a_log(tmp_path):
+    (tmp_path / "c.yaml").write_text("{}\n")
+    out = _cli(
+        "train", "c.yaml", "model.kind=aogpt", "model.n_layer=1", "model.d_model=32",
+        "model.n_head=2", "model.seq_len=32", "train.steps=12", "train.eval_every=6",
+        "train.log_every=3", "train.out_dir=run", "data.cache_dir=cache", cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "train: 8 more steps and 2 validation(s): about " in out.stdout
+    assert " steps x " in out.stdout and " s measured)" in out.stdout
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("train: ")]
+    assert lines[-1].startswith("train: 12/12 steps (100%)") and "\r" not in out.stderr
+    assert "nats/token = " in out.stderr and "bits/byte" in out.stderr  # units on the line
+    assert "step 6: loss " in out.stdout and " nats/token; validation left to right" in out.stdout
+
+
+def test_experiment_prints_an_estimate_and_progress_lines_in_a_log(tmp_path):
+    out = _cli("experiment", "progressive", "--smoke", "--out", "exp", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    # the smoke arms of the progressive experiment: uniform and one run per rho
+    assert "experiment: training 3 of 3 run(s) (0 reused): about " in out.stdout
+    assert "calibrated, one thread)" in out.stdout
+    assert "train: 4/4 steps (100%)" in out.stderr and "\r" not in out.stderr

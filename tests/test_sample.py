@@ -238,6 +238,30 @@ def test_strided_block_parallel_equals_the_blocked_forward(streams: int) -> None
     assert out.forward_passes == streams + N // streams - 1
 
 
+@pytest.mark.parametrize(("k", "streams"), [(4, 1), (4, 4), (6, 2), (6, 3)])
+@pytest.mark.parametrize("graphs", [False, "emulate"])
+def test_strided_after_a_prefix_prompt_equals_the_blocked_forward(
+    k: int, streams: int, graphs: bool | str
+) -> None:
+    model = tiny_model("armd")
+    prompt = torch.randint(0, 11, (2, N), generator=torch.Generator().manual_seed(1))
+    known = torch.arange(N).expand(2, N) < k
+    out = strided_sample(
+        model, N, streams, prompt=prompt, known=known, keep_logits=True,
+        generator=torch.Generator().manual_seed(5), graphs=graphs,
+    )  # fmt: skip
+    o = strided(2, N - k, streams)  # the streams cut the N - k positions after the prompt
+    order = torch.cat([torch.arange(k).expand(2, k), o.order + k], dim=1)
+    blocks = torch.cat([torch.arange(k).expand(2, k), o.blocks + k], dim=1)
+    assert torch.equal(out.order, order) and torch.equal(out.tokens[:, :k], prompt[:, :k])
+    torch.testing.assert_close(
+        out.logits[:, k:], model(out.tokens, order, blocks)[:, k:], atol=1e-5, rtol=0
+    )
+    assert out.forward_passes == streams + (N - k) // streams - 1
+    with pytest.raises(SamplingError, match="strided decoding takes a prefix prompt"):
+        strided_sample(model, N, 2, prompt=prompt, known=known.flip(1))
+
+
 # ----------------------------------------------------------------------------- Lemma 1
 
 

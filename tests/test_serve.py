@@ -333,7 +333,7 @@ def _playwright():
     if not CHROMIUM.exists():
         missing(
             "headless Chromium is not installed (/usr/bin/chromium; Debian: apt-get install "
-            "chromium); .ci/run installs it"
+            "chromium): the browser checks of the live page need it"
         )
     try:
         from playwright.sync_api import sync_playwright
@@ -357,6 +357,11 @@ def test_page_in_headless_chromium(exports, tmp_path) -> None:
                 page.goto(server.url + "/")
                 page.wait_for_selector("body[data-state=ready]", timeout=30_000)
                 assert "armd" in page.inner_text("#model-info")
+                # a plain prompt has a Length field; a template sets its own length
+                page.fill("#text", "def ")
+                assert page.is_visible("#length") and page.is_hidden("#length-note")
+                page.fill("#text", TEMPLATE)
+                assert page.is_hidden("#length") and page.is_visible("#length-note")
                 # a bad template: a message on the page, no crash
                 page.fill("#text", "a [MASK:0] b")
                 page.click("#generate")

@@ -30,8 +30,8 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -388,6 +388,36 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_temp_dir(parent: Path, prefix: str) -> Path:
+    """A new folder ``parent/PREFIX<random>`` with the mode a plain ``mkdir`` gives.
+
+    (Not ``tempfile.mkdtemp``: its 0700 would survive the rename into place and hide a
+    checkpoint or an export from everyone but its owner.)
+    """
+    for _ in range(100):
+        path = parent / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"could not create a temporary folder in {parent}")
+
+
+def apply_umask(folder: Path) -> None:
+    """Give the files and folders under ``folder`` the modes the umask gives new ones.
+
+    Some writers make private files (safetensors writes weights 0600); a checkpoint or an
+    export is for reading like any file the user makes.
+    """
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    for path in [folder, *folder.rglob("*")]:
+        if path.is_symlink():
+            continue
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def _finalize(folder: Path) -> dict[str, dict[str, Any]]:
     """fsync every file under ``folder`` and return its sizes and checksums."""
     files: dict[str, dict[str, Any]] = {}
@@ -537,7 +567,7 @@ def save_checkpoint(
         weights = model
         aliases = dict(aliases or {})
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=root))
+        tmp = make_temp_dir(root, f".{name}.tmp-")  # named with our PID (temp ownership)
     except OSError as e:
         raise CheckpointError(
             f"cannot write checkpoint {final} ({e.strerror}); free disk space or fix the "
@@ -565,6 +595,7 @@ def save_checkpoint(
             f.write(json.dumps(manifest, indent=2) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        apply_umask(tmp)
         _fsync_dir(tmp)
         old = None
         if final.exists():  # the same step saved again (e.g. a stop right after a save)

@@ -24,7 +24,7 @@ def add_info(p: argparse.ArgumentParser) -> None:
 
 def run_info(args: argparse.Namespace) -> int:
     from anyorder.config import MODEL_KINDS, PRESETS, describe, preset
-    from anyorder.models import build_model
+    from anyorder.models import count_params
 
     if args.config_keys:
         for key, default, help_text in describe():
@@ -35,9 +35,7 @@ def run_info(args: argparse.Namespace) -> int:
     for name in names:
         counts = []
         for kind in MODEL_KINDS:
-            model = build_model(preset(name, kind=kind))
-            counts.append(f"{model.num_params() / 1e6:11.2f}M")
-            del model
+            counts.append(f"{count_params(preset(name, kind=kind)) / 1e6:11.2f}M")
         print(f"{name:8s} " + " ".join(counts))
     return 0
 
@@ -82,7 +80,7 @@ def run_train(args: argparse.Namespace) -> int:
 
             print0(f"resume with the same command (the run folder is {summary['run_dir']})")
             code = 128 + int(signal.Signals[summary["interrupted"]])
-        elif not summary["dry_run"]:
+        elif not summary["dry_run"] and summary["steps_run"]:
             print0(f"done: step {summary['step']}, {summary['tokens_per_s']:,.0f} tokens/s")
             print0(f"run folder: {summary['run_dir']}")
     except AnyorderError as e:
@@ -99,7 +97,8 @@ def run_train(args: argparse.Namespace) -> int:
         code = 1
     finally:
         if distributed:
-            # gloo can abort at interpreter exit (MACHINE-NOTES); leave without the teardown.
+            # gloo can abort at interpreter exit (about 1 run in 10 on the CPU: "terminate called
+            # without an active exception"); leave without the teardown.
             import torch.distributed as dist
 
             if dist.is_initialized():
@@ -133,19 +132,44 @@ def run_data(args: argparse.Namespace) -> int:
 def add_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/demo", help="run folder for the demo and its report")
     p.add_argument(
-        "--minutes", type=float, default=None, help="training budget in minutes (default 8)"
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps (default: the calibrated budget, about 8 minutes in all on 2 idle "
+        "cores; the same steps give the same report)",
     )
     p.add_argument(
-        "--threads", type=int, default=None, help="CPU threads (default 2, 1 on a busy machine)"
+        "--minutes",
+        type=float,
+        default=None,
+        help="a wall-clock budget for the whole demo instead of --steps (the steps the "
+        "calibration fits into it, cut short where this machine is slower: the model then "
+        "depends on the machine and its load)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default 2; the report does not depend on them, and on a busy "
+        "machine 1 is faster)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from anyorder.demo import DEFAULT_MINUTES, demo
+    from anyorder.demo import STEPS, THREADS, demo
 
-    minutes = DEFAULT_MINUTES if args.minutes is None else args.minutes
-    demo(args.out, minutes=minutes, threads=args.threads, progress=not args.no_progress)
+    if args.steps is not None and args.minutes is not None:
+        from anyorder.errors import ConfigError
+
+        raise ConfigError("give --steps or --minutes, not both")
+    demo(
+        args.out,
+        steps=STEPS if args.steps is None else args.steps,
+        minutes=args.minutes,
+        threads=THREADS if args.threads is None else args.threads,
+        progress=not args.no_progress,
+    )
     return 0
 
 
@@ -329,6 +353,11 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ConfigError("--splits applies to --suite zero-shot; use --split for likelihood")
     device = _eval_device(args.device)
     ckpt = load_model(args.checkpoint, weights=args.weights, device=device)
+    if ckpt.tokenizer is None:
+        raise ConfigError(
+            f"{args.checkpoint} holds no tokenizer, so eval cannot tokenize text for it; "
+            "convert or export it again with --tokenizer"
+        )
     run_dir = ckpt.path.parent.parent if ckpt.path.parent.name == "checkpoints" else ckpt.path
     out = Path(args.out) if args.out else run_dir / "eval"
     check_writable_dir(out, "--out")
@@ -445,13 +474,37 @@ def _eval_gen(args: argparse.Namespace, ckpt, device, out) -> list:
 
 
 def add_convert(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="transformers GPT-2: hub id (gpt2) or folder with config.json")
-    p.add_argument("--to", required=True, choices=("gpt", "aogpt", "armd"), help="model kind")
+    p.add_argument(
+        "source",
+        help="gpt2: a transformers GPT-2 (hub id or folder with config.json); aogpt-ref / "
+        "sigmagpt-ref: the authors' ckpt_N.pt, or hf:OWNER/REPO/PATH/ckpt_N.pt",
+    )
+    p.add_argument(
+        "--from",
+        dest="source_format",
+        choices=("gpt2", "aogpt-ref", "sigmagpt-ref"),
+        default="gpt2",
+        help="what the source is: a GPT-2, or a checkpoint of the AO-GPT authors' code "
+        "(scxue/AO-GPT-MDM: AO-GPT or sigma-GPT)",
+    )
+    p.add_argument(
+        "--to",
+        default=None,
+        choices=("gpt", "aogpt", "armd"),
+        help="model kind (--from gpt2: required; the reference formats give aogpt)",
+    )
     p.add_argument("--out", required=True, help="folder to write the converted model to")
+    p.add_argument(
+        "--weights",
+        choices=("ema", "raw"),
+        default=None,
+        help="reference formats: the EMA or the raw weights (default: EMA when kept)",
+    )
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer to ship with it (default: the source folder's own, when it has one)",
+        help="tokenizer to ship with it (default: the source folder's own, when it has one; "
+        "GPT-2's for a reference checkpoint with GPT-2's vocabulary; none: no tokenizer)",
     )
     p.add_argument("--seq-len", type=int, default=None, help="context (default n_positions - 1)")
     p.add_argument("--l2s", type=int, default=None, help="armd: two-stream layers (n_layer/2)")
@@ -462,24 +515,56 @@ def add_convert(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run_convert(args: argparse.Namespace) -> int:
-    from anyorder.convert import convert
+def _convert_reference(args: argparse.Namespace):
+    from anyorder.convert_ref import convert_ref
+    from anyorder.errors import ConfigError
 
-    conv = convert(
+    if args.to not in (None, "aogpt"):
+        raise ConfigError(f"--from {args.source_format} converts into aogpt; leave out --to")
+    gpt2_only = {"--seq-len": args.seq_len, "--l2s": args.l2s, "--bos-id": args.bos_id}
+    given = [k for k, v in gpt2_only.items() if v is not None]
+    if given or args.target_dim != 128:
+        flag = given[0] if given else "--target-dim"
+        raise ConfigError(f"{flag} is for --from gpt2; a reference checkpoint fixes its own sizes")
+    return convert_ref(
         args.source,
-        args.to,
         args.out,
+        args.source_format,
         dtype=args.dtype,
-        seq_len=args.seq_len,
-        l2s=args.l2s,
-        target_dim=args.target_dim,
-        bos_id=args.bos_id,
+        weights=args.weights,
         tokenizer=args.tokenizer,
     )
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from anyorder.convert import convert
+    from anyorder.errors import ConfigError
+
+    if args.source_format != "gpt2":
+        conv = _convert_reference(args)
+    else:
+        if args.to is None:
+            raise ConfigError("--from gpt2 needs --to gpt, aogpt or armd")
+        if args.weights is not None:
+            raise ConfigError("--weights is for the reference formats; a GPT-2 has one set")
+        conv = convert(
+            args.source,
+            args.to,
+            args.out,
+            dtype=args.dtype,
+            seq_len=args.seq_len,
+            l2s=args.l2s,
+            target_dim=args.target_dim,
+            bos_id=args.bos_id,
+            tokenizer=args.tokenizer,
+        )
     m = conv.model
     tok = conv.tokenizer.name if conv.tokenizer is not None else "none (pass --tokenizer)"
+    what = (
+        f" ({conv.info['reference_weights']} weights)" if "reference_weights" in conv.info else ""
+    )
     print(
-        f"{m.kind}: {m.num_params() / 1e6:.2f}M parameters, {m.cfg.n_layer} layers x "
+        f"{m.kind}{what}: {m.num_params() / 1e6:.2f}M parameters, {m.cfg.n_layer} layers x "
         f"{m.cfg.d_model}, seq_len {m.cfg.seq_len}, tokenizer {tok}"
     )
     print(f"wrote {conv.folder}")
@@ -632,6 +717,11 @@ def run_sample(args: argparse.Namespace) -> int:
     device = resolve_device(args.device, what="--device")
     ckpt = load_model(args.checkpoint, weights=args.weights, device=device)
     model, tok = ckpt.model, ckpt.tokenizer
+    if tok is None and (args.prompt or args.infill is not None):
+        raise SamplingError(
+            f"{args.checkpoint} holds no tokenizer, so text cannot be encoded; sample without "
+            "--prompt/--infill (token ids), or convert/export it again with --tokenizer"
+        )
     order = args.order or ("l2r" if model.kind == "gpt" else "random")
     if order == "strided" and args.streams is None:
         raise SamplingError("--order strided needs --streams S")
@@ -661,9 +751,10 @@ def run_sample(args: argparse.Namespace) -> int:
         known[: len(ids)] = True
     sequential = args.steps is None and streams is None
     cut = not args.no_stop_at_eos and args.infill is None
-    stop = tok.eos_id if cut and sequential and order == "l2r" and model.kind != "mdm" else None
+    eos = tok.eos_id if tok is not None else None
+    stop = eos if cut and sequential and order == "l2r" and model.kind != "mdm" else None
     stream = None
-    if sequential and order == "l2r" and args.num_samples == 1 and not args.json:
+    if tok and sequential and order == "l2r" and args.num_samples == 1 and not args.json:
         stream = _Streamer(tok, tok.eos_id if cut else None)
         if prompt is not None:
             stream.ids = prompt[known].tolist()
@@ -695,7 +786,10 @@ def run_sample(args: argparse.Namespace) -> int:
         )
     seconds = time.perf_counter() - start
     tokens = result.tokens.cpu()
-    texts = [decode_text(tok, row, tok.eos_id if cut else None) for row in tokens]
+    if tok is None:  # no tokenizer: the token ids themselves
+        texts = [" ".join(map(str, row.tolist())) for row in tokens]
+    else:
+        texts = [decode_text(tok, row, tok.eos_id if cut else None) for row in tokens]
     generated = int((result.step_of >= 0).sum())
     mode = "encoder" if model.kind == "mdm" else "strided" if streams else "lemma1"
     mode = "sequential" if sequential and model.kind != "mdm" else mode
@@ -810,6 +904,9 @@ def add_experiment(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=8, help="paper scale: GPUs for torchrun")
     p.add_argument("--print-only", action="store_true", help="paper scale: print the commands")
     p.add_argument("--smoke", action="store_true", help="minimal sizes (tests the code path)")
+    p.add_argument(
+        "--arms", default=None, metavar="TEXT", help="only the arms whose label contains TEXT"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress messages")
 
 
@@ -825,7 +922,7 @@ def run_experiment(args: argparse.Namespace) -> int:
         ctx = Context(
             out=root / name, runs=root / "runs", scale=args.scale, minutes=args.minutes,
             seeds=args.seeds, smoke=args.smoke, progress=not args.no_progress,
-            nproc=args.nproc, print_only=args.print_only,
+            nproc=args.nproc, print_only=args.print_only, only=args.arms,
         )  # fmt: skip
         res = run_one(name, ctx)
         print(f"experiment {name}: {ctx.out / 'section.md'} ({res['wall_s']:.0f} s)", flush=True)
@@ -840,7 +937,12 @@ def commands() -> list[Command]:
         ("data", "tokenize and pack a config's data; print its statistics", add_data, run_data),
         ("demo", "train a tiny ARMD, sample, evaluate, write a report", add_demo, run_demo),
         ("eval", "likelihoods, zero-shot table, generative perplexity", add_eval, run_eval),
-        ("convert", "GPT-2 weights (transformers) -> gpt, aogpt or armd", add_convert, run_convert),
+        (
+            "convert",
+            "GPT-2 weights -> gpt, aogpt or armd; the AO-GPT authors' checkpoints -> aogpt",
+            add_convert,
+            run_convert,
+        ),
         ("export", "training checkpoint -> uploadable model folder", add_export, run_export),
         ("sample", "generate or infill text from a checkpoint", add_sample, run_sample),
         ("serve", "a local web page that shows generation as it happens", add_serve, run_serve),

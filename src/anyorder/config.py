@@ -79,6 +79,28 @@ class ModelConfig:
     """aogpt with rope: where a slot's query is rotated: input (the position of the token it
     reads, like its key: AO-GPT as published) or target (the position it predicts: scores
     then depend on the offset from the target to each context token; our extension)."""
+    head_bias: bool = False
+    """A bias on the output head (the AO-GPT reference has one)."""
+    padded_vocab: int | None = None
+    """Rows of the token table and the output head when more than vocab_size (the AO-GPT
+    reference pads GPT-2's 50257 ids to 50304); ids from vocab_size up are padding, never
+    read, predicted or sampled. None: vocab_size rows."""
+    gelu: str = "tanh"
+    """The gelu MLP's activation: tanh (GPT-2's approximation) or exact (erf; the AO-GPT
+    reference)."""
+    init_truncate: bool = False
+    """Truncate the normal initialisation of weights at 3 standard deviations (the AO-GPT
+    reference)."""
+    bos_pos_row: bool = False
+    """gpt/aogpt with learned positions: the BOS slot adds row 0 of the position table and a
+    token at position p reads row p + 1 (the AO-GPT reference's layout, seq_len + 1 rows).
+    False: the BOS vector stands alone and a token at p reads row p. No effect with rope."""
+    adaln_gate_offset: bool = True
+    """aogpt: each adaLN gate multiplies as 1 + gate, so zero modulation is the plain block
+    (ours); False: as the raw gate (the AO-GPT reference, as in DiT)."""
+    adaln_init: str = "zero"
+    """aogpt: zero (adaLN layers start at zero, the target embedding at unit scale: ours) or
+    normal (both at init_std like every other weight: the AO-GPT reference)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -121,6 +143,25 @@ class ModelConfig:
             )
         if self.positional == "rope" and self.head_dim % 2:
             raise ConfigError("rope needs an even head dimension (d_model / n_head)")
+        if self.gelu not in ("tanh", "exact"):
+            raise ConfigError(f"model.gelu={self.gelu!r}: use tanh or exact")
+        if self.adaln_init not in ("zero", "normal"):
+            raise ConfigError(f"model.adaln_init={self.adaln_init!r}: use zero or normal")
+        if self.padded_vocab is not None and self.padded_vocab < self.vocab_size:
+            raise ConfigError(
+                f"model.padded_vocab={self.padded_vocab} is below model.vocab_size="
+                f"{self.vocab_size}; give at least vocab_size rows, or leave it unset"
+            )
+        if self.kind == "mdm" and (self.padded_vocab is not None or self.head_bias):
+            raise ConfigError(
+                "model.padded_vocab and model.head_bias are for the decoders (gpt, aogpt, "
+                "armd); leave them unset for mdm"
+            )
+        if self.bos_pos_row and self.kind not in ("gpt", "aogpt"):
+            raise ConfigError(
+                "model.bos_pos_row places the BOS slot of gpt/aogpt in the position table; "
+                "leave it off for armd and mdm"
+            )
         if self.l2s is not None and not 1 <= self.l2s <= self.n_layer:
             raise ConfigError(
                 f"model.l2s={self.l2s} must be between 1 and model.n_layer={self.n_layer}"
@@ -138,6 +179,11 @@ class ModelConfig:
         return "rope" if self.kind == "armd" else "learned"
 
     @property
+    def table_vocab(self) -> int:
+        """Rows of the token table and the output head (``padded_vocab`` or ``vocab_size``)."""
+        return self.padded_vocab if self.padded_vocab is not None else self.vocab_size
+
+    @property
     def two_stream_layers(self) -> int:
         """armd: the resolved number of two-stream layers."""
         return self.l2s if self.l2s is not None else max(1, self.n_layer // 2)
@@ -152,12 +198,82 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+_REF_TRUNK: dict[str, Any] = dict(
+    pos_emb="learned",
+    bos_pos_row=True,
+    norm_eps=1e-5,
+    bias=True,
+    mlp="gelu",
+    mlp_ratio=4.0,
+    gelu="exact",
+    init_std=0.02,
+    dropout=0.0,
+    rope_query="input",
+)
+VARIANTS: dict[str, dict[str, Any]] = {
+    # The AO-GPT authors' model (model_AOGPT_AdaLN6_NoRep_cond_128_trunc_qknorm.py in
+    # scxue/AO-GPT-MDM): RMSNorm and QK-norm at eps 1e-5, biases, an untied head with a
+    # bias, raw adaLN gates, adaLN and the 128-wide target embedding at N(0, 0.02),
+    # truncated-normal init, BOS at position row 0.
+    "aogpt-ref": dict(
+        _REF_TRUNK,
+        kind="aogpt",
+        norm="rmsnorm",
+        qk_norm=True,
+        tie_embeddings=False,
+        head_bias=True,
+        init_truncate=True,
+        target_injection="adaln",
+        target_dim=128,
+        adaln_gate_offset=False,
+        adaln_init="normal",
+    ),
+    # Their sigma-GPT (model_sigmaGPT.py): LayerNorm with biases, no QK-norm, a tied head,
+    # the target position added to the input as a second d-wide table.
+    "sigmagpt-ref": dict(
+        _REF_TRUNK,
+        kind="aogpt",
+        norm="layernorm",
+        qk_norm=False,
+        tie_embeddings=True,
+        head_bias=False,
+        init_truncate=False,
+        target_injection="add",
+    ),
+}
+"""Named parameterisations (``model: {variant: aogpt-ref}``): the fields that make our trunk
+compute exactly what a reference model computes. They set no sizes (use a preset for that);
+keys given beside them win."""
+
+
+def expand_model_values(values: dict[str, Any], prefix: str = "model") -> dict[str, Any]:
+    """Model-section values with ``preset`` and ``variant`` replaced by the fields they set
+    (preset first, then variant, then the keys given beside them)."""
+    values = dict(values)
+    base: dict[str, Any] = {}
+    name = values.pop("preset", None)
+    if name is not None:
+        if name not in PRESETS:
+            raise ConfigError(
+                f"unknown preset {name!r} in {prefix}; use one of {', '.join(PRESETS)}"
+            )
+        base.update(PRESETS[name])
+    name = values.pop("variant", None)
+    if name is not None:
+        if name not in VARIANTS:
+            raise ConfigError(
+                f"unknown variant {name!r} in {prefix}; use one of {', '.join(VARIANTS)}"
+            )
+        base.update(VARIANTS[name])
+    return {**base, **values}
+
+
 def preset(name: str, **overrides: Any) -> ModelConfig:
-    """A :class:`ModelConfig` from a named preset (``tiny``, ``small``, ``medium``)."""
+    """A :class:`ModelConfig` from a named preset (``tiny``, ``small``, ``medium``);
+    ``variant=`` (see :data:`VARIANTS`) may be among the overrides."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; use one of {', '.join(PRESETS)}")
-    values = {**PRESETS[name], **overrides}
-    return _build(ModelConfig, values, "model")
+    return _build(ModelConfig, expand_model_values({"preset": name, **overrides}), "model")
 
 
 @dataclass
@@ -165,8 +281,9 @@ class DataConfig:
     """Where the tokens come from and how they are packed."""
 
     source: str = "builtin:pydoc"
-    """Text source: builtin:pydoc, builtin:stdlib, a file/folder/glob of .txt/.jsonl/.parquet,
-    or hf:NAME[:CONFIG] for a Hugging Face dataset."""
+    """Text source: builtin:pydoc, builtin:stdlib, builtin:synthetic (a Markov chain with a
+    known entropy floor), a file/folder/glob of .txt/.jsonl/.parquet, or hf:NAME[:CONFIG] for
+    a Hugging Face dataset."""
     tokenizer: str = "bytes"
     """Tokenizer: bytes, gpt2, bert-base-uncased, a local tokenizer folder, or bpe:VOCAB."""
     text_field: str = "text"
@@ -386,14 +503,8 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
 
 
 def _build_section(cls: type, value: Any, prefix: str) -> Any:
-    if cls is ModelConfig and isinstance(value, dict) and "preset" in value:
-        value = dict(value)
-        name = value.pop("preset")
-        if name not in PRESETS:
-            raise ConfigError(
-                f"unknown preset {name!r} in {prefix}; use one of {', '.join(PRESETS)}"
-            )
-        value = {**PRESETS[name], **value}
+    if cls is ModelConfig and isinstance(value, dict):
+        value = expand_model_values(value, prefix)
     return _build(cls, value, prefix)
 
 

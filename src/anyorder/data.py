@@ -60,6 +60,7 @@ import secrets
 import shutil
 import sys
 import sysconfig
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -95,15 +96,31 @@ _STDLIB_SKIP = {
     "idle_test",
     "idlelib",
 }
+ESTIMATE_OVER_S = 20.0
+"""Tokenizing a corpus expected to take longer than this prints an estimate first."""
 _FLUSH_TOKENS = 1 << 20  # tokens buffered in memory per split before a write
 _ENCODE_CHUNK = 256  # documents per batched tokenizer call
 
 
-def _tqdm(progress: bool, **kwargs: Any) -> Any:
-    from tqdm.auto import tqdm
+def source_bytes(source: str) -> int | None:
+    """The size in bytes of a source's text where it is known without reading it (local
+    files, the builtins), else None (hub datasets). For the up-front estimate."""
+    try:
+        if source == "builtin:pydoc":
+            from pydoc_data.topics import topics
 
-    # disable=None lets tqdm switch itself off when stderr is not a TTY (logs, CI).
-    return tqdm(disable=None if progress else True, **kwargs)
+            return sum(len(t) for t in topics.values())
+        if source == "builtin:stdlib":
+            return sum(p.stat().st_size for p in stdlib_files())
+        if source == "builtin:synthetic":
+            from anyorder import synthetic
+
+            return synthetic.DOCUMENTS * synthetic.DOC_BYTES
+        if source.startswith(("builtin:", "hf:")):
+            return None
+        return sum(p.stat().st_size for p in resolve_files(source))
+    except (ImportError, OSError, DataError):
+        return None
 
 
 def _first_line(e: BaseException) -> str:
@@ -748,8 +765,15 @@ def iter_documents(
         docs = _pydoc_documents()
     elif source == "builtin:stdlib":
         docs = _stdlib_documents()
+    elif source == "builtin:synthetic":
+        from anyorder.synthetic import documents
+
+        docs = documents()
     elif source.startswith("builtin:"):
-        raise DataError(f"unknown data.source {source!r}; use builtin:pydoc or builtin:stdlib")
+        raise DataError(
+            f"unknown data.source {source!r}; use builtin:pydoc, builtin:stdlib or "
+            "builtin:synthetic"
+        )
     elif source.startswith("hf:"):
         rest = source[3:]
         if not rest.partition(":")[0]:
@@ -796,6 +820,10 @@ def _source_fingerprint(source: str) -> str | None:
         return platform.python_version()
     if source == "builtin:stdlib":
         return platform.python_version() + ":" + _fingerprint(stdlib_files())
+    if source == "builtin:synthetic":
+        from anyorder import synthetic
+
+        return f"synthetic-v{synthetic.VERSION}"
     if source.startswith("hf:"):
         rest = source[3:]
         return _fingerprint(resolve_files(rest)) if _hf_local(rest) else None
@@ -928,12 +956,18 @@ def _pack(
     tail: deque[tuple[int, int, int]] = deque()
     tail_tokens = 0
     try:
-        bar = _tqdm(progress, desc=f"tokenizing {source}", unit=" docs")
+        from anyorder.progress import estimate
+        from anyorder.progress import progress as progress_bar
+
+        bar = progress_bar(desc=f"tokenizing {source}", unit="docs", enabled=progress)
+        total = source_bytes(source) if progress else None
+        t0, done = time.perf_counter(), 0
         with bar:
             for chunk in _chunks(docs, _ENCODE_CHUNK):
                 encoded = _encode_many(tok, chunk)
                 for text, ids in zip(chunk, encoded):
                     raw = text.encode("utf-8", errors="replace")
+                    done += len(raw)
                     split = "val" if is_val_document(text, val_fraction) else "train"
                     w = writers[split]
                     if split == "train":
@@ -942,6 +976,11 @@ def _pack(
                         while tail_tokens - tail[0][1] >= seq_len:
                             tail_tokens -= tail.popleft()[1]
                     w.add(ids, eos, len(raw))
+                if total is not None and done:  # after the first chunk: the measured rate
+                    per_mb = (time.perf_counter() - t0) / done * 1e6
+                    if total / 1e6 * per_mb > ESTIMATE_OVER_S:
+                        estimate(f"tokenizing {source}", max(1, round(total / 1e6)), per_mb, "MB")
+                    total = None
                 bar.update(len(chunk))
     finally:
         for w in writers.values():
@@ -1349,7 +1388,8 @@ def prepare(cfg: DataConfig, seq_len: int, *, progress: bool = True) -> TokenDat
     Args:
         cfg: source, tokenizer, text field, validation share, cache folder.
         seq_len: tokens per block (the model's sequence length).
-        progress: show tqdm progress bars (they also switch off when stderr is not a TTY).
+        progress: report progress (a bar on a terminal, a line every few seconds in a log)
+            and, for a corpus that takes long, an estimate first.
 
     Returns:
         The packed data; ``reused`` tells whether the folder already existed.

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from anyorder.config import VARIANTS
 from anyorder.errors import ConfigError
 
 DATA_SOURCE = "builtin:pydoc"
@@ -73,6 +74,9 @@ class Context:
     """paper scale: print the commands instead of running them."""
     commands: list[list[str]] = field(default_factory=list)
     """paper scale: the command lines built (and run unless print_only)."""
+    only: str | None = None
+    """Run only the arms whose label contains this text (re-running a changed arm; the
+    section then shows those arms alone)."""
 
     @property
     def steps(self) -> int:
@@ -96,6 +100,51 @@ def model_overrides(ctx: Context, kind: str) -> list[str]:
     else:
         shape = dict(n_layer=2, n_head=4, d_model=128, seq_len=64, target_dim=64)
     return [f"model.kind={kind}"] + [f"model.{k}={v}" for k, v in shape.items()]
+
+
+def _overrides(fields: dict[str, Any]) -> list[str]:
+    """``model.KEY=VALUE`` overrides spelling out ``fields`` (YAML values)."""
+
+    def value(v: Any) -> str:
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    return [f"model.{k}={value(v)}" for k, v in fields.items() if k != "kind"]
+
+
+OURS_FIELDS: dict[str, Any] = dict(
+    pos_emb="learned",
+    bos_pos_row=False,
+    norm="rmsnorm",
+    norm_eps=1e-6,
+    qk_norm=True,
+    bias=False,
+    tie_embeddings=True,
+    head_bias=False,
+    padded_vocab=None,
+    mlp="gelu",
+    mlp_ratio=4.0,
+    gelu="tanh",
+    init_std=0.02,
+    init_truncate=False,
+    dropout=0.0,
+    target_injection="adaln",
+    adaln_gate_offset=True,
+    adaln_init="zero",
+    rope_query="input",
+)
+"""Our AO-GPT parameterization as of these experiments: adaLN gates centred on one and
+zero-initialised modulation, the target embedding at unit scale, and our GPT trunk (no
+biases, tied head, tanh GELU). Spelled out so that the arms do not move with the defaults."""
+PUBLISHED = _overrides(VARIANTS["aogpt-ref"])
+"""The AO-GPT authors' model (``model.variant=aogpt-ref``), field by field."""
+OURS = _overrides(OURS_FIELDS)
+ROPE_TARGET = ["model.pos_emb=rope", "model.rope_query=target"]
+"""Our extension's overrides: AO-GPT with RoPE, each query rotated to its target position
+(on top of :data:`OURS`)."""
+PUBLISHED_LABEL = "aogpt published"
+OURS_LABEL = "aogpt ours: gate offset + unit init"
+ROPE_LABEL = "aogpt ours + RoPE queries at targets"
+_RUN_TAGS = {"published": PUBLISHED, "ours": OURS}
 
 
 def train_overrides(ctx: Context, out_dir: Path, seed: int, steps: int | None = None) -> list[str]:
@@ -125,9 +174,14 @@ def train_overrides(ctx: Context, out_dir: Path, seed: int, steps: int | None = 
 
 
 def run_name(kind: str, order: list[str]) -> str:
-    """A run's folder name from its model kind and order overrides: identical arms of
-    different experiments share one run."""
-    parts = [o.split("=", 1)[1] for o in order]
+    """A run's folder name from its model kind and overrides (a whole :data:`PUBLISHED` or
+    :data:`OURS` group as one tag): identical arms of different experiments share one run."""
+    rest, tags = list(order), []
+    for tag, group in _RUN_TAGS.items():
+        if all(o in rest for o in group):
+            rest = [o for o in rest if o not in group]
+            tags.append(tag)
+    parts = tags + [o.split("=", 1)[1] for o in rest]
     name = "_".join([kind, *parts])
     return "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
 
@@ -145,22 +199,13 @@ def _same_config(stored: Any, want: str) -> bool:
     return json.dumps(have, sort_keys=True) == want
 
 
-def train_run(
-    ctx: Context,
-    name: str,
-    kind: str,
-    order: list[str],
-    seed: int = 0,
-    *,
-    steps: int | None = None,
-    extra: list[str] | None = None,
-) -> dict[str, Any]:
-    """Train (or reuse) the CPU run ``name``-s``seed``; return its metrics rows and summary.
-
-    A run folder with ``done.json`` whose config matches is reused as it is.
-    """
+def _planned(
+    ctx: Context, name: str, kind: str, order: list[str], seed: int, steps: int | None,
+    extra: list[str] | None,
+) -> tuple[Any, Path, str, dict[str, Any] | None]:  # fmt: skip
+    """``(config, run folder, config JSON, done.json's info or None)`` of a CPU run: the
+    info when a finished run of the same config can be reused."""
     from anyorder.config import load_config, to_dict
-    from anyorder.train import read_metrics, train
 
     out_dir = ctx.runs / f"{name}-s{seed}"
     overrides = [
@@ -175,11 +220,51 @@ def train_run(
     if done.exists():
         info = json.loads(done.read_text())
         if _same_config(info.get("config"), want):
-            return info | {"rows": read_metrics(out_dir), "run_dir": str(out_dir)}
+            return cfg, out_dir, want, info
+    return cfg, out_dir, want, None
+
+
+def estimate_training(ctx: Context, runs: list[tuple[str, str, list[str], int]]) -> None:
+    """Print what training the runs ``(name, kind, order, seed)`` not yet done will cost."""
+    from anyorder.progress import estimate
+
+    todo = [r for r in runs if _planned(ctx, *r, None, None)[3] is None]
+    if ctx.progress and todo:
+        estimate(
+            f"experiment: training {len(todo)} of {len(runs)} run(s) ({len(runs) - len(todo)} "
+            "reused)",
+            len(todo) * ctx.steps,
+            1.0 / CPU_STEPS_PER_S,
+            unit="steps",
+            stream=sys.stdout,
+            how="calibrated, one thread",
+        )
+
+
+def train_run(
+    ctx: Context,
+    name: str,
+    kind: str,
+    order: list[str],
+    seed: int = 0,
+    *,
+    steps: int | None = None,
+    extra: list[str] | None = None,
+) -> dict[str, Any]:
+    """Train (or reuse) the CPU run ``name``-s``seed``; return its metrics rows and summary.
+
+    A run folder with ``done.json`` whose config matches is reused as it is.
+    """
+    from anyorder.train import read_metrics, train
+
+    cfg, out_dir, want, info = _planned(ctx, name, kind, order, seed, steps, extra)
+    if info is not None:
+        return info | {"rows": read_metrics(out_dir), "run_dir": str(out_dir)}
     if ctx.progress:
         print(f"experiment: training {out_dir.name} ({cfg.train.steps} steps)", flush=True)
     t0 = time.perf_counter()
-    summary = train(cfg, resume=False if not out_dir.exists() else "auto", progress=False)
+    resume = False if not out_dir.exists() else "auto"
+    summary = train(cfg, resume=resume, progress=ctx.progress)
     tokens = cfg.train.steps * cfg.train.batch_size * cfg.model.seq_len
     info = {
         "config": json.loads(want),
@@ -189,7 +274,7 @@ def train_run(
         "val": summary.get("val"),
         "params": summary.get("params"),
     }
-    done.write_text(json.dumps(info, indent=2) + "\n")
+    (out_dir / "done.json").write_text(json.dumps(info, indent=2) + "\n")
     return info | {"rows": read_metrics(out_dir), "run_dir": str(out_dir)}
 
 
@@ -290,6 +375,10 @@ def _plot_xy(
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label)
     if logx:
         ax.set_xscale("log", base=2)
+    elif all(float(v).is_integer() for x, _, _ in series.values() for v in x):
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # n = 5, 6, 7: no 5.25
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -404,10 +493,15 @@ def exp_eq5(ctx: Context) -> dict[str, Any]:
         trans = _toy_chain(V, n)
         test = _toy_draw(trans, 4 if ctx.smoke else 16, n, g)
         models = {}
-        for kind in ("mdm", "aogpt"):
+        for kind in ("mdm", "aogpt", "aogpt-ours"):
             torch.manual_seed(0)
-            cfg = preset("tiny", kind=kind, vocab_size=V, seq_len=n, n_layer=2, n_head=4,
-                         d_model=64, target_dim=32)  # fmt: skip
+            shape = dict(vocab_size=V, seq_len=n, n_layer=2, n_head=4, d_model=64)
+            if kind == "mdm":
+                cfg = preset("tiny", kind="mdm", target_dim=32, **shape)
+            elif kind == "aogpt":  # the published parameterization
+                cfg = preset("tiny", variant="aogpt-ref", **shape)
+            else:
+                cfg = preset("tiny", kind="aogpt", target_dim=32, **shape, **OURS_FIELDS)
             model = build_model(cfg)
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
             for _ in range(train_steps):
@@ -418,14 +512,16 @@ def exp_eq5(ctx: Context) -> dict[str, Any]:
                 loss.backward()
                 opt.step()
             models[kind] = model.eval()
-        mdm, ao = models["mdm"], models["aogpt"]
+        mdm, ao, ours = models["mdm"], models["aogpt"], models["aogpt-ours"]
         t0 = time.perf_counter()
         elbo = exact_mdm_elbo(mdm, test)  # (B,)
         avg = exact_any_order_nll(mdm, test)
         ao_avg = exact_any_order_nll(ao, test)
+        ours_avg = exact_any_order_nll(ours, test)
         enum_s = time.perf_counter() - t0
         with torch.no_grad():
             ao_l2r = sequence_nll(ao, test, orders.l2r(len(test), n).order).double()
+            ours_l2r = sequence_nll(ours, test, orders.l2r(len(test), n).order).double()
             # order dependence: one random order per sequence; every target's conditional
             # under `members` random orders of its context (member 0: the order itself)
             o = orders.uniform(len(test), n, g).order
@@ -443,6 +539,9 @@ def exp_eq5(ctx: Context) -> dict[str, Any]:
                 "aogpt_avg_orders": float(ao_avg.mean()),
                 "aogpt_l2r": float(ao_l2r.mean()),
                 "aogpt_spread": spread["aogpt"],
+                "aogpt_ours_avg_orders": float(ours_avg.mean()),
+                "aogpt_ours_l2r": float(ours_l2r.mean()),
+                "aogpt_ours_spread": spread["aogpt-ours"],
                 "mdm_spread": spread["mdm"],
                 "enum_s": enum_s,
             }
@@ -453,21 +552,38 @@ def exp_eq5(ctx: Context) -> dict[str, Any]:
         "(mean over the test sequences). Spread: standard deviation of log p(target | context) "
         f"over {members} random orders of the same context set, mean over targets (± se).\n",
         "| n | orders | mdm exact ELBO | mdm avg over all orders | max abs diff | true NLL "
-        "| aogpt avg over orders | aogpt l2r | aogpt spread (nats) | mdm spread (nats) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mdm spread (nats) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         md.append(
             f"| {r['n']} | {r['orders']} | {r['mdm_elbo']:.5f} | {r['mdm_avg_orders']:.5f} | "
-            f"{r['max_abs_diff']:.1e} | {r['true_nll']:.3f} | {r['aogpt_avg_orders']:.3f} | "
-            f"{r['aogpt_l2r']:.3f} | {fmt(*r['aogpt_spread'])} | {fmt(*r['mdm_spread'], 4)} |"
+            f"{r['max_abs_diff']:.1e} | {r['true_nll']:.3f} | {fmt(*r['mdm_spread'], 4)} |"
         )
+    md += [
+        "\nThe decoder, trained the same way: the published parameterization (`model.variant="
+        "aogpt-ref`, target_dim 128) and ours (gates centred on one, zero-initialised adaLN, "
+        "the target embedding at unit scale, target_dim 32).\n",
+        "| n | aogpt | avg over all orders | l2r | spread over context orders (nats) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for name, key in (("published", "aogpt"), ("ours", "aogpt_ours")):
+            md.append(
+                f"| {r['n']} | {name} | {r[key + '_avg_orders']:.3f} | {r[key + '_l2r']:.3f} "
+                f"| {fmt(*r[key + '_spread'], 4)} |"
+            )
     plot = _plot_xy(
         {
-            "aogpt: spread over context orders": (
+            "aogpt published: spread over context orders": (
                 [r["n"] for r in rows],
                 [r["aogpt_spread"][0] for r in rows],
                 [r["aogpt_spread"][1] for r in rows],
+            ),
+            "aogpt ours: spread over context orders": (
+                [r["n"] for r in rows],
+                [r["aogpt_ours_spread"][0] for r in rows],
+                [r["aogpt_ours_spread"][1] for r in rows],
             ),
             "mdm: spread (0 by construction)": (
                 [r["n"] for r in rows],
@@ -501,6 +617,8 @@ def _arms_curves(
     final values (mean ± se over seeds) of each key and the seed-0 curves."""
     tps = tokens_per_step(ctx)
     out: dict[str, Any] = {"arms": {}, "curves": {}}
+    runs = [(run_name(k, o), k, o, s) for k, o in arms.values() for s in range(seeds)]
+    estimate_training(ctx, runs)
     for label, (kind, order) in arms.items():
         name = run_name(kind, order)
         finals: dict[str, list[float]] = {k: [] for k in keys}
@@ -588,8 +706,6 @@ def _add_target_kl(
 
 
 BPB_KEYS = ["val/l2r_bpb", "val/ao_bpb"]
-ROPE_TARGET = ["model.pos_emb=rope", "model.rope_query=target"]
-"""Our extension's overrides: AO-GPT with RoPE, each query rotated to its target position."""
 
 
 def _bpb_experiment(
@@ -605,22 +721,51 @@ def _bpb_experiment(
     return res | {"plot": plot, "markdown": md}
 
 
+VARIANTS_NOTE = (
+    "Arms: `published` is the AO-GPT authors' parameterization (`model.variant=aogpt-ref`: "
+    "raw adaLN gates, adaLN and a 128-wide target embedding at N(0, 0.02), biases, an untied "
+    "head, exact GELU; the model `anyorder convert --from aogpt-ref` loads); `ours` is our "
+    "default AO-GPT when these runs were made (gates centred on one, zero-initialised "
+    "modulation, the target embedding at unit scale, target_dim 64); `ours + RoPE queries at "
+    "targets` is our extension (`model.pos_emb=rope model.rope_query=target`, experiment 5)."
+)
+
+
+def _variant_arms(
+    orders: dict[str, list[str]], rope: bool = True
+) -> dict[str, tuple[str, list[str]]]:
+    """Each order setting for the published aogpt, ours and (``rope``) our RoPE-target
+    extension, every variant field spelled out."""
+    variants = [(PUBLISHED_LABEL, PUBLISHED), (OURS_LABEL, OURS)]
+    if rope:
+        variants.append((ROPE_LABEL, [*OURS, *ROPE_TARGET]))
+    return {
+        f"{label}, {name}": ("aogpt", [*variant, *order])
+        for label, variant in variants
+        for name, order in orders.items()
+    }
+
+
+def _only(ctx: Context, arms: dict[str, tuple[str, list[str]]]) -> dict:
+    """The arms ``ctx.only`` selects (all when unset; an error when none match)."""
+    if not ctx.only:
+        return arms
+    kept = {k: v for k, v in arms.items() if ctx.only in k}
+    if not kept:
+        raise ConfigError(f"--arms {ctx.only!r} matches no arm; the arms are: {', '.join(arms)}")
+    return kept
+
+
 def exp_finding1(ctx: Context) -> dict[str, Any]:
     """AO-GPT Finding 1: left-to-right vs uniform any-order training, same architecture."""
-    arms = {
-        "aogpt l2r-trained": ("aogpt", ["order.kind=l2r"]),
-        "aogpt uniform-trained": ("aogpt", ["order.kind=uniform"]),
-    }
+    arms = _variant_arms(
+        {"l2r-trained": ["order.kind=l2r"], "uniform-trained": ["order.kind=uniform"]},
+        rope=ctx.scale != "paper",
+    )
+    arms = _only(ctx, arms)
     if ctx.scale == "paper":
         return _paper(ctx, "aogpt-small-owt.yaml", arms)
-    # the same comparison with our extension (RoPE queries at targets), which does learn
-    # uniform orders at this budget (experiment 5)
-    for label, (kind, order) in list(arms.items()):
-        arms[label.replace("aogpt", "aogpt, RoPE at targets,")] = (kind, [*order, *ROPE_TARGET])
-    note = (
-        " The last two arms repeat the comparison with our extension (`model.pos_emb=rope "
-        "model.rope_query=target`, experiment 5)."
-    )
+    note = " " + VARIANTS_NOTE
     res = _bpb_experiment(ctx, arms, "Finding 1: l2r vs uniform-order training (aogpt)", note)
     md = res["markdown"]
     md += (
@@ -636,22 +781,15 @@ def exp_finding1(ctx: Context) -> dict[str, Any]:
 
 def exp_finding3(ctx: Context) -> dict[str, Any]:
     """AO-GPT Finding 3: 0%, 10%, 50% left-to-right mixed into uniform orders."""
-    arms = {
-        "aogpt 0% l2r (uniform)": ("aogpt", ["order.kind=uniform"]),
-        "aogpt 10% l2r": ("aogpt", ["order.kind=mix", "order.p_l2r=0.1"]),
-        "aogpt 50% l2r": ("aogpt", ["order.kind=mix", "order.p_l2r=0.5"]),
+    mixes = {
+        "0% l2r (uniform)": ["order.kind=uniform"],
+        "10% l2r": ["order.kind=mix", "order.p_l2r=0.1"],
+        "50% l2r": ["order.kind=mix", "order.p_l2r=0.5"],
     }
+    arms = _only(ctx, _variant_arms(mixes, rope=ctx.scale != "paper"))
     if ctx.scale == "paper":
         return _paper(ctx, "aogpt-small-owt.yaml", arms)
-    # the same mixes with our extension (RoPE queries at their targets), which does learn
-    # uniform orders at this budget (experiment 5): is there any-order skill to help?
-    for label, (kind, order) in list(arms.items()):
-        arms[label.replace("aogpt", "aogpt, RoPE at targets,")] = (kind, [*order, *ROPE_TARGET])
-    note = (
-        " The last three arms repeat the mixes with our extension (`model.pos_emb=rope "
-        "model.rope_query=target`, experiment 5)."
-    )
-    return _bpb_experiment(ctx, arms, "Finding 3: left-to-right mix", note)
+    return _bpb_experiment(ctx, arms, "Finding 3: left-to-right mix", " " + VARIANTS_NOTE)
 
 
 # ============================================================================ 4. Finding 5
@@ -662,15 +800,11 @@ def exp_finding5(ctx: Context) -> dict[str, Any]:
     from anyorder.corpus import likelihood_suite
 
     mix = ["order.kind=mix", "order.p_l2r=0.1"]
-    arms = {"aogpt (10% l2r)": ("aogpt", mix)}
-    if ctx.scale == "paper":
-        return _paper(ctx, "aogpt-small-owt.yaml", arms, evaluate="--ensemble 16")
     # our extension too: a model of the same budget that has learnt much more about
     # uniform orders (experiment 5), so that there is order-dependent skill to average
-    arms["aogpt (10% l2r), RoPE queries at targets"] = (
-        "aogpt",
-        [*mix, *ROPE_TARGET],
-    )
+    arms = _only(ctx, _variant_arms({"10% l2r": mix}, rope=ctx.scale != "paper"))
+    if ctx.scale == "paper":
+        return _paper(ctx, "aogpt-small-owt.yaml", arms, evaluate="--ensemble 16")
     sizes = [1, 2, 4] if ctx.smoke else [1, 2, 4, 8, 16]
     data = _val_data(ctx)
     nblocks = 2 if ctx.smoke else 32
@@ -733,21 +867,20 @@ def exp_finding5(ctx: Context) -> dict[str, Any]:
 
 # ============================================================================ 5. equal tokens
 
+_MIX = ["order.kind=mix", "order.p_l2r=0.1"]
 _FOUR = {
     "gpt": ("gpt", ["order.kind=l2r"]),
-    "aogpt (10% l2r)": ("aogpt", ["order.kind=mix", "order.p_l2r=0.1"]),
+    f"{PUBLISHED_LABEL}, 10% l2r": ("aogpt", [*PUBLISHED, *_MIX]),
+    f"{OURS_LABEL}, 10% l2r": ("aogpt", [*OURS, *_MIX]),
     "armd (progressive)": ("armd", []),  # filled in by _progressive()
     "mdm": ("mdm", ["order.kind=uniform"]),
     # our extension (model.rope_query): AO-GPT with RoPE, each query rotated to its target;
     # and its control, RoPE with the queries at their inputs (as the keys)
-    "aogpt (10% l2r), RoPE queries at inputs": (
+    "aogpt ours + RoPE queries at inputs, 10% l2r": (
         "aogpt",
-        ["order.kind=mix", "order.p_l2r=0.1", "model.pos_emb=rope"],
+        [*OURS, *_MIX, "model.pos_emb=rope"],
     ),
-    "aogpt (10% l2r), RoPE queries at targets": (
-        "aogpt",
-        ["order.kind=mix", "order.p_l2r=0.1", *ROPE_TARGET],
-    ),
+    f"{ROPE_LABEL}, 10% l2r": ("aogpt", [*OURS, *_MIX, *ROPE_TARGET]),
 }
 
 
@@ -771,16 +904,15 @@ def _four(ctx: Context) -> dict[str, tuple[str, list[str]]]:
 
 def exp_four(ctx: Context) -> dict[str, Any]:
     """ARMD vs AO-GPT vs mdm vs gpt at equal tokens: bits/byte (l2r and any order) vs tokens."""
-    arms = _four(ctx)
+    arms = _only(ctx, _four(ctx))
     if ctx.scale == "paper":
         return _paper_four(ctx)
     note = (
         " The mdm's any-order figure is its ELBO; its left-to-right figure is on "
-        "4 sequences only (one encoder pass per token). The last arm is our extension "
-        "(`model.pos_emb=rope model.rope_query=target`): AO-GPT whose queries are rotated "
-        "to the positions they predict, so that attention sees target-to-context offsets "
-        "as ARMD's query stream does; the one before it is its control (RoPE, queries "
-        "rotated to the positions of the tokens they read, like the keys)."
+        "4 sequences only (one encoder pass per token). " + VARIANTS_NOTE + " The last arm's "
+        "queries are rotated to the positions they predict, so that attention sees "
+        "target-to-context offsets as ARMD's query stream does; the one before it is its "
+        "control (RoPE, queries rotated to the positions of the tokens they read, like the keys)."
     )
     return _bpb_experiment(ctx, arms, "Equal tokens: every model", note)
 
@@ -921,6 +1053,7 @@ def exp_decode(ctx: Context) -> dict[str, Any]:
     timing = []
     for kind in ("aogpt", "mdm"):
         ov = model_overrides(ctx, kind) + [f"model.seq_len={n}", f"model.vocab_size={vocab}"]
+        ov += OURS if kind == "aogpt" else []  # timing: the variant does not matter
         torch.manual_seed(0)
         model = build_model(load_config(None, ov).model).eval()
         for T in steps_list:
@@ -948,12 +1081,14 @@ def exp_decode(ctx: Context) -> dict[str, Any]:
     num = 4 if ctx.smoke else 48
     quality = []
     qarms = [
-        "aogpt (10% l2r)",
+        f"{PUBLISHED_LABEL}, 10% l2r",
+        f"{OURS_LABEL}, 10% l2r",
         "mdm",
         "armd (progressive)",
-        "aogpt (10% l2r), RoPE queries at targets",
+        f"{ROPE_LABEL}, 10% l2r",
     ]
     four = _four(ctx)
+    qarms = list(_only(ctx, {k: four[k] for k in qarms}))
     for label in qarms:
         kind, order = four[label]
         loaded = _load(train_run(ctx, run_name(kind, order), kind, order, 0))
@@ -1092,9 +1227,10 @@ def _paper(
 
 
 def _paper_four(ctx: Context) -> dict[str, Any]:
-    cfgs = {"gpt": ("gpt-small-owt.yaml", []), "aogpt": ("aogpt-small-owt.yaml", []),
+    cfgs = {"gpt": ("gpt-small-owt.yaml", []), "aogpt": ("aogpt-small-owt.yaml", PUBLISHED),
+            "aogpt-ours": ("aogpt-small-owt.yaml", OURS),
             "armd": ("armd-small-owt.yaml", []), "mdm": ("mdm-small-owt.yaml", []),
-            "aogpt-rope-target": ("aogpt-small-owt.yaml", ROPE_TARGET)}  # fmt: skip
+            "aogpt-rope-target": ("aogpt-small-owt.yaml", [*OURS, *ROPE_TARGET])}  # fmt: skip
     root = str(ctx.out / "runs")
     cmds = []
     for name, (cfg, extra) in cfgs.items():

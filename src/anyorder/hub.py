@@ -38,7 +38,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -203,7 +202,7 @@ def save_pretrained(
     """
     from safetensors.torch import save_file
 
-    from anyorder.checkpoint import tied_aliases
+    from anyorder.checkpoint import apply_umask, make_temp_dir, tied_aliases
 
     if weights not in WEIGHT_LABELS:
         raise ConfigError(f"weights={weights!r}: use one of {', '.join(WEIGHT_LABELS)}")
@@ -211,7 +210,7 @@ def save_pretrained(
         raise ConfigError(f"dtype={dtype!r}: use one of {', '.join(_DTYPES)}")
     folder = Path(folder).expanduser()
     _prepare_target(folder)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    tmp = make_temp_dir(folder.parent, f".{folder.name}.tmp-")
     try:
         aliases = tied_aliases(model)
         tensors = {}
@@ -249,6 +248,7 @@ def save_pretrained(
         }
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / CARD_NAME).write_text(_model_card(config, model.num_params(), tokenizer))
+        apply_umask(tmp)
         _move_into_place(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -591,7 +591,10 @@ def _read_run_config(folder: Path, model_cfg: ModelConfig) -> RunConfig:
             raise CheckpointError(f"{path} is not a config this version reads ({e})") from None
         cfg.model = model_cfg
         return cfg
-    return RunConfig(model=model_cfg)
+    cfg = RunConfig(model=model_cfg)
+    if (folder / TOKENIZER_DIR).is_dir():  # data for `eval`: tokenized as the model reads it
+        cfg.data.tokenizer = str((folder / TOKENIZER_DIR).resolve())
+    return cfg
 
 
 # ----------------------------------------------------------------------------- init_from

@@ -508,11 +508,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU (tanh approximation, as GPT-2) or SwiGLU feed-forward."""
+    """GELU (the tanh approximation, as GPT-2, or exact: ``model.gelu``) or SwiGLU
+    feed-forward."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
+        self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
         if self.swiglu:
             hidden = int(cfg.mlp_ratio * cfg.d_model * 2 / 3)
             hidden = 64 * math.ceil(hidden / 64)
@@ -530,26 +532,36 @@ class MLP(nn.Module):
             a, b = h.chunk(2, dim=-1)
             h = F.silu(a) * b
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = F.gelu(h, approximate=self.approximate)
         out = self.proj(h)
         return self.drop(out) if self.training and self.drop.p > 0 else out  # no call at p=0
 
 
 class AdaLN(nn.Module):
-    """Modulation from a condition: ``Linear(SiLU(c)) -> chunks`` of width d, zero-initialised.
+    """Modulation from a condition: ``Linear(SiLU(c)) -> chunks`` of width d.
 
-    Zero initialisation makes every shift, scale and gate zero, so a freshly built adaLN
-    model computes exactly what the unconditioned trunk computes (see :class:`Modulation`).
-    The chunks listed in ``ones`` (scales and gates) come back as ``1 + chunk``: the factors
-    the block multiplies by, one add for the whole row (or none: it is folded into a table).
+    Zero-initialised (``zero``, our default), every shift, scale and gate starts at zero, so
+    with gates centred on one a freshly built adaLN model computes exactly what the
+    unconditioned trunk computes (see :class:`Modulation`); the AO-GPT reference initialises it
+    like every other linear layer (``model.adaln_init=normal``).
+    The chunks listed in ``ones`` (scales, and gates unless ``model.adaln_gate_offset`` is
+    off) come back as ``1 + chunk``: the factors the block multiplies by, one add for the
+    whole row (or none: it is folded into a table).
     """
 
-    def __init__(self, cond_dim: int, d_model: int, chunks: int, ones: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        cond_dim: int,
+        d_model: int,
+        chunks: int,
+        ones: tuple[int, ...] = (),
+        zero: bool = True,
+    ):
         super().__init__()
         self.chunks = chunks
         self.ones = ones
         self.linear = nn.Linear(cond_dim, chunks * d_model)
-        self.linear.zero_init = True
+        self.linear.zero_init = zero
 
     def _offset(self, out: Tensor) -> Tensor:
         d = out.shape[-1] // self.chunks
@@ -759,7 +771,8 @@ class Block(nn.Module):
     With a condition ``c``: ``h += (1 + gate1) * Attn(norm(h) * (1 + scale1) + shift1)``,
     the same for the MLP. Our choice: the gate is centred on one (not on zero as in DiT), so
     that zero modulation is the plain block; AO-GPT then starts exactly as a GPT and can be
-    initialised from GPT weights.
+    initialised from GPT weights. ``model.adaln_gate_offset=false`` uses the raw gate
+    (``h += gate1 * ...``), as the AO-GPT reference does.
     """
 
     def __init__(self, cfg: ModelConfig, cond_dim: int | None = None) -> None:
@@ -768,7 +781,10 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.norm2 = make_norm(cfg)
         self.mlp = MLP(cfg)
-        self.ada = AdaLN(cond_dim, cfg.d_model, 6, ones=(1, 2, 4, 5)) if cond_dim else None
+        self.ada = None
+        if cond_dim:
+            ones = (1, 2, 4, 5) if cfg.adaln_gate_offset else (1, 4)  # scales (and gates)
+            self.ada = AdaLN(cond_dim, cfg.d_model, 6, ones, zero=cfg.adaln_init == "zero")
 
     def forward(
         self,
@@ -783,14 +799,40 @@ class Block(nn.Module):
         if self.ada is None:
             x = x + self.attn(self.norm1(x), pos, mask, kv, packing, qpos)
             return x + self.mlp(self.norm2(x))
-        # factors: mul = 1 + scale, gate = 1 + gate (a Modulation: worked out beforehand)
+        # factors: mul = 1 + scale, gate = (1 +) gate (a Modulation: worked out beforehand)
         m = cond if isinstance(cond, Modulation) else Modulation(self.ada(cond))
         x = m.gate(2, x, self.attn(m.modulate(0, self.norm1(x)), pos, mask, kv, packing, qpos))
         return m.gate(5, x, self.mlp(m.modulate(3, self.norm2(x))))
 
 
+class Head(nn.Linear):
+    """The output projection ``d -> V``. With a padded table (``model.padded_vocab``) it holds
+    the padding rows (so that weights map one to one and a tied head stays the token table)
+    but computes the logits of the first ``vocab_size`` ids only: padding ids are never
+    predicted, so no sampler, score or loss can pick them."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg.d_model, cfg.table_vocab, bias=cfg.head_bias)
+        self.used = cfg.vocab_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.used == self.out_features:
+            return super().forward(x)
+        bias = self.bias[: self.used] if self.bias is not None else None
+        return F.linear(x, self.weight[: self.used], bias)  # views of the first rows: no copy
+
+
+def init_normal(tensor: Tensor, std: float, cfg: ModelConfig) -> None:
+    """N(0, std) in place, truncated at 3 std under ``model.init_truncate``."""
+    if cfg.init_truncate and std > 0:
+        nn.init.trunc_normal_(tensor, mean=0.0, std=std, a=-3 * std, b=3 * std)
+    else:
+        nn.init.normal_(tensor, mean=0.0, std=std)
+
+
 def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
-    """GPT-2 initialisation: N(0, std), residual projections scaled by 1/sqrt(2L), adaLN zero.
+    """GPT-2 initialisation: N(0, std), residual projections scaled by 1/sqrt(2L), adaLN zero
+    (unless ``model.adaln_init=normal``).
 
     A module may carry its own ``init_std`` (AO-GPT's target embedding, read through SiLU by
     a zero-initialised adaLN, starts at unit scale so that the modulation can grow quickly).
@@ -802,8 +844,8 @@ def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
                 nn.init.zeros_(m.weight)
             else:
                 s = std / math.sqrt(2 * cfg.n_layer) if getattr(m, "residual", False) else std
-                nn.init.normal_(m.weight, mean=0.0, std=s)
+                init_normal(m.weight, s, cfg)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=getattr(m, "init_std", std))
+            init_normal(m.weight, getattr(m, "init_std", std), cfg)

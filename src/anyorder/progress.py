@@ -31,13 +31,17 @@ def format_duration(seconds: float) -> str:
 
 
 def estimate(what: str, units: int, seconds_per_unit: float, unit: str = "passes",
-             stream: TextIO | None = None) -> float:  # fmt: skip
-    """Print ``what: about 3.5 min (1,200 passes x 0.18 s measured)`` and return the seconds."""
+             stream: TextIO | None = None, how: str = "measured") -> float:  # fmt: skip
+    """Print ``what: about 3.5 min (1,200 passes x 0.18 s measured)`` and return the seconds.
+
+    ``how`` says where the time per unit comes from (``measured``, or e.g. ``calibrated on
+    2 idle cores`` for a figure taken before anything ran).
+    """
     total = units * seconds_per_unit
     stream = stream if stream is not None else sys.stderr
     print(
         f"{what}: about {format_duration(total)} ({units:,} {unit} x "
-        f"{seconds_per_unit:.3g} s measured)",
+        f"{seconds_per_unit:.3g} s {how})",
         file=stream,
         flush=True,
     )

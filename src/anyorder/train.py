@@ -60,8 +60,12 @@ from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig, to_dict
 from anyorder.errors import CheckpointError, ConfigError, TrainingError
 from anyorder.orders import OrderSampler
+from anyorder.progress import LineProgress, estimate
 from anyorder.runlock import RunLock, check_writable_dir
 
+ESTIMATE_AFTER = 4
+"""Timed steps (the first, which pays for allocation, left out) before the up-front estimate
+(and, with a time limit, the fit of ``train.steps``)."""
 MDM_L2R_ROWS = 4
 """Sequences the encoder's (costly: one pass per token) left-to-right NLL is measured on."""
 VAL_ORDERS = 2
@@ -333,7 +337,9 @@ def use_compile(cfg: RunConfig, device: torch.device) -> bool:
 
 def compile_modules(model: nn.Module, train_module: nn.Module) -> None:
     """Compile, in place, the training entry point (the loss, so the cross-entropy over the
-    vocabulary is compiled with the model) and the model itself (validation calls it).
+    vocabulary is compiled with the model) and the model itself: its ``forward`` and, for the
+    models that have one, its ``features`` trunk, which validation's ``token_nll`` calls
+    before the head runs in chunks.
 
     In place (``Module.compile``), so nothing is wrapped: parameters, ``state_dict`` keys
     (no ``_orig_mod.``), EMA and checkpoints see the plain modules. ``train_module`` is the
@@ -342,6 +348,8 @@ def compile_modules(model: nn.Module, train_module: nn.Module) -> None:
     eagerly). Calls of the compiled model inside the compiled loss are traced inline.
     """
     model.compile(**COMPILE_KWARGS)
+    if model.has_features():  # an instance attribute: the class and state_dict are untouched
+        model.features = torch.compile(model.features, **COMPILE_KWARGS)
     train_module.compile(**COMPILE_KWARGS)
 
 
@@ -1104,7 +1112,9 @@ def _train(
     if dry_run:
         loss = one_step(0, rows=micro)
         val = evaluate_now(1, 1, orders=1, mdm_rows=1) if data.num_blocks("val") else {}
-        print0(f"dry run: one step done, loss {loss:.4f}; {_fmt_val(val)}; nothing written")
+        print0(
+            f"dry run: one step done, loss {loss:.4f} nats/token; {_fmt_val(val)}; nothing written"
+        )
         return {
             "dry_run": True,
             "run_dir": str(run_dir),
@@ -1122,16 +1132,20 @@ def _train(
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_atomic(run_dir / "config.yaml", _yaml(cfg))
     log = MetricsLog(run_dir, env.is_main, step if resume_from is not None else None, t.seed)
-    bar = None
-    if progress and env.is_main:
-        from tqdm.auto import tqdm
+    bar: Any = None  # opened once the horizon is known (after the fit to a time limit)
+    to_bpb = 1.0 / (math.log(2) * data.bytes_per_token("train"))  # nats/token -> bits/byte
 
-        bar = tqdm(total=t.steps, initial=step, desc="train", unit="step", dynamic_ncols=True)
+    def open_bar(total: int, initial: int) -> Any:
+        from anyorder.progress import progress as progress_bar
+
+        show = progress and env.is_main
+        return progress_bar(total=total, initial=initial, desc="train", unit="steps", enabled=show)
 
     def say(msg: str) -> None:
+        """A message on stdout (above the bar on a terminal; progress lines go to stderr)."""
         if not env.is_main:
             return
-        if bar is not None:
+        if bar is not None and not isinstance(bar, LineProgress):  # tqdm on a terminal
             bar.write(msg)
         else:
             print(msg, flush=True)
@@ -1197,12 +1211,15 @@ def _train(
     tok_s = 0.0
     start_step = step
     timing: list[float] = []
-    limit_set = False
-    steps0 = t.steps  # the configured horizon; a time limit may only shorten it
     loop_t0 = time.perf_counter()
     end = t.steps if stop_at is None else min(t.steps, stop_at)
     if step >= end:
-        print0(f"{run_dir} is already at step {step} of {end}: nothing to train")
+        print0(
+            f"{run_dir} is already at step {step} of {end}: nothing to train (raise "
+            "train.steps to go on from there, or pick another train.out_dir)"
+        )
+    if time_limit_s is None:
+        bar = open_bar(end, step)
     skipped = 0
     stop = _StopSignals()
     try:
@@ -1230,24 +1247,30 @@ def _train(
             window_time += dt
             window_steps += 1
             timing.append(dt)
-            if time_limit_s is not None and len(timing) >= 6 and (not limit_set or step % 10 == 0):
-                # Fit the schedule to the budget from the median of the last timed steps (not
-                # the first, which pays for allocation), again every 10 steps as the machine's
-                # load changes; 10% of what is left is kept for evaluation and saving.
-                per = float(np.median(timing[1:][-20:]))
-                left = time_limit_s - (time.perf_counter() - loop_t0)
-                fit = min(steps0, step + max(1, int(0.9 * left / per)))
-                fit = _from_rank0(fit, env)
-                if fit != t.steps:
-                    cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, steps=fit))
-                    t = cfg.train
-                    end = t.steps if stop_at is None else min(t.steps, stop_at)
-                    if not limit_set:
-                        say(f"time limit {time_limit_s:.0f}s: train.steps set to {fit} (refit)")
-                    if bar is not None:
-                        bar.total = fit
-                        bar.refresh()
-                limit_set = True
+            if len(timing) == ESTIMATE_AFTER or (step == end and len(timing) < ESTIMATE_AFTER):
+                # The steps after the first (which pays for allocation) set the estimate and,
+                # with a time limit, the horizon: fitted once, so the schedule and the bar's
+                # total never move again; 10% of what is left is kept for evaluation and saving.
+                per = float(np.median(timing[1:] or timing))
+                if time_limit_s is not None:
+                    left = time_limit_s - (time.perf_counter() - loop_t0)
+                    fit = min(t.steps, step + max(1, int(0.9 * left / per)))
+                    fit = _from_rank0(fit, env)
+                    if fit != t.steps:
+                        cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, steps=fit))
+                        t = cfg.train
+                        end = t.steps if stop_at is None else min(t.steps, stop_at)
+                        say(f"time limit {time_limit_s:.0f} s: train.steps set to {fit}")
+                    bar = open_bar(end, step - 1)  # this step is counted just below
+                if env.is_main and end > step:
+                    evals = _evaluations(step, end, t.eval_every)
+                    estimate(
+                        f"train: {end - step:,} more steps and {evals} validation(s)",
+                        end - step,
+                        per,
+                        unit="steps",
+                        stream=sys.stdout,
+                    )
             if bar is not None:
                 bar.update(1)
             if t.log_every and (step % t.log_every == 0 or step == end):
@@ -1263,7 +1286,10 @@ def _train(
                     }
                 )
                 if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}")
+                    bar.set_postfix_str(
+                        f"loss {loss:.3f} nats/token = {loss * to_bpb:.3f} bits/byte, "
+                        f"{tok_s:,.0f} tokens/s"
+                    )
             if time_limit_s is not None and step < end:
                 # Every rank stops at the same step: rank 0's clock decides.
                 over = int(time.perf_counter() - loop_t0 >= time_limit_s)
@@ -1274,7 +1300,7 @@ def _train(
             if (t.eval_every and step % t.eval_every == 0) or final:
                 val = evaluate_now(t.eval_batches, micro)
                 log.write({"step": step, **val})
-                say(f"step {step}: loss {loss:.4f}; {_fmt_val(val, unigram)}")
+                say(f"step {step}: loss {loss:.4f} nats/token; {_fmt_val(val, unigram)}")
             if (t.ckpt_every and step % t.ckpt_every == 0) or final:
                 last_ckpt = save(step) or last_ckpt
             if not final and stop.agreed(env):
@@ -1394,12 +1420,18 @@ def _load_into(model: nn.Module, path: Path, fsdp: bool) -> None:
 def _fmt_val(val: dict[str, float], unigram: float | None = None) -> str:
     if not val:
         return "no validation"
-    parts = [f"val l2r {val['val/l2r_bpb']:.4f} bpb"]
+    parts = [f"validation left to right {val['val/l2r_bpb']:.4f}"]
     if "val/ao_bpb" in val:
-        parts.append(f"any-order {val['val/ao_bpb']:.4f} ± {val['val/ao_bpb_se']:.4f} bpb")
+        parts.append(f"any order {val['val/ao_bpb']:.4f} ± {val['val/ao_bpb_se']:.4f}")
     if unigram is not None:
-        parts.append(f"unigram {unigram:.4f} bpb")
-    return ", ".join(parts)
+        parts.append(f"unigram baseline {unigram:.4f}")
+    return ", ".join(parts) + " bits/byte"
+
+
+def _evaluations(step: int, end: int, every: int) -> int:
+    """Validations a run from ``step`` to ``end`` makes (every ``every`` steps and at the end)."""
+    count = (end // every - step // every) if every else 0
+    return count + (0 if every and end % every == 0 else 1)
 
 
 def _yaml(cfg: RunConfig) -> str:

@@ -17,4 +17,36 @@ def build_model(cfg: ModelConfig) -> AnyOrderLM:
     return MODELS[cfg.kind](cfg)
 
 
-__all__ = ["AOGPT", "ARMD", "GPT", "MDM", "MODELS", "AnyOrderLM", "build_model"]
+_INITS = (
+    "normal_",
+    "zeros_",
+    "ones_",
+    "uniform_",
+    "constant_",
+    "trunc_normal_",
+    "kaiming_uniform_",
+)
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """The parameter count of the model ``cfg`` describes, in milliseconds at any size.
+
+    The model is built on the meta device (shapes, no memory) with ``torch.nn.init``
+    switched off for the duration: initialising a meta tensor goes through PyTorch's
+    reference decompositions, which import ``torch._dynamo`` (seconds).
+    """
+    import torch
+    from torch.nn import init
+
+    saved = {name: getattr(init, name) for name in _INITS}
+    try:
+        for name in _INITS:
+            setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            return build_model(cfg).num_params()
+    finally:
+        for name, fn in saved.items():
+            setattr(init, name, fn)
+
+
+__all__ = ["AOGPT", "ARMD", "GPT", "MDM", "MODELS", "AnyOrderLM", "build_model", "count_params"]

@@ -38,12 +38,15 @@ class AOGPT(GPT):
         cfg = self.cfg
         if cfg.target_injection == "adaln":
             self.tgt_emb = nn.Embedding(cfg.seq_len, cfg.target_dim)
-            # Our choice: unit scale. At GPT-2's 0.02, SiLU(c) ~ 0.01 and the zero-initialised
-            # modulation grows so slowly that a small model barely uses the target position
-            # (measured: any-order 3.09 vs 3.01 nats/token after 400 steps, 2 x 128 model).
-            self.tgt_emb.init_std = 1.0
-            self.final_ada = AdaLN(cfg.target_dim, cfg.d_model, 2, ones=(1,))
-            # the 1 + of every scale and gate, for the joined adaLN of layer_conditions
+            zero = cfg.adaln_init == "zero"
+            if zero:
+                # Our choice: unit scale. At GPT-2's 0.02, SiLU(c) ~ 0.01 and the zero-initialised
+                # modulation grows so slowly that a small model barely uses the target position
+                # (measured: any-order 3.09 vs 3.01 nats/token after 400 steps, 2 x 128 model).
+                # The reference (adaln_init=normal) has both at 0.02.
+                self.tgt_emb.init_std = 1.0
+            self.final_ada = AdaLN(cfg.target_dim, cfg.d_model, 2, ones=(1,), zero=zero)
+            # the 1 + of every scale (and gate), for the joined adaLN of layer_conditions
             offset = adaln_offset(self.adas())
             self.register_buffer("ada_offset", offset, persistent=False)
         else:

@@ -28,6 +28,7 @@ from anyorder.cache import ARMDCache
 from anyorder.config import ModelConfig
 from anyorder.layers import (
     Block,
+    Head,
     Mask,
     Positions,
     PreparedMask,
@@ -67,12 +68,12 @@ class ARMD(AnyOrderLM):
         super().__init__(cfg)
         d = cfg.d_model
         self.l2s = cfg.two_stream_layers
-        self.tok_emb = nn.Embedding(cfg.vocab_size, d)
+        self.tok_emb = nn.Embedding(cfg.table_vocab, d)
         self.pos_emb = nn.Embedding(cfg.seq_len, d) if cfg.positional == "learned" else None
         self.query_mlp = nn.Sequential(nn.Linear(d, d // 4), nn.GELU(), nn.Linear(d // 4, d))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm_f = make_norm(cfg)
-        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.head = Head(cfg)
         init_weights(self, cfg)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight

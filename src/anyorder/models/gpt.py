@@ -4,6 +4,8 @@ Slot inputs are ``[BOS, x_0, ..., x_(n-2)]``: slot ``t`` holds the previous toke
 position and predicts ``x_t``. BOS is a learned vector, not a vocabulary id (the id ``-1``
 stands for it in :meth:`GPT.embed`), and sits at position 0 for RoPE. AO-GPT uses the same
 layout over a permuted sequence, so both share :meth:`GPT.embed` and :meth:`GPT.trunk`.
+With ``model.bos_pos_row`` (the AO-GPT reference's layout) the learned position table has
+``seq_len + 1`` rows: BOS adds row 0 and a token at position ``p`` reads row ``p + 1``.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from anyorder.config import ModelConfig
 from anyorder.errors import ConfigError
 from anyorder.layers import (
     Block,
+    Head,
     Mask,
     Packing,
     Positions,
     TargetCondition,
+    init_normal,
     init_weights,
     make_norm,
     positions,
@@ -39,15 +43,17 @@ class GPT(AnyOrderLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         d = cfg.d_model
-        self.tok_emb = nn.Embedding(cfg.vocab_size, d)
-        self.pos_emb = nn.Embedding(cfg.seq_len, d) if cfg.positional == "learned" else None
+        self.tok_emb = nn.Embedding(cfg.table_vocab, d)
+        rows = cfg.seq_len + int(cfg.bos_pos_row)  # row 0 for BOS in the reference layout
+        self.bos_row = cfg.bos_pos_row and cfg.positional == "learned"
+        self.pos_emb = nn.Embedding(rows, d) if cfg.positional == "learned" else None
         self.bos = nn.Parameter(torch.zeros(d))
         self.blocks = nn.ModuleList(Block(cfg, self.cond_dim) for _ in range(cfg.n_layer))
         self.norm_f = make_norm(cfg)
-        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.head = Head(cfg)
         self.build_extra()
         init_weights(self, cfg)
-        nn.init.normal_(self.bos, std=cfg.init_std)
+        init_normal(self.bos, cfg.init_std, cfg)
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
 
@@ -60,6 +66,9 @@ class GPT(AnyOrderLM):
         """Slot-input embeddings: token (``BOS`` = -1: the learned BOS) at position ``pos_in``."""
         is_bos = (x_in == BOS)[..., None]
         h = self.tok_emb(x_in.clamp(min=0))
+        if self.bos_row:  # BOS + row 0, a token at p + row p + 1
+            h = torch.where(is_bos, self.bos.to(h.dtype), h)
+            return h + self.pos_emb(torch.where(is_bos[..., 0], 0, pos_in + 1))
         if self.pos_emb is not None:
             h = h + self.pos_emb(pos_in)
         return torch.where(is_bos, self.bos.to(h.dtype), h)

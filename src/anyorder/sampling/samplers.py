@@ -295,6 +295,8 @@ def strided_sample(
     streams: int,
     *,
     batch: int = 1,
+    prompt: Tensor | None = None,
+    known: Tensor | None = None,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -304,8 +306,12 @@ def strided_sample(
     graphs: bool | str = False,
 ) -> SampleResult:
     """ARMD's strided block-parallel decoding: the ``S`` stream heads one at a time, then
-    ``S`` tokens per forward pass (``S + n/S - 1`` passes), with the training forward's
-    block semantics (:func:`anyorder.orders.strided`). Unconditional only.
+    ``S`` tokens per forward pass (``S + m/S - 1`` passes for ``m`` unknown tokens), with the
+    training forward's block semantics (:func:`anyorder.orders.strided`).
+
+    A prompt must be a prefix (``known`` True at positions ``0..k-1``, the same ``k`` in
+    every row): it is read one token per block, left to right, and the ``m = n - k``
+    positions after it are cut into the ``S`` streams.
     """
     check_controls(temperature, top_k, top_p)
     if not isinstance(model, ARMD):
@@ -313,13 +319,27 @@ def strided_sample(
             f"strided block-parallel decoding is ARMD's; {model.kind} was not trained on "
             "blocks (use --steps for parallel decoding)"
         )
+    k = 0
+    if known is not None:
+        known = known.bool().expand(batch if known.dim() == 1 else known.shape[0], -1)
+        k = int(known[0].sum())
+        prefix = torch.arange(known.shape[1], device=known.device) < k
+        if not bool((known == prefix).all()):
+            raise SamplingError(
+                "strided decoding takes a prefix prompt (the same known positions 0..k-1 in "
+                "every row); use --steps or a random order to fill holes"
+            )
+        batch = known.shape[0]
     try:
-        ordering = strided(batch, n, streams, model.device)
+        ordering = strided(batch, n - k, streams, model.device)
     except ConfigError as e:
-        raise SamplingError(str(e)) from None
-    tokens, _, order, k = _prepare(model, n, batch, None, None, ordering.order, generator)
-    block_of = ordering.blocks[0].cpu().numpy()
-    counts = np.bincount(block_of)[:, None].repeat(batch, axis=1)
+        after = f"n={n - k} (the unknown tokens after the prompt)" if k else f"n={n}"
+        raise SamplingError(str(e).replace(f"n={n - k}", after)) from None
+    head = torch.arange(k, device=model.device)
+    order = torch.cat([head.expand(batch, k), ordering.order + k], dim=1)
+    tokens, _, order, k = _prepare(model, n, batch, prompt, known, order, generator)
+    block_of = torch.cat([head, ordering.blocks[0] + k]).cpu().numpy()
+    counts = np.bincount(block_of[k:] - k)[:, None].repeat(batch, axis=1)
     reveals = RevealPlan(len(counts), np.arange(len(counts)), counts)
     return _decode(
         model, tokens, order, k, reveals, block_of, Controls(temperature, top_k, top_p),

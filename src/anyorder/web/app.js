@@ -39,10 +39,17 @@ function stepColour(step, total) {
   return `hsl(${Math.round(215 - 190 * f)}, 85%, 74%)`;
 }
 
+function isTemplate() {
+  return $("text").value.includes("[MASK");
+}
+
 function syncModeInputs() {
   const mode = $("mode").value;
   $("streams-box").hidden = mode !== "strided";
   $("steps-box").hidden = mode !== "lemma1";
+  // A template sets its own length (its text plus its holes): no field to ignore.
+  $("length-box").hidden = isTemplate();
+  $("length-note").hidden = !isTemplate();
 }
 
 async function loadInfo() {
@@ -81,7 +88,7 @@ function requestBody() {
     mode,
     streams: mode === "strided" ? number("streams", Number) : null,
     steps: mode === "lemma1" ? number("steps", Number) : null,
-    length: number("length", Number),
+    length: isTemplate() ? null : number("length", Number),
     temperature: number("temperature", parseFloat) ?? 1.0,
     top_p: topP === null || topP >= 1 ? null : topP,
     seed: number("seed", Number) ?? 0,
@@ -255,4 +262,5 @@ async function generate(ev) {
 $("form").addEventListener("submit", generate);
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("mode").addEventListener("change", syncModeInputs);
+$("text").addEventListener("input", syncModeInputs);
 loadInfo();
