@@ -43,7 +43,6 @@ ESTIMATE_OVER_S = 20.0
 """Tokenizing a corpus expected to take longer than this prints an estimate first."""
 
 _FLUSH_TOKENS = 1 << 20  # tokens buffered in memory per split before a write
-
 _ENCODE_CHUNK = 256  # documents per batched tokenizer call
 
 

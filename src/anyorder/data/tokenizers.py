@@ -30,7 +30,6 @@ EOT = "<|endoftext|>"
 """The EOS token of GPT-2 and of the BPE tokenizers trained here."""
 
 _META = "anyorder_tokenizer.json"  # written by every Tokenizer.save; says how to reload
-
 _MIN_VOCAB = 256  # a real subword vocabulary is larger; fewer means broken tokenizer files
 
 
