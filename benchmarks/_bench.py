@@ -65,16 +65,28 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, float,
 
 
 def round_robin(
-    fns: dict[str, Callable[[], object]], repeats: int, device: torch.device
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    device: torch.device,
+    budget: float | None = None,
 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, object]]:
     """Time every function once per round, ``repeats`` rounds (after one warm-up round).
+
+    ``budget``: seconds for the whole call: after the warm-up round (which also captures
+    CUDA graphs, so it is the slowest) as many rounds as fit, at least one, at most
+    ``repeats``.
 
     Returns ``({name: {"wall": [...], "cpu": [...]}}, {name: last result})``.
     """
     out = {name: {"wall": [], "cpu": []} for name in fns}
     last = {}
+    start = time.perf_counter()
     for name, fn in fns.items():  # warm-up: allocator, caches, lazy inits
         last[name] = fn()
+    sync(device)
+    if budget is not None:
+        per_round = time.perf_counter() - start
+        repeats = max(1, min(repeats, int((budget - per_round) / max(per_round, 1e-9))))
     for _ in range(repeats):
         for name, fn in fns.items():
             w, c, last[name] = timed(fn, device)

@@ -17,7 +17,17 @@ The last table checks the issue's targets (aogpt/gpt <= 1.10 at batch 1 and 16, 
 
     python benchmarks/decode.py                          # tiny and 4x768, n=256, batch 1 and 16
     python benchmarks/decode.py --sizes tiny --batches 1 # the quick look
-    python benchmarks/decode.py --paper --device cuda    # small (12x768), n=1024, GPU
+
+On a GPU (what ``benchmarks/gpu_check.sh`` runs; about a minute each on an H200): the
+papers' small model (12 x 768, n = 1024) at batch 1 (the strided rows: ARMD's S = 1/2/4
+per-sample targets) and batch 8 (sequential T = 1024 and Lemma 1 T = 256), bf16 autocast,
+the wall clock, as many rounds as ``--budget`` allows (at least one after the warm-up)::
+
+    python benchmarks/decode.py --paper --device cuda --dtype bf16 --graphs --budget 60
+    python benchmarks/decode.py --paper --device cuda --dtype bf16 --budget 60   # eager
+
+``--graphs`` captures each forward-pass shape once as a CUDA graph and replays it
+(``graphs=True`` of the samplers); without it every pass is launched eagerly.
 """
 
 from __future__ import annotations
@@ -53,6 +63,13 @@ TARGETS = [  # (label, batch, numerator, denominator, bound, at_most)
     ("armd/gpt per token", 1, "armd seq", "gpt", 1.25, True),
     ("SBP S=1 time / S=4 time", 1, "armd S=1", "armd S=4", 3.6, False),
 ]
+GPU_TARGETS = [  # (label, batch, sampler, seconds per batch at most): issue 14, small, n=1024
+    ("aogpt sequential T=1024 s/batch", 8, "aogpt seq", 2.1),
+    ("aogpt Lemma 1 T=256 s/batch", 8, "aogpt lemma1 T=256", 0.77),
+    ("armd strided S=1 s/sample", 1, "armd S=1", 1.2),
+    ("armd strided S=2 s/sample", 1, "armd S=2", 0.6),
+    ("armd strided S=4 s/sample", 1, "armd S=4", 0.32),
+]
 
 
 def settings(n: int, batch: int, lemma1: bool) -> list[tuple[str, str, dict]]:
@@ -72,16 +89,19 @@ def settings(n: int, batch: int, lemma1: bool) -> list[tuple[str, str, dict]]:
     return rows
 
 
-def call(model, n: int, batch: int, spec: dict, seed: int, device: torch.device):
+def call(
+    model, n: int, batch: int, spec: dict, seed: int, device: torch.device, graphs: bool = False
+):
     """One batch of samples with the sampler of ``spec``."""
     spec = dict(spec)
     fn = spec.pop("fn")
     gen = torch.Generator(device).manual_seed(seed)
+    kw = dict(batch=batch, generator=gen, graphs=graphs)
     if fn is strided_sample:
-        return fn(model, n, spec["streams"], batch=batch, generator=gen)
+        return fn(model, n, spec["streams"], **kw)
     if fn is lemma1_sample:
-        return fn(model, n, spec["steps"], batch=batch, generator=gen)
-    return fn(model, n, batch=batch, generator=gen)
+        return fn(model, n, spec["steps"], **kw)
+    return fn(model, n, **kw)
 
 
 def main() -> None:
@@ -94,11 +114,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4, help="timed rounds (see --stat)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--lemma1", action="store_true", help="add Lemma-1 rows (T = n/4)")
-    ap.add_argument("--paper", action="store_true", help="the small preset (12x768) at n=1024")
+    ap.add_argument(
+        "--paper",
+        action="store_true",
+        help="the small preset (12x768) at n=1024, batches 1 and 8, Lemma-1 rows, 2 rounds",
+    )
+    ap.add_argument("--graphs", action="store_true", help="CUDA graphs (see above)")
+    ap.add_argument(
+        "--budget", type=float, default=None, help="seconds per batch size: fewer rounds to fit"
+    )
     add_common(ap, "benchmarks/results/decode.json")
     args = ap.parse_args()
     if args.paper:
-        args.sizes, args.seq_len = "small", 1024
+        args.sizes, args.seq_len, args.batches, args.lemma1 = "small", 1024, "1,8", True
+        args.repeats = min(args.repeats, 2)
     device = setup(args)
     n = args.seq_len
     ctx = (
@@ -117,11 +146,11 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             rows = settings(n, batch, args.lemma1)
             fns = {
-                label: functools.partial(call, models[kind], n, batch, spec, 0, device)
+                label: functools.partial(call, models[kind], n, batch, spec, 0, device, args.graphs)
                 for label, kind, spec in rows
             }
-            with ctx:
-                times, last = round_robin(fns, args.repeats, device)
+            with ctx, torch.no_grad():
+                times, last = round_robin(fns, args.repeats, device, args.budget)
             ref = summary(times["gpt"], args.clock, args.stat)
             table = []
             by_label = {}
@@ -134,6 +163,7 @@ def main() -> None:
                     kind=kind,
                     n=n,
                     ms_per_token=1000 * sec / n,
+                    seconds_per_batch=sec,
                     time_ratio=sec / ref,
                     flop_ratio=flops[kind] / flops["gpt"],
                     forward_passes=last[label].forward_passes,
@@ -146,6 +176,7 @@ def main() -> None:
                 table.append(
                     [
                         label,
+                        row["seconds_per_batch"],
                         row["ms_per_token"],
                         row["time_ratio"],
                         row["flop_ratio"],
@@ -154,11 +185,34 @@ def main() -> None:
                     ]
                 )
             print_table(
-                f"{size}: n={n}, batch {batch}, {args.dtype}, {device.type}, "
-                f"{args.clock} clock, {args.stat} of {args.repeats}",
-                ["sampler", "ms/token", "time x gpt", "FLOP x gpt", "passes", "tokens/s"],
+                f"{size}: n={n}, batch {batch}, {args.dtype}, {device.type}"
+                f"{', CUDA graphs' if args.graphs else ''}, {args.clock} clock, {args.stat} of "
+                f"{len(times['gpt'][args.clock])}",
+                [
+                    "sampler",
+                    "s/batch",
+                    "ms/token",
+                    "time x gpt",
+                    "FLOP x gpt",
+                    "passes",
+                    "tokens/s",
+                ],
                 table,
             )
+            for label, b, name, bound in GPU_TARGETS if device.type == "cuda" else []:
+                if b == batch and name in by_label and size == "small":
+                    value = by_label[name]["seconds_per_batch"]
+                    checks.append(
+                        dict(
+                            target=label,
+                            size=size,
+                            batch=batch,
+                            measured=value,
+                            flop_or_pass_ratio=float("nan"),
+                            bound=bound,
+                            verdict=verdict(value, bound, True),
+                        )
+                    )
             for label, b, num, den, bound, at_most in TARGETS:
                 if b == batch and num in by_label and den in by_label:
                     value = by_label[num]["ms_per_token"] / by_label[den]["ms_per_token"]
@@ -195,7 +249,7 @@ def main() -> None:
     meta = dict(
         machine(), device=str(device), dtype=args.dtype, clock=args.clock, stat=args.stat, n=n
     )
-    meta["repeats"] = args.repeats
+    meta.update(repeats=args.repeats, graphs=args.graphs, budget=args.budget)
     write_json(args.json, dict(meta=meta, rows=results, targets=checks))
 
 

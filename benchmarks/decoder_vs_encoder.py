@@ -21,13 +21,23 @@ written beside each other.
 
     python benchmarks/decoder_vs_encoder.py                  # tiny, batch 16, n=128..1024
     python benchmarks/decoder_vs_encoder.py --lengths 256 --full-encoder   # timed in full
-    python benchmarks/decoder_vs_encoder.py --paper --device cuda   # small (12x768), batch 32
+
+On a GPU (what ``benchmarks/gpu_check.sh`` runs; about a minute on an H200): the papers'
+small model (12 x 768), batch 32, n = 256 and 1024, T = 64, 256, n, bf16 autocast, one
+timed run per point, points in order until ``--budget`` seconds are spent (the rest are
+reported as skipped)::
+
+    python benchmarks/decoder_vs_encoder.py --paper --device cuda --dtype bf16 --graphs --budget 60
+
+``--graphs`` runs the decoder with CUDA graphs (``graphs=True`` of ``lemma1_sample``); the
+encoder's passes all have one shape and run eagerly.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 from functools import partial
 from pathlib import Path
 
@@ -91,12 +101,22 @@ def main() -> None:
     ap.add_argument("--encoder-passes", type=int, default=3, help="encoder passes timed")
     ap.add_argument("--full-encoder", action="store_true", help="time whole encoder runs")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--paper", action="store_true", help="small (12x768), batch 32")
+    ap.add_argument(
+        "--paper",
+        action="store_true",
+        help="small (12x768), batch 32, n = 256 and 1024, T = 64, 256, n",
+    )
+    ap.add_argument("--graphs", action="store_true", help="CUDA graphs for the decoder")
+    ap.add_argument(
+        "--budget", type=float, default=None, help="seconds: later (n, T) points are skipped"
+    )
     ap.add_argument("--plot", type=Path, default=Path("benchmarks/results/decoder_vs_encoder.png"))
     add_common(ap, "benchmarks/results/decoder_vs_encoder.json")
     args = ap.parse_args()
     if args.paper:
         args.size, args.batch = "small", 32
+        if args.lengths == ap.get_default("lengths"):
+            args.lengths, args.steps = "256,1024", "64,256,1024"
     device = setup(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     steps = [int(x) for x in args.steps.split(",")]
@@ -116,8 +136,17 @@ def main() -> None:
     def pick(w: float, c: float) -> float:
         return c if clock == "cpu" else w
 
-    with ctx:  # warm-up: lazy inits, allocator
-        lemma1_sample(model, 32, 8, batch=B, generator=torch.Generator(device).manual_seed(0))
+    started = time.perf_counter()
+    skipped = []
+    with ctx:  # warm-up: lazy inits, allocator; CUDA graphs that fail fall back to eager
+        try:
+            lemma1_sample(
+                model, 32, 8, batch=B, generator=torch.Generator(device).manual_seed(0),
+                graphs=args.graphs,
+            )  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - report, then measure eagerly
+            print(f"CUDA graphs failed ({type(e).__name__}: {e}); the decoder runs eagerly")
+            args.graphs = False
         encoder_sample(enc, 32, steps=2, batch=B, generator=torch.Generator(device).manual_seed(0))
     rows, floors = [], {}
     for n in lengths:
@@ -141,6 +170,9 @@ def main() -> None:
                     k: floor_pass(model, B, n, k, device, ctx, pick) for k in (1, 2, 4)
                 } | {"encoder_pass": enc_pass}
         for T in step_grid(n, steps):
+            if args.budget is not None and time.perf_counter() - started > args.budget:
+                skipped.append((n, T))
+                continue
             point = dict(n=n, steps=T, batch=B)
             ok = True
             for mode in ("per-row", "shared"):
@@ -150,12 +182,15 @@ def main() -> None:
                     gen = torch.Generator(device).manual_seed(r)
                     with ctx:
                         w, c, out = timed(
-                            partial(lemma1_sample, model, n, T, generator=gen, **kw), device
+                            partial(
+                                lemma1_sample, model, n, T, generator=gen, graphs=args.graphs, **kw
+                            ),
+                            device,
                         )
                     dec_t.append(pick(w, c))
                     # both samplers draw the order, then the counts, from the same seed: the
                     # encoder makes one pass per step in which some row reveals a token
-                    nonempty = int((out.counts.max(dim=1).values > 0).sum())
+                    nonempty = len(out.reveals.step)  # steps where some row reveals
                     ok &= out.forward_passes == nonempty
                     if args.full_encoder:
                         gen = torch.Generator(device).manual_seed(r)
@@ -251,9 +286,12 @@ def main() -> None:
                         verdict=verdict(r[key], r["n"] / 4, at_most=False),
                     )
                 )
+    if skipped:
+        print(f"skipped for --budget {args.budget:g} s: (n, T) = {skipped}")
     print_table("targets", ["target", "measured", "verdict"], [list(c.values()) for c in checks])
     meta = dict(machine(), device=str(device), dtype=args.dtype, clock=clock, size=args.size)
     meta.update(decoder=args.decoder, batch=B, full_encoder=args.full_encoder)
+    meta.update(graphs=args.graphs, budget=args.budget, skipped=skipped)
     floor_rows = [{"n": n, **{str(k): v for k, v in f.items()}} for n, f in floors.items()]
     write_json(args.json, dict(meta=meta, rows=rows, floors=floor_rows, targets=checks))
     plot(rows, args, meta)

@@ -73,8 +73,8 @@ if [ "$DEVICE" = cpu ]; then # the dry path: the same parts at tiny sizes
 else
   TRAIN=(--paper --dtype bf16 --repeats 3)
   COMPILE=(--compile both)
-  DECODE=(--paper --dtype bf16 --batches 1,8)
-  DVE=(--size small --dtype bf16 --lengths 1024 --steps 256 --batch 8)
+  DECODE=(--paper --dtype bf16 --batches 1,8 --graphs) # CUDA graphs (eager where they fail)
+  DVE=(--size small --dtype bf16 --lengths 1024 --steps 256 --batch 8 --graphs)
   TESTS=(tests/)
 fi
 

@@ -3,6 +3,11 @@
     python benchmarks/run_all.py                          # the CPU sizes (what `make bench` runs)
     python benchmarks/run_all.py --quick                  # fewer sizes and rounds: a first look
     python benchmarks/run_all.py --paper --device cuda    # the papers' sizes on a GPU
+    python benchmarks/run_all.py --paper --device cuda --dtype bf16 --graphs   # CUDA graphs
+
+The CPU runs end with ``launch_overhead.py``: aten ops, kernel launches, sync points per
+pass and attention shapes per generation of every sampler (the CPU proxy of a GPU's launch
+overhead).
 
 Each script writes its JSON under ``benchmarks/results/`` (``--out`` moves them) and prints
 its own tables; this runner reads the ``targets`` of each JSON back and prints them together.
@@ -29,16 +34,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--only", default="train_step,decode,decoder_vs_encoder")
+    ap.add_argument("--only", default="train_step,decode,decoder_vs_encoder,launch_overhead")
+    ap.add_argument("--graphs", action="store_true", help="decoding with CUDA graphs")
     args = ap.parse_args()
     common = ["--device", args.device]
     size = ["--paper"] if args.paper else []
     dt = ["--dtype", args.dtype]
+    graphs = ["--graphs"] if args.graphs else []
     runs = {  # output name: (script, arguments)
         "train_step": ("train_step", common + size + dt),
-        "decode": ("decode", common + size + dt),
-        "decoder_vs_encoder": ("decoder_vs_encoder", common + size + dt),
+        "decode": ("decode", common + size + dt + graphs),
+        "decoder_vs_encoder": ("decoder_vs_encoder", common + size + dt + graphs),
     }
+    if not args.paper:  # a CPU proxy of GPU launch overhead (the paper runs are for a GPU)
+        runs["launch_overhead"] = ("launch_overhead", [])
     if not args.paper:  # the curve is at the tiny size; the target row also at the small width
         runs["decoder_vs_encoder_4x768"] = (
             "decoder_vs_encoder",
@@ -49,6 +58,8 @@ def main() -> None:
         runs["decode"][1].extend(["--sizes", "tiny", "--repeats", "2"])
         runs["decoder_vs_encoder"][1].extend(["--lengths", "128,256", "--steps", "64,128,256"])
         runs.pop("decoder_vs_encoder_4x768", None)
+        if "launch_overhead" in runs:
+            runs["launch_overhead"][1].append("--no-train")
     summary = []
     for name, (script, arguments) in runs.items():
         if script not in args.only.split(","):

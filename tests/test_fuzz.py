@@ -75,7 +75,7 @@ def test_template_parser_returns_a_template_or_a_sampling_error(text, max_len, w
     assert (~known).any()  # at least one hole
     assert max_len is None or len(tokens) <= max_len
     assert bool((tokens[~known] == 0).all())
-    assert int(tokens.min(initial=0)) >= 0 and int(tokens.max()) < tok.vocab_size
+    assert int(tokens.min()) >= 0 and int(tokens.max()) < tok.vocab_size
 
 
 # Well-formed templates: literal runs without "[MASK" between holes of known sizes.

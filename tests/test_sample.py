@@ -239,13 +239,16 @@ def test_strided_block_parallel_equals_the_blocked_forward(streams: int) -> None
 
 
 @pytest.mark.parametrize(("k", "streams"), [(4, 1), (4, 4), (6, 2), (6, 3)])
-def test_strided_after_a_prefix_prompt_equals_the_blocked_forward(k: int, streams: int) -> None:
+@pytest.mark.parametrize("graphs", [False, "emulate"])
+def test_strided_after_a_prefix_prompt_equals_the_blocked_forward(
+    k: int, streams: int, graphs: bool | str
+) -> None:
     model = tiny_model("armd")
     prompt = torch.randint(0, 11, (2, N), generator=torch.Generator().manual_seed(1))
     known = torch.arange(N).expand(2, N) < k
     out = strided_sample(
         model, N, streams, prompt=prompt, known=known, keep_logits=True,
-        generator=torch.Generator().manual_seed(5),
+        generator=torch.Generator().manual_seed(5), graphs=graphs,
     )  # fmt: skip
     o = strided(2, N - k, streams)  # the streams cut the N - k positions after the prompt
     order = torch.cat([torch.arange(k).expand(2, k), o.order + k], dim=1)
@@ -372,15 +375,15 @@ def test_aogpt_with_queries_at_targets_decodes_like_its_forward() -> None:
 
 @pytest.mark.parametrize("kind", ["aogpt", "armd"])
 def test_lemma1_compacted_and_packed_passes_keep_every_conditional(kind: str, monkeypatch) -> None:
-    """Per-row counts leave gaps in the cache and padding in the passes. Compacting the cache
-    at every gap and running only the real slots through the per-slot layers change no
-    logit (atol 1e-5 against the uncached oracle)."""
-    import anyorder.sample as sample_mod
-    from anyorder.cache import KVCache
+    """Per-row counts pad the passes, and rows keep different numbers of entries (each row's
+    own slots in the static cache, so no gaps to compact). Running only the real entries
+    through the per-entry layers (packing, forced on every pass) changes no logit (atol 1e-5
+    against the uncached oracle)."""
+    import anyorder.sampling.plan as plan_mod
     from anyorder.layers import Packing
 
-    calls = {"compact": 0, "pack": 0}
-    compact, pack = KVCache.compact, Packing.pack
+    calls = {"pack": 0}
+    pack = Packing.pack
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -389,16 +392,13 @@ def test_lemma1_compacted_and_packed_passes_keep_every_conditional(kind: str, mo
 
         return wrapper
 
-    monkeypatch.setattr(KVCache, "compact", counted("compact", compact))
     monkeypatch.setattr(Packing, "pack", counted("pack", pack))
-    monkeypatch.setattr(sample_mod, "_COMPACT_MIN", 1)
-    monkeypatch.setattr(sample_mod, "_PACK_BELOW", 1.0)
+    monkeypatch.setattr(plan_mod, "_PACK_BELOW", 1.0)
     model = tiny_model(kind)
     g = torch.Generator().manual_seed(5)
     out = lemma1_sample(model, N, N, batch=4, generator=g, keep_logits=True)
     ref = slot_oracle(model, out.tokens, out.order, out.step_of)
     torch.testing.assert_close(out.logits, ref, atol=1e-5, rtol=0)
-    assert calls["compact"] > 0
     assert calls["pack"] > 0
     # with prompts: scattered known positions per row, and one prompt shared by every row
     # (prefilled once on one row, then forked)
@@ -462,23 +462,38 @@ def test_cache_compaction_moves_the_kept_slots_to_the_front() -> None:
 
 
 def test_lemma1_plan_keeps_the_cache_near_n_with_per_row_counts() -> None:
-    """T = n = 256, 16 rows of per-row counts: without compaction the padded cache grows to
-    about 3n slots (every pass keeps as many as its busiest row); with it, at most 1.5n."""
+    """T = n = 256, 16 rows of per-row counts: a padded cache that appends every pass's
+    busiest row grows to about 3n slots; our plan places each row's kept entries at that
+    row's own next slots (no gaps, so no compaction), and the cache stays at n plus one
+    pass's width."""
     import numpy as np
 
-    from anyorder.sample import _Plan
+    from anyorder.cache import BIG
+    from anyorder.sampling.plan import G_KEEP, G_SLOT, Plan
+    from anyorder.sampling.schedules import draw_reveals
 
-    counts = reveal_counts(256, 256, 16, generator=torch.Generator().manual_seed(0)).numpy()
-    plan = _Plan(False, 16, 256, 0, counts)
-    assert plan.cap <= 384
-    assert sum(bool(p.compact) for p in plan.passes) > 0
+    reveals = draw_reveals(256, 256, 16, generator=torch.Generator().manual_seed(0))
+    counts = reveals.counts
+    plan = Plan(False, 16, 256, 0, counts, reveals.step)
+    assert plan.capacity <= 384
+    plan.ship(torch.stack([torch.randperm(256) for _ in range(16)]))
+    # every row's kept entries sit at slots 0, 1, 2, ... in the order they were kept
+    filled = np.zeros(16, dtype=np.int64)
+    for p in plan.passes:
+        tab = plan.groups[p.group].table[p.index].numpy()
+        kept = tab[:, G_KEEP] != BIG
+        for b in range(16):
+            slots = tab[b, G_SLOT][kept[b]]
+            assert np.array_equal(slots, filled[b] + np.arange(len(slots)))
+            filled[b] += len(slots)
     # a row keeps each of its slots once (the extra tokens of its last step are never
     # written: nothing reads them)
-    kept, last = plan.valid["w"].sum(axis=1), np.array([c[c > 0][-1] for c in counts.T])
-    assert np.all(kept <= 256) and np.all(kept >= 256 - last)
-    packed = [p for p in plan.passes if "pack" in p.h]
+    last = np.array([c[c > 0][-1] for c in counts.T])
+    assert np.all(filled <= 256) and np.all(filled >= 256 - last)
+    packed = [p for p in plan.passes if p.pack is not None]
     assert len(packed) > len(plan.passes) // 2
     assert np.all(counts.sum(axis=0) == 256)
+    assert len(plan.shapes()) <= 8
 
 
 def test_lemma1_passes_are_the_nonempty_steps() -> None:
@@ -497,8 +512,10 @@ def test_reveal_counts_follow_the_schedule() -> None:
     assert bool((c.sum(0) == 10).all())
     # first step: Binomial(10, 1/4)
     assert float(c[0].mean()) == pytest.approx(2.5, abs=0.06)
+    # cosine: m(t) = cos((1 - t) pi / 2) (the reference code's; was the mirror image), so the
+    # first of two steps (t = 1 -> s = 1/2) reveals 1 - m(1/2) = 1 - cos(pi / 4): few early
     cos = reveal_probabilities(2, "cosine")
-    assert cos[0] == pytest.approx(1 - (1 - math.cos(math.pi / 4)))
+    assert cos[0] == pytest.approx(1 - math.cos(math.pi / 4))
     with pytest.raises(SamplingError, match="schedule 'cubic' is unknown"):
         reveal_probabilities(3, "cubic")
 

@@ -168,6 +168,8 @@ class Model:
         top_k: int | None = None,
         seed: int = 0,
         stop_at_eos: bool = True,
+        reveal: str = "binomial",
+        cuda_graphs: bool = False,
     ) -> list[str]:
         """Generate ``num_samples`` texts of ``n`` tokens: ``anyorder sample`` in Python.
 
@@ -190,6 +192,11 @@ class Model:
             seed: seed of every random draw (orders and tokens).
             stop_at_eos: cut each text at its first EOS (left-to-right one-token decoding
                 then stops early); False keeps everything (EOS tokens are dropped).
+            reveal: with ``steps``, how many tokens each step reveals: ``binomial`` (the
+                exact reverse process, per sample) or ``reference`` (the AO-GPT reference
+                code's deterministic counts, never an empty step).
+            cuda_graphs: capture each forward-pass shape once as a CUDA graph and replay it
+                (a model on a CUDA device; the decoders).
 
         Returns:
             The decoded texts, prompt included.
@@ -220,7 +227,7 @@ class Model:
             known[: len(ids)] = True
         return self._sample(
             n, num_samples, prompt_ids, known, order, streams, steps, schedule, shared_counts,
-            temperature, top_p, top_k, seed, stop_at_eos,
+            temperature, top_p, top_k, seed, stop_at_eos, reveal=reveal, graphs=cuda_graphs,
         )  # fmt: skip
 
     def infill(
@@ -286,6 +293,8 @@ class Model:
         top_k: int | None,
         seed: int,
         stop_at_eos: bool,
+        reveal: str = "binomial",
+        graphs: bool = False,
     ) -> list[str]:
         """The sampling path of ``anyorder sample`` (cli.run_sample), step for step."""
         from anyorder import bounds
@@ -313,6 +322,8 @@ class Model:
                 steps=steps,
                 schedule=schedule,
                 shared_counts=shared_counts,
+                reveal=reveal,
+                graphs=graphs,
                 batch=num_samples,
                 prompt=prompt,
                 known=known,

@@ -20,6 +20,13 @@ Design choices:
 * :class:`ARMDCache` is two such caches plus ARMD's prefix aggregate: the content stream's
   keys/values of the two-stream layers, the query stream's keys/values of the ordinary
   layers, and the running sum and count of the decided tokens' content embeddings.
+* :class:`StaticKV` is the samplers' cache (:mod:`anyorder.sampling`): every shape is fixed
+  for a whole decode so that a pass can be captured as a CUDA graph. Buffers are zeroed and
+  allocated once at full capacity; each pass writes its entries at explicit per-row slots
+  (a device index, never a Python offset), and reads a fixed number of leading slots. What
+  an entry may see is a *rank* per slot (``BIG`` = empty or scratch): a query of rank ``r``
+  sees the slots of rank ``< r`` (plus itself), so masks are one comparison per pass.
+  Rows keep their entries packed from slot 0 (no gaps, nothing to compact).
 """
 
 from __future__ import annotations
@@ -201,3 +208,111 @@ class ARMDCache:
     def nbytes(self) -> int:
         """Bytes held by the key/value buffers."""
         return self.content.nbytes() + self.query.nbytes()
+
+
+BIG = 1 << 40
+"""The rank of an empty or scratch slot of a :class:`StaticKV`: below no real limit."""
+
+
+class StaticKV:
+    """Fixed-capacity keys and values of ``n_layers`` attention layers, written at explicit
+    per-row slots, with a rank per slot that decides visibility (see the module notes).
+
+    A pass calls :meth:`begin` once (its write slots, the ranks they keep, how many leading
+    slots it reads), then each layer's :meth:`write`; the masks come from :meth:`visible`.
+    The API of :class:`KVCache` that the models use (``write``, ``hook``, ``advance``,
+    ``aux``) is kept, so one ``decode`` method serves both caches.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        capacity: int,
+        shape: tuple[int, int],
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.n_layers, self.batch, self.capacity = n_layers, batch, capacity
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        H, D = shape  # heads, head dimension
+        # zeros: a masked key must not hold NaN (softmax weight 0 times NaN is NaN)
+        self.k = [torch.zeros(batch, H, capacity, D, dtype=dtype, device=self.device)
+                  for _ in range(n_layers)]  # fmt: skip
+        self.v = [torch.zeros_like(t) for t in self.k]
+        self.rank = torch.full((batch, capacity), BIG, dtype=torch.long, device=self.device)
+        self.slot_ids = torch.arange(capacity, device=self.device)
+        self.aux: dict = {}
+        self.keys = capacity  # leading slots the current pass reads
+        self.slots: Tensor | None = None  # (B, T) the current pass's write slots
+        self.index: Tensor | None = None  # (B, H, T, D) the same, for the buffers
+        self.start: int | None = None  # or the first of them, the same in every row
+        self.length = 0  # KVCache's fill; a static cache reads ``keys`` slots instead
+        self._read: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (layer, keys) views
+
+    def begin(self, slots: Tensor, keep: Tensor, keys: int, start: int | None = None) -> None:
+        """Start a pass: its entries go to ``slots`` (B, T) and keep the ranks ``keep`` (B, T)
+        (``BIG`` for scratch: no later pass sees them); it reads slots ``[0, keys)``.
+        ``start``: the caller knows the slots are ``start + j`` in every row (an eager pass:
+        a slice copy is cheaper than a scatter on a CPU)."""
+        self.slots, self.keys, self.start = slots, keys, start
+        if start is not None:
+            self.rank[:, start : start + slots.shape[1]] = keep
+            return
+        self.rank.scatter_(1, slots, keep)
+        if self.k:  # (a cache of no layers: ARMD with only two-stream layers)
+            B, H, _, D = self.k[0].shape
+            self.index = slots[:, None, :, None].expand(B, H, slots.shape[1], D)
+
+    def visible(self, limit: Tensor, self_slots: Tensor | None = None) -> Tensor:
+        """(B, Tq, keys) boolean: slot rank ``< limit`` (B, Tq) per query, or the query's own
+        slot (``self_slots`` (B, Tq), for queries that see themselves but no equal rank)."""
+        vis = self.rank[:, None, : self.keys] < limit[:, :, None]
+        if self_slots is not None:
+            vis = vis | (self_slots[:, :, None] == self.slot_ids[: self.keys])
+        return vis
+
+    def write(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k``, ``v`` (B, H, T, D) at the pass's slots; return slots ``[0, keys)``."""
+        if self.start is not None:
+            stop = self.start + k.shape[2]
+            self.k[layer][:, :, self.start : stop] = k
+            self.v[layer][:, :, self.start : stop] = v
+        else:
+            self.k[layer].scatter_(2, self.index, k)
+            self.v[layer].scatter_(2, self.index, v)
+        read = self._read.get((layer, self.keys))
+        if read is None:  # the views a pass reads, made once per key level
+            K = self.keys
+            read = self._read[layer, K] = (self.k[layer][:, :, :K], self.v[layer][:, :, :K])
+        return read
+
+    def hook(self, layer: int) -> KVHook:
+        """The cache hook of one layer, for :meth:`anyorder.layers.Attention.forward`."""
+
+        def kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+            return self.write(layer, k, v)
+
+        return kv
+
+    def advance(self, count: int, keep: Tensor | None = None, pos: Tensor | None = None) -> None:
+        """Nothing to do: :meth:`begin` already set what the pass keeps."""
+
+    def head(self, rows: int) -> StaticKV:
+        """The first ``rows`` rows, sharing the buffers (a prompt prefilled once)."""
+        out = StaticKV.__new__(StaticKV)
+        out.__dict__.update(self.__dict__)
+        out.batch, out.rank = rows, self.rank[:rows]
+        out.k, out.v = [t[:rows] for t in self.k], [t[:rows] for t in self.v]
+        out._read = {}
+        return out
+
+    def fork_first(self) -> None:
+        """Copy row 0 (a prefilled prompt) into every other row."""
+        for t in (*self.k, *self.v, self.rank):
+            if t.shape[0] > 1:
+                t[1:].copy_(t[:1].expand_as(t[1:]))
+
+    def nbytes(self) -> int:
+        """Bytes held by the key/value buffers."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)

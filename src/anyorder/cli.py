@@ -624,7 +624,19 @@ def add_sample(p: argparse.ArgumentParser) -> None:
         help="masked-diffusion sampling in T reverse steps (Lemma 1 on aogpt/armd, the "
         "encoder on mdm); default: one token per forward pass",
     )
-    p.add_argument("--schedule", choices=("linear", "cosine"), default="linear")
+    p.add_argument(
+        "--schedule",
+        choices=("linear", "cosine"),
+        default="linear",
+        help="--steps: the masking schedule m(t) (cosine: cos((1 - t) pi / 2), few tokens first)",
+    )
+    p.add_argument(
+        "--reveal",
+        choices=("binomial", "reference"),
+        default="binomial",
+        help="--steps: tokens per step: binomial (the exact reverse process) or reference (the "
+        "AO-GPT code's deterministic counts, never an empty step)",
+    )
     p.add_argument(
         "--shared-counts",
         action="store_true",
@@ -647,6 +659,11 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print tokens, orders and pass counts")
     p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="default: ema")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="capture each forward-pass shape once as a CUDA graph and replay it (CUDA only)",
+    )
     p.add_argument(
         "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on CUDA"
     )
@@ -755,6 +772,8 @@ def run_sample(args: argparse.Namespace) -> int:
             steps=args.steps,
             schedule=args.schedule,
             shared_counts=args.shared_counts,
+            reveal=args.reveal,
+            graphs=args.cuda_graphs,
             batch=args.num_samples,
             prompt=prompt,
             known=known,
@@ -793,8 +812,11 @@ def run_sample(args: argparse.Namespace) -> int:
                 for text, row, o, s in zip(texts, tokens, result.order.cpu(), result.step_of.cpu())
             ],
         }
-        if result.counts is not None:
+        if result.reveals is not None and result.reveals.steps <= 1 << 16:
             out["counts"] = result.counts.T.tolist()  # per sample, per step
+        elif result.reveals is not None:  # huge step counts: the non-empty steps only
+            out["nonempty_steps"] = result.reveals.step.tolist()
+            out["counts"] = result.reveals.counts.T.tolist()
         print(json.dumps(out))
         return 0
     if stream is not None:

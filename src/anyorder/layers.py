@@ -126,14 +126,21 @@ def rotary_table(size: int, head_dim: int, base: float, device: torch.device) ->
     return table
 
 
+_ROTARY_JOINT: dict[tuple, Tensor] = {}
+
+
 def positions(cfg: ModelConfig, pos: Tensor) -> Positions:
     """What a model hands its layers for positions ``pos`` (B, T) (all below
-    ``cfg.seq_len``): their RoPE tables, looked up once per forward, or the positions
-    themselves when the model has no RoPE."""
+    ``cfg.seq_len``): their RoPE tables, looked up once per forward (cos and sin in one
+    lookup), or the positions themselves when the model has no RoPE."""
     if cfg.positional != "rope":
         return pos
-    cos, sin = rotary_table(cfg.seq_len, cfg.head_dim, cfg.rope_base, pos.device)
-    return F.embedding(pos, cos)[:, None], F.embedding(pos, sin)[:, None]
+    key = (cfg.seq_len, cfg.head_dim, cfg.rope_base, str(pos.device))
+    joint = _ROTARY_JOINT.get(key)
+    if joint is None:
+        joint = _ROTARY_JOINT[key] = torch.cat(rotary_table(*key[:3], pos.device), dim=-1)
+    cos, sin = F.embedding(pos, joint)[:, None].chunk(2, dim=-1)
+    return cos, sin
 
 
 def sinusoidal(pos: Tensor, dim: int) -> Tensor:
@@ -358,9 +365,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.dropout = cfg.dropout
 
-    def _heads(self, x: Tensor) -> Tensor:
+    def _heads(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
+        """(B, T, d) -> (B, H, T, D), normed per head first when ``norm`` is given (on the
+        (B, T, H, D) view: a norm of the transposed view would copy its output back)."""
         B, T, _ = x.shape
-        return x.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        x = x.view(B, T, self.n_head, self.head_dim)
+        return (x if norm is None else norm(x)).transpose(1, 2)
 
     def _rotate(self, x: Tensor, pos: Positions) -> Tensor:
         if not self.rope:
@@ -383,8 +393,8 @@ class Attention(nn.Module):
         if packing is not None:
             qkv = packing.unpack(qkv)
         q, k, v = qkv.split(x.shape[-1], dim=-1)
-        q = self._rotate(self.q_norm(self._heads(q)), pos if qpos is None else qpos)
-        k = self._rotate(self.k_norm(self._heads(k)), pos)
+        q = self._rotate(self._heads(q, self.q_norm), pos if qpos is None else qpos)
+        k = self._rotate(self._heads(k, self.k_norm), pos)
         return q, k, self._heads(v)
 
     def project_q(self, x: Tensor, pos: Positions, packing: Packing | None = None) -> Tensor:
@@ -393,7 +403,7 @@ class Attention(nn.Module):
         bias = self.qkv.bias[:d] if self.qkv.bias is not None else None
         q = F.linear(x, self.qkv.weight[:d], bias)
         q = q if packing is None else packing.unpack(q)
-        return self._rotate(self.q_norm(self._heads(q)), pos)
+        return self._rotate(self._heads(q, self.q_norm), pos)
 
     def project_kv(
         self, x: Tensor, pos: Positions, packing: Packing | None = None
@@ -403,7 +413,7 @@ class Attention(nn.Module):
         bias = self.qkv.bias[d:] if self.qkv.bias is not None else None
         kv = F.linear(x, self.qkv.weight[d:], bias)
         k, v = (kv if packing is None else packing.unpack(kv)).split(d, dim=-1)
-        return self._rotate(self.k_norm(self._heads(k)), pos), self._heads(v)
+        return self._rotate(self._heads(k, self.k_norm), pos), self._heads(v)
 
     def attend(
         self,
@@ -442,7 +452,7 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p)
             if mask.empty is not None:
                 y = y.masked_fill(mask.empty, 0.0)
-        elif mask == "strict":
+        elif isinstance(mask, str) and mask == "strict":
             # key < query is causal attention of queries 1.. over keys ..n-2 (the same
             # softmax sets), so SDPA's causal kernel skips the masked half here too; query 0
             # sees nothing and gets zeros
@@ -705,6 +715,26 @@ def adaln_offset(adas: list[AdaLN]) -> Tensor:
     return torch.cat(rows)
 
 
+def adaln_table(adas: list[AdaLN], c: Tensor, offset: Tensor) -> Tensor:
+    """Every adaLN of ``adas`` applied to ``c`` (..., c) in one matmul: (..., F), F the sum of
+    their chunks * d, with the ``1 +`` of the scales and gates folded into the bias."""
+    weight = torch.cat([a.linear.weight for a in adas])  # (F, c)
+    bias = torch.cat([a.linear.bias for a in adas]) + offset.to(adas[0].linear.bias)
+    return F.linear(F.silu(c), weight, bias)
+
+
+def adaln_rows(adas: list[AdaLN], table: Tensor, target: Tensor) -> list[Modulation]:
+    """The :class:`Modulation` of every adaLN for slots ``target`` (B, T), from a joined
+    (P, F) :func:`adaln_table`: one lookup for every layer (decoding; no gradient)."""
+    d = adas[0].linear.out_features // adas[0].chunks
+    chunks = F.embedding(target, table).split(d, dim=-1)  # (B, T, d) each
+    out, i = [], 0
+    for ada in adas:
+        out.append(Modulation(chunks[i : i + ada.chunks]))
+        i += ada.chunks
+    return out
+
+
 def adaln_stack(
     adas: list[AdaLN], cond: Tensor | TargetCondition, offset: Tensor
 ) -> list[Modulation]:
@@ -718,10 +748,8 @@ def adaln_stack(
     chunks' (B, T, d) gradients). The matmul runs under the caller's autocast, as the
     per-layer linears did.
     """
-    weight = torch.cat([a.linear.weight for a in adas])  # (F, c), F = sum of chunks * d
-    bias = torch.cat([a.linear.bias for a in adas]) + offset.to(adas[0].linear.bias)
     c = cond.emb if isinstance(cond, TargetCondition) else cond
-    table = F.linear(F.silu(c), weight, bias)  # (P | B, T, F)
+    table = adaln_table(adas, c, offset)  # (P | B, T, F)
     d = adas[0].linear.out_features // adas[0].chunks
     if isinstance(cond, TargetCondition):
         chunks = _GatherChunks.apply(table, cond.target, d)  # (B, T, d) each

@@ -9,10 +9,19 @@ position table added to the input instead.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from anyorder.cache import KVCache
-from anyorder.layers import AdaLN, Modulation, TargetCondition, adaln_offset, adaln_stack
+from anyorder.layers import (
+    AdaLN,
+    Modulation,
+    TargetCondition,
+    adaln_offset,
+    adaln_rows,
+    adaln_stack,
+    adaln_table,
+)
 from anyorder.models.gpt import GPT, Condition
 
 
@@ -65,6 +74,17 @@ class AOGPT(GPT):
             return None
         # the tables of every AdaLN, computed on the first decoding call and kept in the cache
         return TargetCondition(target, self.tgt_emb.weight, cache.aux.setdefault("adaln", {}))
+
+    def decode_conditions(self, cache: KVCache, target: Tensor) -> list:
+        if self.cfg.target_injection != "adaln" or torch.is_grad_enabled():
+            return super().decode_conditions(cache, target)
+        # the joined table of every adaLN once per decode (kept in the cache), then each
+        # call's rows for every layer in one lookup
+        table = cache.aux.get("adaln_table")
+        if table is None:
+            table = adaln_table(self.adas(), self.tgt_emb.weight, self.ada_offset)
+            cache.aux["adaln_table"] = table
+        return adaln_rows(self.adas(), table, target)
 
     def inject(self, h: Tensor, target: Tensor) -> Tensor:
         return h + self.tgt_emb(target) if self.cfg.target_injection == "add" else h

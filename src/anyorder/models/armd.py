@@ -18,6 +18,8 @@ prediction at slot ``t`` depends on the tokens of blocks ``< B(t)`` only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -167,6 +169,10 @@ class ARMD(AnyOrderLM):
         query_mask: Tensor | None = None,
         keep_content: Tensor | None = None,
         packing: StreamPacking | None = None,
+        prefix: Callable[[Tensor], Tensor] | None = None,
+        two_stream_mask: PreparedMask | None = None,
+        queries: slice | None = None,
+        row_pos: Tensor | None = None,
     ) -> Tensor:
         """Logits (B, G, V) of ``G`` query-stream slots, after adding ``C`` decided tokens.
 
@@ -191,31 +197,51 @@ class ARMD(AnyOrderLM):
             keep_content: (B, C) False at padding tokens (not kept, not aggregated).
             packing: the real rows of a padded call (:class:`anyorder.layers.StreamPacking`):
                 only they go through the per-row layers; the padding's logits are zeros.
+            prefix: the prefix aggregate of the query slots from the new content embeddings,
+                ``prefix(h0 (B, C, d)) -> (B, G, d)``, for a cache that keeps the embeddings
+                itself; None: the running sum and count in ``cache``, updated here.
+            two_stream_mask: the mask of the two-stream rows (content, then query) over the
+                content keys, prepared already (in place of ``content_mask`` and
+                ``query_content_mask``).
+            queries: logits of these query slots only; None: all ``G``.
+            row_pos: (B, C + G) ``content_pos`` then ``target``, joined already (or None).
         """
         B, C = content.shape
         G = target.shape[1]
         Lc = cache.content.length
         h0 = self.embed_content(content, content_pos)  # (B, C, d)
-        if query_content_mask is None:
-            vis = h0.new_ones(B, G, C)
+        if prefix is not None:
+            mean = prefix(h0)
         else:
-            vis = query_content_mask[:, 0, :, Lc:].to(h0.dtype)  # (B, G, C)
-        total = cache.prefix_sum[:, None].to(h0.dtype) + vis @ h0  # (B, G, d)
-        count = cache.prefix_count[:, None].to(h0.dtype) + vis.sum(dim=-1)  # (B, G)
+            if query_content_mask is None:
+                vis = h0.new_ones(B, G, C)
+            else:
+                vis = query_content_mask[:, 0, :, Lc:].to(h0.dtype)  # (B, G, C)
+            total = cache.prefix_sum[:, None].to(h0.dtype) + vis @ h0  # (B, G, d)
+            count = cache.prefix_count[:, None].to(h0.dtype) + vis.sum(dim=-1)  # (B, G)
+            mean = total / count.clamp(min=1)[..., None]
         aux = cache.content.aux
         table = aux.get("query_pe")
         if table is None:  # once per decode (kept only when no graph is recorded)
             table = self.query_table()
             if not torch.is_grad_enabled():
                 aux["query_pe"] = table
-        g = self.embed_query(target, total / count.clamp(min=1)[..., None], table)
+        g = self.embed_query(target, mean, table)
         # The two-stream layers run the C content rows and the G query rows as one batch of
         # C + G rows: one matmul per weight and one attention call per layer (the query rows
         # read the content keys/values under their own mask, as the training forward does).
         x = torch.cat([h0, g], dim=1)  # (B, C + G, d)
-        pos = positions(self.cfg, torch.cat([content_pos, target], dim=1))
+        if row_pos is None:
+            row_pos = torch.cat([content_pos, target], dim=1)
+        pos = positions(self.cfg, row_pos)
         pos_c, pos_g = slice_positions(pos, 0, C), slice_positions(pos, C, C + G)
-        mask, mask_g = self._two_stream_masks(content_mask, query_content_mask, B, C, G, Lc)
+        if two_stream_mask is not None:
+            mask = two_stream_mask
+            empty_g = None if mask.empty is None else mask.empty[:, :, C:]
+            additive = {dt: m[:, :, C:] for dt, m in mask.additive.items()}
+            mask_g = PreparedMask(mask.dense[:, :, C:], empty_g, additive=additive)
+        else:
+            mask, mask_g = self._two_stream_masks(content_mask, query_content_mask, B, C, G, Lc)
         # with a packing, x holds the real rows only, (1, N, d), content first; attention
         # unpacks to the padded layout its masks and the cache need
         P = packing
@@ -236,18 +262,20 @@ class ARMD(AnyOrderLM):
                 rows_pk = None if P is None else P.query
             else:
                 rows_pos, rows_mask = pos, mask
-            if Lc + C > 0:  # else nothing to read: a zero attention output
+            if k.shape[2] > 0:  # else nothing to read: a zero attention output
                 q = attn.project_q(xn, rows_pos, rows_pk)
                 x = x + attn.attend(q, k, v, rows_mask, packing=rows_pk)
             x = x + block.mlp(block.norm2(x))
         g = self.norm_f(x)  # (B, G, d), or the packed query rows
         cache.content.advance(C, keep_content, content_pos)
-        kept = h0 if keep_content is None else h0 * keep_content[..., None].to(h0.dtype)
-        cache.prefix_sum += kept.sum(dim=1).to(cache.prefix_sum.dtype)
-        cache.prefix_count += (
-            C if keep_content is None else keep_content.sum(dim=1).to(cache.prefix_count.dtype)
-        )
-        return self.head(g if P is None else P.query.unpack(g))
+        if prefix is None:
+            kept = h0 if keep_content is None else h0 * keep_content[..., None].to(h0.dtype)
+            cache.prefix_sum += kept.sum(dim=1).to(cache.prefix_sum.dtype)
+            cache.prefix_count += (
+                C if keep_content is None else keep_content.sum(dim=1).to(cache.prefix_count.dtype)
+            )
+        g = g if P is None else P.query.unpack(g)
+        return self.head(g if queries is None else g[:, queries])
 
     @staticmethod
     def _two_stream_masks(

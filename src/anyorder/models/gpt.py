@@ -89,6 +89,10 @@ class GPT(AnyOrderLM):
         """:meth:`condition` for a decoding call (may keep per-decode tables in ``cache``)."""
         return self.condition(target)
 
+    def decode_conditions(self, cache: KVCache, target: Tensor) -> list:
+        """:meth:`layer_conditions` for a decoding call: ``n_layer + 1`` entries."""
+        return self.layer_conditions(self.decode_condition(cache, target))
+
     def inject(self, h: Tensor, target: Tensor) -> Tensor:
         """Additive target injection (only AO-GPT's ``add`` ablation uses it)."""
         return h
@@ -162,7 +166,7 @@ class GPT(AnyOrderLM):
         target: Tensor,
         mask: Tensor | None,
         *,
-        queries: int | None = None,
+        queries: int | slice | None = None,
         packing: Packing | None = None,
     ) -> Tensor:
         """Logits (B, T, V) of ``T`` new slots that read the cache: the training forward's
@@ -177,8 +181,8 @@ class GPT(AnyOrderLM):
             target: (B, T) the positions each slot predicts (AO-GPT's adaLN condition).
             mask: (B, 1, T, cache.length + T) boolean from :meth:`KVCache.mask`, every row
                 seeing at least its own slot; ``None``: every slot sees everything.
-            queries: logits of the last ``queries`` slots only, (B, queries, V) (the others
-                are only written to the cache); None: all ``T``.
+            queries: logits of the last ``queries`` slots only, (B, queries, V), or of the
+                slots of a slice (the others are only written to the cache); None: all ``T``.
             packing: the real slots of a padded call (:class:`anyorder.layers.Packing`):
                 only they go through the per-slot layers; the padding's logits are zeros.
         """
@@ -187,10 +191,12 @@ class GPT(AnyOrderLM):
         if packing is not None:
             x_in, pos_in, target = packing.pack(x_in), packing.pack(pos_in), packing.pack(target)
         h = self.inject(self.embed(x_in, pos_in), target)
-        cond = self.decode_condition(cache, target)
-        for i, block in enumerate(self.blocks):
+        *layers, final = self.decode_conditions(cache, target)  # adaLN once, for every layer
+        for i, (block, cond) in enumerate(zip(self.blocks, layers, strict=True)):
             h = block(h, pos, mask, cond, kv=cache.hook(i), packing=packing, qpos=qpos)
-        h = self.final_norm(h, cond)
+        h = self.final_norm(h, final)
         if packing is not None:
             h = packing.unpack(h)
-        return self.head(h if queries is None else h[:, h.shape[1] - queries :])
+        if isinstance(queries, int):
+            queries = slice(h.shape[1] - queries, None)
+        return self.head(h if queries is None else h[:, queries])

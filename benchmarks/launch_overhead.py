@@ -1,0 +1,331 @@
+"""Launch-overhead proxies on the CPU: aten ops, sync points and attention shapes per pass.
+
+On a GPU a decoding pass of a small model is bound by kernel launches and by whatever makes
+the host wait for the device, not by arithmetic. Neither needs a GPU to be counted: every
+aten op a sampler (or a training step) dispatches is seen by a ``TorchDispatchMode``. For
+each sampler, at the ``tiny`` preset, batch 8, n = 256 by default, this prints
+
+* ``ops/pass``: every aten op dispatched during one generation, over its forward passes;
+* ``launch/pass``: the same without views and allocations (ops that launch no kernel on a
+  GPU: ``view``, ``expand``, ``slice``, ``empty``, ...; see :func:`launches_kernel`), on the
+  CPU's path (which packs the real entries of mostly padded passes: fewer matmul rows,
+  more index ops) and on the GPU's path (``gpu launch``: no packing, as CUDA runs it, and
+  what a CUDA graph captures);
+* ``x gpt``: ``gpu launch`` over that of the left-to-right GPT's sequential decoding;
+* ``syncs/pass`` inside the decode loop: ops and calls that make the host wait for the
+  device (``item``, ``bool()``, ``nonzero``, ``equal``, ``unique``, ``tolist``, ``.cpu()``,
+  ``.numpy()``; :data:`SYNC_OPS`, and the Python-level reads patched in :func:`host_reads`).
+  The loop is the span from the first attention call to the last token draw; ``setup syncs``
+  are the ones before and after it (checking the request, building the plan);
+* ``shapes``: distinct attention ``(queries, keys)`` shapes per generation (each needs its own
+  CUDA graph and its own plan in shape-specialised attention backends), on the CPU's path
+  (which reads exactly the keys a pass needs: a CPU pays per key, not per shape) and on the
+  GPU's (``gpu shapes``: key levels bucketed, at most eight).
+
+The training rows count one forward + backward of ``model.loss`` (per step).
+
+    python benchmarks/launch_overhead.py                     # tiny, batch 8, n = 256
+    python benchmarks/launch_overhead.py --samplers aogpt-seq,armd-lemma1
+    python benchmarks/launch_overhead.py --no-train --json /tmp/ops.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from anyorder import build_model, orders, preset
+from anyorder.sample import sample
+
+SYNC_OPS = (
+    "_local_scalar_dense",  # item(), bool(), int(), float() of a tensor
+    "is_nonzero",
+    "nonzero",
+    "equal",
+    "allclose",
+    "_unique",
+    "unique_consecutive",
+    "unique_dim",
+    "masked_select",
+)
+"""aten ops whose result (or its shape) the host must read back from the device."""
+NO_KERNEL = (
+    "empty",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "empty_like",
+    "lift_fresh",
+    "sym_size",
+    "sym_stride",
+    "sym_numel",
+    "_unsafe_view",
+)
+"""aten ops that allocate or read metadata only: no kernel launch."""
+
+
+def is_view(func) -> bool:
+    """An op that returns an alias of an input without writing it (``view``, ``slice``...)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+def launches_kernel(func) -> bool:
+    """Whether an aten op launches a kernel on a GPU: not a view, not an allocation."""
+    return not is_view(func) and func.overloadpacket.__name__ not in NO_KERNEL
+
+
+class Counter(TorchDispatchMode):
+    """Records every aten op: its name, whether it launches a kernel, attention shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, str]] = []  # (kind, detail) in dispatch order
+        self.ops = 0
+        self.launches = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        self.ops += 1
+        if launches_kernel(func):
+            self.launches += 1
+        if "scaled_dot_product" in name or "flex_attention" in name:
+            q, k = args[0], args[1]
+            self.events.append(("attn", f"{q.shape[-2]}x{k.shape[-2]}"))
+        elif name == "multinomial":
+            self.events.append(("draw", ""))
+        elif any(name == s or name.startswith(s) for s in SYNC_OPS) and not getattr(
+            args[0],
+            "_anyorder_host_staging",
+            False,  # host memory: reading it waits for nothing
+        ):
+            self.events.append(("sync", name))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def host_reads(counter: Counter):
+    """Count the Python-level reads of tensor data (``tolist``, ``numpy``, ``cpu``...): on the
+    CPU they dispatch no op, on a GPU each waits for the device."""
+    saved = {}
+
+    def wrap(name: str) -> Callable:
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, **k):
+            counter.events.append(("sync", name))
+            return orig(self, *a, **k)
+
+        saved[name] = orig
+        return counted
+
+    for name in ("tolist", "numpy", "cpu", "__array__"):
+        setattr(torch.Tensor, name, wrap(name))
+    try:
+        yield
+    finally:
+        for name, orig in saved.items():
+            setattr(torch.Tensor, name, orig)
+
+
+def measure(fn: Callable[[], int]) -> dict:
+    """Run ``fn`` (returns its forward passes) under the counters."""
+    counter = Counter()
+    with counter, host_reads(counter):
+        passes = fn()
+    ev = counter.events
+    attn = [i for i, (kind, _) in enumerate(ev) if kind == "attn"]
+    draws = [i for i, (kind, _) in enumerate(ev) if kind == "draw"]
+    lo = attn[0] if attn else 0
+    hi = max(draws[-1] if draws else 0, attn[-1] if attn else 0)
+    syncs = [i for i, (kind, _) in enumerate(ev) if kind == "sync"]
+    inside = [ev[i][1] for i in syncs if lo <= i <= hi]
+    shapes = {detail for kind, detail in ev if kind == "attn"}
+    return dict(
+        passes=passes,
+        ops=counter.ops,
+        launches=counter.launches,
+        ops_per_pass=counter.ops / passes,
+        launches_per_pass=counter.launches / passes,
+        loop_syncs=len(inside),
+        loop_syncs_per_pass=len(inside) / passes,
+        loop_sync_ops=sorted(set(inside)),
+        setup_syncs=len(syncs) - len(inside),
+        shapes=len(shapes),
+        attention_calls=len(attn),
+    )
+
+
+@contextlib.contextmanager
+def gpu_path():
+    """Decode as on a GPU: never pack, bucket the key levels (both live in the plan; before
+    the sampling package, the packing threshold was in ``anyorder.sample``)."""
+    try:
+        import anyorder.sampling.plan as where
+    except ImportError:
+        import anyorder.sample as where
+    saved = where._PACK_BELOW, getattr(where, "BUCKET_ON_CPU", None)
+    where._PACK_BELOW, where.BUCKET_ON_CPU = -1.0, True
+    try:
+        yield
+    finally:
+        where._PACK_BELOW, where.BUCKET_ON_CPU = saved
+
+
+def samplers(n: int) -> dict[str, tuple[str, dict]]:
+    """name -> (model kind, keyword arguments of :func:`anyorder.sample.sample`)."""
+    T = n // 4
+    rows = {
+        "gpt-seq": ("gpt", {}),
+        "aogpt-seq": ("aogpt", {}),
+        "armd-seq": ("armd", {}),
+        f"aogpt-lemma1-T{T}": ("aogpt", dict(steps=T)),
+        f"aogpt-lemma1-T{T}-shared": ("aogpt", dict(steps=T, shared_counts=True)),
+        f"aogpt-lemma1-T{n}": ("aogpt", dict(steps=n)),
+        f"armd-lemma1-T{T}": ("armd", dict(steps=T)),
+        f"armd-lemma1-T{T}-shared": ("armd", dict(steps=T, shared_counts=True)),
+        "armd-strided-S4": ("armd", dict(streams=4)),
+        "aogpt-infill": ("aogpt", dict(prompt="infill")),
+        "armd-infill": ("armd", dict(prompt="infill")),
+        f"aogpt-infill-lemma1-T{T}": ("aogpt", dict(prompt="infill", steps=T)),
+        "gpt-prompt": ("gpt", dict(prompt="prefix")),
+        "gpt-seq-stop-at-eos": ("gpt", dict(stop_at_eos=256)),
+    }
+    if "reveal" in inspect.signature(sample).parameters:  # the reference's counts (issue 15)
+        rows[f"aogpt-lemma1-T{T}-reference"] = ("aogpt", dict(steps=T, reveal="reference"))
+    return rows
+
+
+def prompt_of(kind: str, n: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt shared by the batch: a prefix of n/8 tokens (``prefix``), or n/8 known
+    tokens spread over the sequence, as an infilling template has (``infill``)."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (n,), generator=g)
+    known = torch.zeros(n, dtype=torch.bool)
+    if kind == "prefix":
+        known[: n // 8] = True
+    else:
+        known[torch.randperm(n, generator=g)[: n // 8]] = True
+    return tokens, known
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seq-len", type=int, default=256, help="n")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--samplers", default=None, help="comma-separated names (default: all)")
+    ap.add_argument("--no-train", action="store_true", help="leave out the training rows")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/launch_overhead.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    n, B = args.seq_len, args.batch
+    models = {}
+    for kind in ("gpt", "aogpt", "armd"):
+        torch.manual_seed(0)
+        models[kind] = build_model(preset("tiny", kind=kind, seq_len=n)).eval()
+    table = samplers(n)
+    names = args.samplers.split(",") if args.samplers else list(table)
+    rows = {}
+    for name in names:
+        kind, kw = table[name]
+        kw = dict(kw)
+        if "prompt" in kw:
+            kw["prompt"], kw["known"] = prompt_of(kw["prompt"], n, B)
+        model = models[kind]
+
+        def run(model=model, kw=kw) -> int:
+            g = torch.Generator().manual_seed(0)
+            with torch.no_grad():
+                return sample(model, n, batch=B, generator=g, **kw).forward_passes
+
+        run()  # warm-up: lazy tables, allocator
+        rows[name] = measure(run)
+        with gpu_path():
+            gpu = measure(run)
+        rows[name].update(
+            gpu_launches_per_pass=gpu["launches_per_pass"],
+            gpu_ops_per_pass=gpu["ops_per_pass"],
+            gpu_shapes=gpu["shapes"],
+            gpu_loop_syncs=gpu["loop_syncs"],
+        )
+    if not args.no_train:
+        for kind in ("gpt", "aogpt", "armd"):
+            model = models[kind].train()
+            g = torch.Generator().manual_seed(0)
+            tokens = torch.randint(0, 256, (B, n), generator=g)
+            order = None if kind == "gpt" else orders.uniform(B, n, g).order
+
+            def step(model=model, tokens=tokens, order=order) -> int:
+                model.loss(tokens, order).backward()
+                model.zero_grad(set_to_none=True)
+                return 1
+
+            step()
+            rows[f"train-{kind}"] = measure(step)
+            r = rows[f"train-{kind}"]
+            r.update(gpu_launches_per_pass=r["launches"], gpu_shapes=r["shapes"], gpu_loop_syncs=0)
+            model.eval()
+    ref = rows.get("gpt-seq", {}).get("gpu_launches_per_pass")
+    print(f"\ntiny preset, batch {B}, n = {n}: per forward pass (training: per step)")
+    head = (
+        f"{'sampler':30s} {'passes':>6s} {'ops/pass':>9s} {'launch/pass':>11s} "
+        f"{'gpu launch':>10s} {'x gpt':>6s} {'syncs/pass':>10s} {'setup syncs':>11s} "
+        f"{'shapes':>6s} {'gpu shapes':>10s}"
+    )
+    print(head)
+    print("-" * len(head))
+    for name, r in rows.items():
+        gpu = r["gpu_launches_per_pass"]
+        ratio = f"{gpu / ref:6.2f}" if ref and "train" not in name else ""
+        print(
+            f"{name:30s} {r['passes']:6d} {r['ops_per_pass']:9.1f} {r['launches_per_pass']:11.1f} "
+            f"{gpu:10.1f} {ratio:>6s} {r['loop_syncs_per_pass']:10.2f} {r['setup_syncs']:11d} "
+            f"{r['shapes']:6d} {r['gpu_shapes']:10d}"
+        )
+        if r["loop_sync_ops"]:
+            print(f"{'':30s} syncs in the loop: {', '.join(r['loop_sync_ops'])}")
+    decode = {k: v for k, v in rows.items() if not k.startswith("train")}
+    checks = [
+        dict(
+            target="distinct attention shapes per generation, GPU path, <= 8 (every sampler)",
+            measured=max(r["gpu_shapes"] for r in decode.values()),
+            verdict="met" if all(r["gpu_shapes"] <= 8 for r in decode.values()) else "NOT met",
+        ),
+        dict(
+            target="no sync point inside the decode loop (every sampler, both paths)",
+            measured=sum(r["loop_syncs"] + r["gpu_loop_syncs"] for r in decode.values()),
+            verdict="met"
+            if all(r["loop_syncs"] + r["gpu_loop_syncs"] == 0 for r in decode.values())
+            else "NOT met",
+        ),
+    ]
+    if ref:
+        worst = max(r["gpu_launches_per_pass"] / ref for r in decode.values())
+        checks.append(
+            dict(
+                target="kernel-launching ops per pass, GPU path, <= 1.3 x gpt's (every sampler)",
+                measured=worst,
+                verdict="met" if worst <= 1.3 else "NOT met",
+            )
+        )
+    print()
+    for c in checks:
+        print(f"  {c['target']:66s} {c['measured']!s:>8.8s}  {c['verdict']}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(preset="tiny", batch=B, n=n, torch=torch.__version__)
+    args.json.write_text(json.dumps(dict(meta=meta, rows=rows, targets=checks), indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

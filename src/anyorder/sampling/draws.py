@@ -1,0 +1,125 @@
+"""Token draws: the sampling controls, float64 categorical draws, orders with a prompt first.
+
+Design choices:
+
+* Every random draw goes through an explicit :class:`torch.Generator`, so the same seed gives
+  the same sample; a generator on another device than the logits is honoured.
+* Categorical draws are made in float64: float32 noise lowers the effective temperature
+  (Zheng et al. 2024, arXiv 2409.02908).
+* A prompt is any set of known ``(position, token)`` pairs; known positions go first in the
+  order (left to right among themselves), the rest follow in the requested order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from anyorder.errors import SamplingError
+from anyorder.sampling.schedules import RevealPlan
+
+StepHook = Callable[[Tensor, Tensor, int], None]
+"""``on_step(positions, tokens, step)`` after every pass that draws tokens: (B, Q) positions
+(padding = n) and tokens on the model's device, and the step recorded in ``step_of``."""
+
+
+@dataclass
+class SampleResult:
+    """What a sampler returns."""
+
+    tokens: Tensor
+    """(B, n) the finished sequences, in original positions."""
+    order: Tensor
+    """(B, n) the order the positions were decided in."""
+    forward_passes: int = 0
+    """Number of model calls made."""
+    step_of: Tensor | None = None
+    """(B, n) the step that decided each position (-1 for prompt positions, -2 for positions
+    never generated because decoding stopped at EOS)."""
+    extra: dict = field(default_factory=dict)
+    logits: Tensor | None = None
+    """(B, n, V) slot-aligned logits each token was drawn from (``keep_logits=True``)."""
+    reveals: RevealPlan | None = None
+    """Tokens revealed per non-empty reverse step (Lemma-1 and encoder samplers with steps)."""
+
+    @property
+    def counts(self) -> Tensor | None:
+        """(steps, B) tokens revealed per reverse step, every step included (dense: it has
+        ``steps`` rows, so ask for it only when ``steps`` is small; :attr:`reveals` holds the
+        non-empty steps alone)."""
+        return None if self.reveals is None else self.reveals.dense()
+
+
+def check_controls(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise :class:`SamplingError` on out-of-range sampling controls."""
+    if not temperature > 0:
+        raise SamplingError(
+            f"temperature={temperature} must be > 0 (use e.g. 0.01 for near-greedy)"
+        )
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise SamplingError(f"top-p={top_p} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut")
+    if top_k is not None and top_k < 1:
+        raise SamplingError(f"top-k={top_k} must be at least 1; leave it out to keep every token")
+
+
+def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """Set logits outside the top-k / nucleus (top-p) support to -inf. (..., V) -> (..., V)."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the mass before it already reaches top_p (the top token stays)
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    return logits
+
+
+def sample_logits(
+    logits: Tensor,
+    generator: torch.Generator | None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> Tensor:
+    """Draw one token per row from ``logits`` (..., V) in float64. Returns (...)."""
+    logits = filter_logits(logits.double() / temperature, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    if generator is not None and generator.device != flat.device:
+        flat = flat.to(generator.device)
+    draw = torch.multinomial(flat, 1, generator=generator).to(logits.device)
+    return draw.view(probs.shape[:-1])
+
+
+def prompt_order(
+    known: Tensor, generator: torch.Generator | None = None, mode: str = "random"
+) -> Tensor:
+    """An order with the known positions first (left to right) and the rest after.
+
+    Args:
+        known: (B, n) boolean, True at prompt positions.
+        generator: draws the random part of the order.
+        mode: ``random`` (uniform over the unknown positions) or ``l2r``.
+    """
+    B, n = known.shape
+    if mode == "l2r":
+        key = torch.arange(n, device=known.device, dtype=torch.float64).expand(B, n) / n
+    elif mode == "random":
+        key = torch.rand(
+            B, n, generator=generator, dtype=torch.float64, device=_gdev(generator, known)
+        )
+        key = key.to(known.device)
+    else:
+        raise SamplingError(f"order mode {mode!r}: use random or l2r")
+    # known positions: keys in [0, 1) by position (left to right); the rest: [2, 3)
+    l2r_key = torch.arange(n, device=known.device, dtype=torch.float64).expand(B, n) / n
+    return torch.where(known, l2r_key, key + 2).argsort(dim=-1)
+
+
+def _gdev(generator: torch.Generator | None, like: Tensor) -> torch.device:
+    return generator.device if generator is not None else like.device

@@ -1,0 +1,103 @@
+"""CUDA graphs of the decoding passes: each group's pass captured once, then replayed.
+
+Design choices:
+
+* ``torch.cuda.CUDAGraph`` directly, not ``torch.compile(mode="reduce-overhead")``: a pass
+  is already a fixed sequence of eager kernels over static buffers (the plan fixes every
+  shape), so capturing it is all that is needed. Direct capture costs one eager pass per
+  group (no compilation: minutes at paper size, and again for every new shape or guard),
+  replays exactly the kernels the eager path runs (the same logits, so the equivalence tests
+  of the eager path carry over), and keeps the sampling (an explicit ``torch.Generator``, a
+  data-dependent top-p) outside the graph, where it stays eager and bit-reproducible.
+* Inside the graph nothing comes from the host: a pass reads its row of the group's table by
+  an ``index_select`` at a device counter that the graph itself increments, so a replay
+  takes no arguments. The caches, the tokens and the tables are static tensors.
+* Capture: the group's first pass runs eagerly on a side stream (it warms up cuBLAS and
+  allocates the adaLN and RoPE tables), then the same callable is recorded (recording
+  runs nothing). Each graph has its own memory pool (groups replay interleaved; a pass's
+  intermediates are a few MB). Under autocast the weight-cast cache is off while recording
+  (a cached cast would be freed under the graph).
+* ``mode="emulate"`` runs the same bookkeeping on any device without a graph: the first
+  call records, a replay re-runs the callable through the device counter and copies into
+  the static output. This is how the CPU tests cover the replay logic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+GRAPH_MODES = ("off", "cuda", "emulate")
+
+
+class PassRunner:
+    """Runs the passes of one group in order, captured once as a CUDA graph and replayed.
+
+    Args:
+        fn: one pass, ``fn(table_row) -> logits``; it may only read and write static tensors.
+        table: (P, rows, F, width) the group's table on the device.
+        mode: ``cuda`` (capture and replay) or ``emulate`` (the same logic, no graph).
+    """
+
+    def __init__(self, fn: Callable[[Tensor], Tensor], table: Tensor, mode: str) -> None:
+        self.fn, self.table, self.mode = fn, table, mode
+        self.counter = torch.zeros(1, dtype=torch.long, device=table.device)
+        self.graph = None
+        self.out: Tensor | None = None
+
+    def _select(self) -> Tensor:
+        """This pass's table row, by the device counter; the counter moves on."""
+        row = self.table.index_select(0, self.counter)[0]
+        self.counter.add_(1)
+        return row
+
+    def __call__(self) -> Tensor:
+        """Logits of the group's next pass. A replay's output is the same tensor each time:
+        read it before the next call."""
+        if self.graph is None:
+            return self._record()
+        if self.mode == "cuda":
+            self.graph.replay()
+            return self.out
+        return self.out.copy_(self.fn(self._select()))
+
+    def _record(self) -> Tensor:
+        if self.mode == "emulate":
+            out = self.fn(self._select())
+            self.out, self.graph = out.clone(), "recorded"
+            return out
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = self.fn(self._select())  # the real pass, eagerly (warm-up)
+        torch.cuda.current_stream().wait_stream(side)
+        out.record_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with _no_cast_cache(), torch.cuda.graph(graph):
+            self.out = self.fn(self._select())  # recorded only: runs at each replay
+        self.graph = graph
+        return out
+
+
+def _no_cast_cache():
+    """Autocast as it is, without its weight-cast cache (not allowed under capture)."""
+    if not torch.is_autocast_enabled("cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", torch.get_autocast_dtype("cuda"), cache_enabled=False)
+
+
+def resolve_mode(graphs: bool | str, device: torch.device) -> str:
+    """``graphs`` as given to a sampler (False/True or a mode name) to a mode."""
+    from anyorder.errors import SamplingError
+
+    mode = {False: "off", True: "cuda"}.get(graphs, graphs) if isinstance(graphs, bool) else graphs
+    if mode not in GRAPH_MODES:
+        raise SamplingError(f"graphs={graphs!r}: use True, False, or one of {GRAPH_MODES}")
+    if mode == "cuda" and device.type != "cuda":
+        raise SamplingError(
+            f"CUDA graphs need a CUDA device; the model is on {device.type} (leave graphs off)"
+        )
+    return mode
