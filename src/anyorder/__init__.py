@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from anyorder.config import ModelConfig, RunConfig, load_config, preset
 from anyorder.errors import AnyorderError
 from anyorder.models import build_model
+from anyorder.version import __version__
 
 if TYPE_CHECKING:
     from anyorder.api import Model
@@ -25,8 +26,8 @@ __all__ = [
     "load",
     "load_config",
     "preset",
+    "__version__",
 ]
-__version__ = "0.1.0"
 
 
 def load(path: str | Path, **kwargs: Any) -> Model:

@@ -41,6 +41,7 @@ from anyorder.checkpoint.weights import tied_aliases
 from anyorder.config import RunConfig, to_dict
 from anyorder.data import sha256_file
 from anyorder.errors import CheckpointError, ConfigError
+from anyorder.version import __version__
 
 if TYPE_CHECKING:
     from anyorder.data import Tokenizer
@@ -51,8 +52,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _version() -> str:
-    from anyorder import __version__
-
     return __version__
 
 
