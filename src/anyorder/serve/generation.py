@@ -245,7 +245,7 @@ def run_generation(
         AnyorderError: the request is invalid (before any event), or
         LimitError: the time limit ran out (after some events).
     """
-    from anyorder.sample import decode_text, sample
+    from anyorder.sample import sample
 
     model, tok = loaded.model, loaded.tokenizer
     t0 = time.perf_counter() if started is None else started
@@ -307,10 +307,18 @@ def run_generation(
     with ctx:
         result = sample(model, n, generator=gen, on_step=on_step, **plan.kwargs)
     seconds = time.perf_counter() - t0 - state["slept"]
+    done = _done_event(tok, result, None if plan.template else tok.eos_id, seconds)
+    emit("done", done)
+    return done
+
+
+def _done_event(tok: Any, result: Any, eos: int | None, seconds: float) -> dict[str, Any]:
+    """The ``done`` event: the texts (cut at ``eos`` unless None) and the whole result."""
+    from anyorder.sample import decode_text
+
     tokens = result.tokens.cpu()
-    eos = None if plan.template else tok.eos_id
     generated = int((result.step_of >= 0).sum())
-    done = {
+    return {
         "texts": [decode_text(tok, row, eos) for row in tokens],
         "tokens": tokens.tolist(),
         "step_of": result.step_of.cpu().tolist(),
@@ -320,5 +328,3 @@ def run_generation(
         "seconds": seconds,
         "tokens_per_s": generated / max(seconds, 1e-9),
     }
-    emit("done", done)
-    return done
