@@ -32,8 +32,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import anyorder.serve.guard as serve_guard
 from anyorder.errors import AnyorderError, CheckpointError, SamplingError
-from anyorder.serve import guard as serve_guard
 from anyorder.serve.generation import (
     MODES,
     MODES_OF_KIND,
@@ -126,7 +126,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(code, f"{short}; send one well-formed HTTP request")
 
     def _refused(self) -> bool:
-        """Host and Origin checks (:mod:`anyorder.serve_guard`); True when refused."""
+        """Host and Origin checks (:mod:`anyorder.serve.guard`); True when refused."""
         host = self.headers.get("Host")
         if not serve_guard.host_allowed(host, self.server.bound_host):
             self._error(
