@@ -188,7 +188,7 @@ WORKER = textwrap.dedent(
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # gloo may abort at interpreter exit (see run_train in cli.py)
+    os._exit(code)  # gloo may abort at interpreter exit (see run_train in cli/train.py)
     """
 )
 

@@ -296,7 +296,7 @@ class Model:
         reveal: str = "binomial",
         graphs: bool = False,
     ) -> list[str]:
-        """The sampling path of ``anyorder sample`` (cli.run_sample), step for step."""
+        """The sampling path of ``anyorder sample`` (cli/sample.py:run_sample), step for step."""
         from anyorder import bounds
         from anyorder.sample import decode_text, sample
 

@@ -213,20 +213,8 @@ class ARMD(AnyOrderLM):
         if prefix is not None:
             mean = prefix(h0)
         else:
-            if query_content_mask is None:
-                vis = h0.new_ones(B, G, C)
-            else:
-                vis = query_content_mask[:, 0, :, Lc:].to(h0.dtype)  # (B, G, C)
-            total = cache.prefix_sum[:, None].to(h0.dtype) + vis @ h0  # (B, G, d)
-            count = cache.prefix_count[:, None].to(h0.dtype) + vis.sum(dim=-1)  # (B, G)
-            mean = total / count.clamp(min=1)[..., None]
-        aux = cache.content.aux
-        table = aux.get("query_pe")
-        if table is None:  # once per decode (kept only when no graph is recorded)
-            table = self.query_table()
-            if not torch.is_grad_enabled():
-                aux["query_pe"] = table
-        g = self.embed_query(target, mean, table)
+            mean = self._running_prefix_mean(cache, h0, query_content_mask, G, Lc)
+        g = self.embed_query(target, mean, self._cached_query_table(cache))
         # The two-stream layers run the C content rows and the G query rows as one batch of
         # C + G rows: one matmul per weight and one attention call per layer (the query rows
         # read the content keys/values under their own mask, as the training forward does).
@@ -234,7 +222,6 @@ class ARMD(AnyOrderLM):
         if row_pos is None:
             row_pos = torch.cat([content_pos, target], dim=1)
         pos = positions(self.cfg, row_pos)
-        pos_c, pos_g = slice_positions(pos, 0, C), slice_positions(pos, C, C + G)
         if two_stream_mask is not None:
             mask = two_stream_mask
             empty_g = None if mask.empty is None else mask.empty[:, :, C:]
@@ -242,6 +229,59 @@ class ARMD(AnyOrderLM):
             mask_g = PreparedMask(mask.dense[:, :, C:], empty_g, additive=additive)
         else:
             mask, mask_g = self._two_stream_masks(content_mask, query_content_mask, B, C, G, Lc)
+        g = self._decode_layers(cache, x, pos, C, G, mask, mask_g, query_mask, packing)
+        cache.content.advance(C, keep_content, content_pos)
+        if prefix is None:
+            kept = h0 if keep_content is None else h0 * keep_content[..., None].to(h0.dtype)
+            cache.prefix_sum += kept.sum(dim=1).to(cache.prefix_sum.dtype)
+            cache.prefix_count += (
+                C if keep_content is None else keep_content.sum(dim=1).to(cache.prefix_count.dtype)
+            )
+        g = g if packing is None else packing.query.unpack(g)
+        return self.head(g if queries is None else g[:, queries])
+
+    @staticmethod
+    def _running_prefix_mean(
+        cache: ARMDCache, h0: Tensor, query_content_mask: Tensor | None, G: int, Lc: int
+    ) -> Tensor:
+        """The query slots' prefix aggregate (B, G, d): the cache's running sum and count
+        plus the new content embeddings ``h0`` (B, C, d) each slot sees."""
+        B, C = h0.shape[:2]
+        if query_content_mask is None:
+            vis = h0.new_ones(B, G, C)
+        else:
+            vis = query_content_mask[:, 0, :, Lc:].to(h0.dtype)  # (B, G, C)
+        total = cache.prefix_sum[:, None].to(h0.dtype) + vis @ h0  # (B, G, d)
+        count = cache.prefix_count[:, None].to(h0.dtype) + vis.sum(dim=-1)  # (B, G)
+        return total / count.clamp(min=1)[..., None]
+
+    def _cached_query_table(self, cache: ARMDCache) -> Tensor:
+        """:meth:`query_table`, once per decode (kept only when no graph is recorded)."""
+        aux = cache.content.aux
+        table = aux.get("query_pe")
+        if table is None:
+            table = self.query_table()
+            if not torch.is_grad_enabled():
+                aux["query_pe"] = table
+        return table
+
+    def _decode_layers(
+        self,
+        cache: ARMDCache,
+        x: Tensor,
+        pos: Positions,
+        C: int,
+        G: int,
+        mask: Mask,
+        mask_g: Mask,
+        query_mask: Tensor | None,
+        packing: StreamPacking | None,
+    ) -> Tensor:
+        """The layers of a decoding call over ``x`` (B, C + G, d), content rows first: the
+        two-stream layers write the content keys/values to the cache and update both
+        streams, the last one the query rows only; the ordinary layers run the query stream
+        with its own cache. Returns the normed query rows (B, G, d), or packed."""
+        pos_c, pos_g = slice_positions(pos, 0, C), slice_positions(pos, C, C + G)
         # with a packing, x holds the real rows only, (1, N, d), content first; attention
         # unpacks to the padded layout its masks and the cache need
         P = packing
@@ -266,16 +306,7 @@ class ARMD(AnyOrderLM):
                 q = attn.project_q(xn, rows_pos, rows_pk)
                 x = x + attn.attend(q, k, v, rows_mask, packing=rows_pk)
             x = x + block.mlp(block.norm2(x))
-        g = self.norm_f(x)  # (B, G, d), or the packed query rows
-        cache.content.advance(C, keep_content, content_pos)
-        if prefix is None:
-            kept = h0 if keep_content is None else h0 * keep_content[..., None].to(h0.dtype)
-            cache.prefix_sum += kept.sum(dim=1).to(cache.prefix_sum.dtype)
-            cache.prefix_count += (
-                C if keep_content is None else keep_content.sum(dim=1).to(cache.prefix_count.dtype)
-            )
-        g = g if P is None else P.query.unpack(g)
-        return self.head(g if queries is None else g[:, queries])
+        return self.norm_f(x)  # (B, G, d), or the packed query rows
 
     @staticmethod
     def _two_stream_masks(

@@ -1,0 +1,7 @@
+"""``python -m anyorder.cli``: the console script (as under torchrun)."""
+
+import sys
+
+from anyorder.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,135 @@
+"""``anyorder convert`` (GPT-2 weights, the AO-GPT authors' checkpoints) and ``anyorder
+export`` (a training checkpoint as an uploadable folder).
+
+Flags that belong to one source format are refused for the other with one line naming the
+flag, before anything is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# ----------------------------------------------------------------------------- convert, export
+
+
+def add_convert(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "source",
+        help="gpt2: a transformers GPT-2 (hub id or folder with config.json); aogpt-ref / "
+        "sigmagpt-ref: the authors' ckpt_N.pt, or hf:OWNER/REPO/PATH/ckpt_N.pt",
+    )
+    p.add_argument(
+        "--from",
+        dest="source_format",
+        choices=("gpt2", "aogpt-ref", "sigmagpt-ref"),
+        default="gpt2",
+        help="what the source is: a GPT-2, or a checkpoint of the AO-GPT authors' code "
+        "(scxue/AO-GPT-MDM: AO-GPT or sigma-GPT)",
+    )
+    p.add_argument(
+        "--to",
+        default=None,
+        choices=("gpt", "aogpt", "armd"),
+        help="model kind (--from gpt2: required; the reference formats give aogpt)",
+    )
+    p.add_argument("--out", required=True, help="folder to write the converted model to")
+    p.add_argument(
+        "--weights",
+        choices=("ema", "raw"),
+        default=None,
+        help="reference formats: the EMA or the raw weights (default: EMA when kept)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer to ship with it (default: the source folder's own, when it has one; "
+        "GPT-2's for a reference checkpoint with GPT-2's vocabulary; none: no tokenizer)",
+    )
+    p.add_argument("--seq-len", type=int, default=None, help="context (default n_positions - 1)")
+    p.add_argument("--l2s", type=int, default=None, help="armd: two-stream layers (n_layer/2)")
+    p.add_argument("--target-dim", type=int, default=128, help="aogpt: target embedding width")
+    p.add_argument("--bos-id", type=int, default=None, help="BOS token (default bos_token_id)")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="stored dtype"
+    )
+
+
+def _convert_reference(args: argparse.Namespace):
+    from anyorder.convert_ref import convert_ref
+    from anyorder.errors import ConfigError
+
+    if args.to not in (None, "aogpt"):
+        raise ConfigError(f"--from {args.source_format} converts into aogpt; leave out --to")
+    gpt2_only = {"--seq-len": args.seq_len, "--l2s": args.l2s, "--bos-id": args.bos_id}
+    given = [k for k, v in gpt2_only.items() if v is not None]
+    if given or args.target_dim != 128:
+        flag = given[0] if given else "--target-dim"
+        raise ConfigError(f"{flag} is for --from gpt2; a reference checkpoint fixes its own sizes")
+    return convert_ref(
+        args.source,
+        args.out,
+        args.source_format,
+        dtype=args.dtype,
+        weights=args.weights,
+        tokenizer=args.tokenizer,
+    )
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from anyorder.convert import convert
+    from anyorder.errors import ConfigError
+
+    if args.source_format != "gpt2":
+        conv = _convert_reference(args)
+    else:
+        if args.to is None:
+            raise ConfigError("--from gpt2 needs --to gpt, aogpt or armd")
+        if args.weights is not None:
+            raise ConfigError("--weights is for the reference formats; a GPT-2 has one set")
+        conv = convert(
+            args.source,
+            args.to,
+            args.out,
+            dtype=args.dtype,
+            seq_len=args.seq_len,
+            l2s=args.l2s,
+            target_dim=args.target_dim,
+            bos_id=args.bos_id,
+            tokenizer=args.tokenizer,
+        )
+    m = conv.model
+    tok = conv.tokenizer.name if conv.tokenizer is not None else "none (pass --tokenizer)"
+    what = (
+        f" ({conv.info['reference_weights']} weights)" if "reference_weights" in conv.info else ""
+    )
+    print(
+        f"{m.kind}{what}: {m.num_params() / 1e6:.2f}M parameters, {m.cfg.n_layer} layers x "
+        f"{m.cfg.d_model}, seq_len {m.cfg.seq_len}, tokenizer {tok}"
+    )
+    print(f"wrote {conv.folder}")
+    return 0
+
+
+def add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="run folder (its latest checkpoint) or checkpoint folder")
+    p.add_argument("--out", required=True, help="folder to write (uploadable to the hub as is)")
+    p.add_argument(
+        "--weights", choices=("ema", "raw"), default="ema", help="default: ema (raw if no EMA)"
+    )
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="stored dtype"
+    )
+    p.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="then upload it")
+    p.add_argument("--private", action="store_true", help="create the hub repository private")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from anyorder.hub import export, push_to_hub, read_export_config
+
+    folder = export(args.checkpoint, args.out, weights=args.weights, dtype=args.dtype)
+    cfg = read_export_config(folder)
+    print(f"{cfg['anyorder_kind']} step {cfg['step']} ({cfg['weights']} weights): wrote {folder}")
+    if args.push_to_hub:
+        url = push_to_hub(folder, args.push_to_hub, private=args.private)
+        print(f"pushed to {url}")
+    return 0

@@ -1,0 +1,97 @@
+"""The parser and the entry point: the table of subcommands, one-line argparse errors, and
+:func:`main`, which turns every :class:`~anyorder.errors.AnyorderError` into one line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from anyorder.cli.evaluate import add_eval, add_experiment, run_eval, run_experiment
+from anyorder.cli.interop import add_convert, add_export, run_convert, run_export
+from anyorder.cli.sample import add_sample, add_serve, run_sample, run_serve
+from anyorder.cli.train import (
+    add_data,
+    add_demo,
+    add_info,
+    add_train,
+    run_data,
+    run_demo,
+    run_info,
+    run_train,
+)
+from anyorder.errors import AnyorderError
+
+Command = tuple[
+    str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]
+]
+
+
+def commands() -> list[Command]:
+    """Every subcommand: (name, help, add_arguments, run)."""
+    return [
+        ("info", "parameter counts of the presets; config keys", add_info, run_info),
+        ("train", "train a model from a YAML config (or under torchrun)", add_train, run_train),
+        ("data", "tokenize and pack a config's data; print its statistics", add_data, run_data),
+        ("demo", "train a tiny ARMD, sample, evaluate, write a report", add_demo, run_demo),
+        ("eval", "likelihoods, zero-shot table, generative perplexity", add_eval, run_eval),
+        (
+            "convert",
+            "GPT-2 weights -> gpt, aogpt or armd; the AO-GPT authors' checkpoints -> aogpt",
+            add_convert,
+            run_convert,
+        ),
+        ("export", "training checkpoint -> uploadable model folder", add_export, run_export),
+        ("sample", "generate or infill text from a checkpoint", add_sample, run_sample),
+        ("serve", "a local web page that shows generation as it happens", add_serve, run_serve),
+        ("experiment", "reproduce a paper comparison", add_experiment, run_experiment),
+    ]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2), like every other error of the CLI."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="anyorder",
+        description="Decoder-only masked diffusion language models: AO-GPT, ARMD, GPT and MDM.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text, add, run in commands():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may follow the options (`train CONFIG --dry-run a.b=1`); argparse
+    # stops filling a positional list at the first option, so collect the rest here.
+    if extra and isinstance(getattr(args, "overrides", None), list):
+        # a word without "=" goes to the overrides too, whose parser says what is wrong
+        unknown = [e for e in extra if e.startswith("-")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except AnyorderError as e:
+        print(f"anyorder {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"anyorder {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,331 @@
+"""``anyorder sample`` (generate or infill text from a checkpoint) and ``anyorder serve``
+(the live page).
+
+``run_sample`` reads as its phases: check the flags, build the prompt, run the sampler
+(streaming a single left-to-right sample as its tokens are decided), print the texts or the
+JSON record. The JSON record is what ``anyorder.api.Model`` reproduces step for step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+# ----------------------------------------------------------------------------- sample
+
+
+def add_sample(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="run folder (its latest checkpoint) or checkpoint folder")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--prompt", default=None, help="text the samples start with (a prefix)")
+    what.add_argument(
+        "--infill",
+        default=None,
+        metavar="TEMPLATE",
+        help="fill the holes of a template, e.g. 'The [MASK:20] of Python' (hole = [MASK:n], "
+        "n >= 1 tokens; everything else literal); its length is the template's",
+    )
+    p.add_argument(
+        "--order",
+        choices=("l2r", "random", "strided"),
+        default=None,
+        help="generation order (default: l2r for gpt, random otherwise; strided: armd)",
+    )
+    p.add_argument("--streams", type=int, default=None, help="strided: S streams (armd)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="masked-diffusion sampling in T reverse steps (Lemma 1 on aogpt/armd, the "
+        "encoder on mdm); default: one token per forward pass",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=("linear", "cosine"),
+        default="linear",
+        help="--steps: the masking schedule m(t) (cosine: cos((1 - t) pi / 2), few tokens first)",
+    )
+    p.add_argument(
+        "--reveal",
+        choices=("binomial", "reference"),
+        default="binomial",
+        help="--steps: tokens per step: binomial (the exact reverse process) or reference (the "
+        "AO-GPT code's deterministic counts, never an empty step)",
+    )
+    p.add_argument(
+        "--shared-counts",
+        action="store_true",
+        help="--steps: one reveal count per step for all samples (faster; samples then share "
+        "their count trajectory)",
+    )
+    p.add_argument(
+        "--length", type=int, default=None, help="tokens per sample, prompt included (default n)"
+    )
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
+    p.add_argument("--num-samples", type=int, default=1, help="samples (one batch)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random draw")
+    p.add_argument(
+        "--no-stop-at-eos",
+        action="store_true",
+        help="keep the text after the first EOS (default: cut there; l2r decoding stops)",
+    )
+    p.add_argument("--json", action="store_true", help="print tokens, orders and pass counts")
+    p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="default: ema")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="capture each forward-pass shape once as a CUDA graph and replay it (CUDA only)",
+    )
+    p.add_argument(
+        "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on CUDA"
+    )
+
+
+class _Streamer:
+    """Prints a left-to-right sample as its tokens are decided (one row)."""
+
+    def __init__(self, tokenizer, eos_id: int | None) -> None:
+        self.tok, self.eos, self.ids, self.shown, self.ended = tokenizer, eos_id, [], "", False
+
+    def __call__(self, positions, tokens, step: int) -> None:
+        if self.ended:
+            return
+        for t in tokens[0].tolist():
+            if t == self.eos:
+                self.ended = True
+                break
+            self.ids.append(t)
+        self.flush(final=self.ended)
+
+    def flush(self, final: bool = False) -> None:
+        text = self.tok.decode(self.ids)
+        if not final:  # an incomplete UTF-8 character shows as U+FFFD until it completes
+            text = text.rstrip("\ufffd")
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            sys.stdout.write(text[len(self.shown) :])
+            sys.stdout.flush()
+            self.shown = text
+
+
+def _sample_order(args: argparse.Namespace, kind: str) -> tuple[str, int | None]:
+    """The generation order and ``S`` from ``--order`` and ``--streams`` (strided when given)."""
+    from anyorder.errors import SamplingError
+
+    order = args.order or ("l2r" if kind == "gpt" else "random")
+    if order == "strided" and args.streams is None:
+        raise SamplingError("--order strided needs --streams S")
+    if args.streams is not None and args.order not in (None, "strided"):
+        raise SamplingError(f"--streams fixes the order (strided); leave out --order {order}")
+    streams = args.streams
+    if streams is not None:
+        order = "strided"
+    return order, streams
+
+
+def _sample_prompt(args: argparse.Namespace, model, tok) -> tuple[int, Any, Any]:
+    """``(n, prompt, known)``: the tokens per sample and the known tokens of ``--infill`` or
+    ``--prompt`` ((n,) ids and their mask; None and None for an unconditional sample)."""
+    import torch
+
+    from anyorder import bounds
+    from anyorder.errors import SamplingError
+    from anyorder.sample import parse_template
+
+    prompt = known = None
+    if args.infill is not None:
+        bounds.check_holes(args.infill, model.cfg.seq_len)
+        prompt, known = parse_template(args.infill, tok, model.cfg.seq_len)
+        n = len(prompt)
+        bounds.check_steps(args.steps, n)
+    else:
+        n = bounds.check_fit(model.cfg.seq_len, length=args.length, steps=args.steps)
+    if args.prompt:
+        ids = tok.encode(args.prompt)
+        if len(ids) >= n:
+            raise SamplingError(
+                f"the prompt is {len(ids)} tokens, not shorter than --length {n}; raise "
+                "--length or shorten the prompt"
+            )
+        prompt = torch.zeros(n, dtype=torch.long)
+        prompt[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+        known = torch.zeros(n, dtype=torch.bool)
+        known[: len(ids)] = True
+    return n, prompt, known
+
+
+def _sample_json(
+    args: argparse.Namespace,
+    ckpt,
+    result,
+    texts: list[str],
+    *,
+    mode: str,
+    order: str,
+    n: int,
+    streams: int | None,
+    generated: int,
+    seconds: float,
+) -> dict[str, Any]:
+    """The ``--json`` record: the settings, every sample's text, tokens, order and steps,
+    and the per-step reveal counts where the sampler drew them."""
+    tokens = result.tokens.cpu()
+    out = {
+        "checkpoint": str(ckpt.path),
+        "step": ckpt.step,
+        "seed": args.seed,
+        "kind": ckpt.model.kind,
+        "mode": mode,
+        "order": order,
+        "n": n,
+        "steps": args.steps,
+        "streams": streams,
+        "forward_passes": result.forward_passes,
+        "generated_tokens": generated,
+        "seconds": round(seconds, 4),
+        "samples": [
+            {"text": text, "tokens": row.tolist(), "order": o.tolist(), "step_of": s.tolist()}
+            for text, row, o, s in zip(texts, tokens, result.order.cpu(), result.step_of.cpu())
+        ],
+    }
+    if result.reveals is not None and result.reveals.steps <= 1 << 16:
+        out["counts"] = result.counts.T.tolist()  # per sample, per step
+    elif result.reveals is not None:  # huge step counts: the non-empty steps only
+        out["nonempty_steps"] = result.reveals.step.tolist()
+        out["counts"] = result.reveals.counts.T.tolist()
+    return out
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    import contextlib
+    import json
+    import time
+
+    import torch
+
+    from anyorder import bounds
+    from anyorder.checkpoint import load_model
+    from anyorder.errors import SamplingError
+    from anyorder.sample import decode_text, sample
+    from anyorder.train import resolve_device
+
+    bounds.check_controls(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        num_samples=args.num_samples, seed=args.seed, steps=args.steps, length=args.length,
+    )  # fmt: skip
+    if args.infill is not None and args.length is not None:
+        raise SamplingError("--infill takes its length from the template; leave out --length")
+    device = resolve_device(args.device, what="--device")
+    ckpt = load_model(args.checkpoint, weights=args.weights, device=device)
+    model, tok = ckpt.model, ckpt.tokenizer
+    if tok is None and (args.prompt or args.infill is not None):
+        raise SamplingError(
+            f"{args.checkpoint} holds no tokenizer, so text cannot be encoded; sample without "
+            "--prompt/--infill (token ids), or convert/export it again with --tokenizer"
+        )
+    order, streams = _sample_order(args, model.kind)
+    n, prompt, known = _sample_prompt(args, model, tok)
+    sequential = args.steps is None and streams is None
+    cut = not args.no_stop_at_eos and args.infill is None
+    eos = tok.eos_id if tok is not None else None
+    stop = eos if cut and sequential and order == "l2r" and model.kind != "mdm" else None
+    stream = None
+    if tok and sequential and order == "l2r" and args.num_samples == 1 and not args.json:
+        stream = _Streamer(tok, tok.eos_id if cut else None)
+        if prompt is not None:
+            stream.ids = prompt[known].tolist()
+            stream.flush()
+    bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
+    ctx = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
+    gen = torch.Generator(device).manual_seed(args.seed)
+    start = time.perf_counter()
+    with ctx, bounds.out_of_memory_as_error(f"--num-samples {args.num_samples} x {n} tokens"):
+        result = sample(
+            model, n, order=None if order == "strided" else order, streams=streams,
+            steps=args.steps, schedule=args.schedule, shared_counts=args.shared_counts,
+            reveal=args.reveal, graphs=args.cuda_graphs, batch=args.num_samples,
+            prompt=prompt, known=known, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, generator=gen, stop_at_eos=stop, on_step=stream,
+        )  # fmt: skip
+    seconds = time.perf_counter() - start
+    tokens = result.tokens.cpu()
+    if tok is None:  # no tokenizer: the token ids themselves
+        texts = [" ".join(map(str, row.tolist())) for row in tokens]
+    else:
+        texts = [decode_text(tok, row, tok.eos_id if cut else None) for row in tokens]
+    generated = int((result.step_of >= 0).sum())
+    mode = "encoder" if model.kind == "mdm" else "strided" if streams else "lemma1"
+    mode = "sequential" if sequential and model.kind != "mdm" else mode
+    if args.json:
+        record = _sample_json(
+            args, ckpt, result, texts, mode=mode, order=order, n=n, streams=streams,
+            generated=generated, seconds=seconds,
+        )  # fmt: skip
+        print(json.dumps(record))
+        return 0
+    if stream is not None:
+        stream.flush(final=True)
+        print()
+    else:
+        for i, text in enumerate(texts):
+            if len(texts) > 1:
+                print(f"=== sample {i + 1} ===")
+            print(text)
+    print(
+        f"{model.kind} {mode}: {generated} tokens, {result.forward_passes} forward passes, "
+        f"{generated / max(seconds, 1e-9):,.0f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# ----------------------------------------------------------------------------- serve
+
+
+def add_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "checkpoint",
+        nargs="?",
+        default=None,
+        help="export, hub id, run folder or checkpoint (default: runs/demo, the main job's model)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: local only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    p.add_argument("--max-samples", type=int, default=4, help="samples per request at most")
+    p.add_argument(
+        "--time-limit", type=float, default=60.0, help="seconds per request at most (wall clock)"
+    )
+    p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="default: ema")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on CUDA"
+    )
+    p.add_argument("--verbose", action="store_true", help="log every request")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from anyorder.bounds import MAX_NUM_SAMPLES
+    from anyorder.errors import ConfigError
+    from anyorder.serve import Limits, serve
+
+    if not 1 <= args.max_samples <= MAX_NUM_SAMPLES or not args.time_limit > 0:
+        raise ConfigError(
+            f"--max-samples must lie in 1..{MAX_NUM_SAMPLES} and --time-limit be above 0"
+        )
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} must lie in 0..65535 (0: any free port)")
+    limits = Limits(max_samples=args.max_samples, time_limit_s=args.time_limit)
+    serve(
+        args.checkpoint,
+        host=args.host,
+        port=args.port,
+        limits=limits,
+        device=args.device,
+        dtype=args.dtype,
+        weights=args.weights,
+        verbose=args.verbose,
+    )
+    return 0

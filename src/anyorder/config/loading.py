@@ -1,0 +1,248 @@
+"""Loading configs: defaults <- YAML file <- ``key=value`` overrides, strictly.
+
+Design choices:
+
+* Layered and strict: an unknown key or a value of the wrong type is a
+  :class:`~anyorder.errors.ConfigError` that names the key.
+* Help text comes from the fields' docstrings (the string literal under each field), read
+  from the source with :mod:`ast` (:func:`field_docs`), so the documentation lives next to
+  the default.
+* YAML 1.1 reads ``1e-3`` (no dot) as a string; a float field takes it as the number it
+  plainly is.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import re
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from anyorder.config.model import PRESETS, ModelConfig, expand_model_values
+from anyorder.config.run import RunConfig
+from anyorder.errors import ConfigError
+
+_EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+"""A float in exponent notation without a dot (``1e-3``), which YAML 1.1 leaves a string."""
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """A :class:`ModelConfig` from a named preset (``tiny``, ``small``, ``medium``);
+    ``variant=`` (see :data:`VARIANTS`) may be among the overrides."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; use one of {', '.join(PRESETS)}")
+    return _build(ModelConfig, expand_model_values({"preset": name, **overrides}), "model")
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; convert ints to floats and lists to tuples."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        (item,) = typing.get_args(tp)[:1]
+        return tuple(_coerce(v, item, key) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "2e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        # YAML 1.1 reads 1e-3 (no dot) as a string; take it as the number it plainly is.
+        if isinstance(value, str) and _EXP_FLOAT.fullmatch(value.strip()):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:  # pragma: no cover - every field type is listed above
+        return value
+    raise ConfigError(
+        f"config key {key!r} expects {_type_name(tp)}, got {value!r} ({type(value).__name__}); "
+        f"fix the value in the file or on the command line"
+    )
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    """Construct dataclass ``cls`` from a dict, strictly (unknown keys are errors)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"config section {prefix!r} must be a mapping, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(
+                f"unknown config key {full!r}; known keys{' in ' + prefix if prefix else ''}: "
+                f"{', '.join(names)}"
+            )
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build_section(tp, value, full)
+        else:
+            kwargs[key] = _coerce(value, tp, full)
+    return cls(**kwargs)
+
+
+def _build_section(cls: type, value: Any, prefix: str) -> Any:
+    if cls is ModelConfig and isinstance(value, dict):
+        value = expand_model_values(value, prefix)
+    return _build(cls, value, prefix)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split ``a.b=value`` into ``(["a", "b"], value)``; the value is parsed as YAML."""
+    import yaml
+
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not key=value; write e.g. train.steps=100")
+    key, _, raw = item.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p.isidentifier() for p in parts):
+        raise ConfigError(f"override key {key!r} is not a dotted name like train.steps")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def load_config(
+    source: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> RunConfig:
+    """Load a :class:`RunConfig`: defaults <- YAML file ``source`` <- ``overrides``.
+
+    Args:
+        source: a YAML file, or None for the defaults.
+        overrides: ``key=value`` strings with dotted keys (``model.n_layer=6``).
+
+    Raises:
+        ConfigError: a missing file, bad YAML, an unknown key or a wrongly typed value.
+    """
+    import yaml
+
+    values: dict[str, Any] = {}
+    if source is not None:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; give a YAML file path")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = " ".join(str(getattr(e, "problem", None) or e).split())
+            raise ConfigError(
+                f"config file {str(path)!r} is not valid YAML ({problem}{where}); fix the file"
+            ) from None
+        if loaded is None:  # an empty file (or only comments) is a mistake, not "defaults"
+            raise ConfigError(
+                f"config file {str(path)!r} is empty; write the settings to change (e.g. "
+                "model: {kind: armd}), or start from a file in configs/"
+            )
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+        values = loaded
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = values
+        for p in parts[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return config_from_dict(values)
+
+
+def config_from_dict(values: dict[str, Any]) -> RunConfig:
+    """A :class:`RunConfig` from a nested mapping (a saved config, or sections of one):
+    fields it lacks take today's defaults, so configs saved before a field existed still
+    load. Raises :class:`ConfigError` on an unknown key or a wrongly typed value."""
+    if not isinstance(values, dict):
+        raise ConfigError("a config must be a mapping of sections")
+    try:
+        return _build_run(values)
+    except TypeError as e:  # a section given as a scalar, etc.
+        raise ConfigError(f"bad config: {e}") from None
+
+
+def _build_run(values: dict[str, Any]) -> RunConfig:
+    names = [f.name for f in dataclasses.fields(RunConfig)]
+    for key in values:
+        if key not in names:
+            raise ConfigError(f"unknown config key {key!r}; known sections: {', '.join(names)}")
+    hints = typing.get_type_hints(RunConfig)
+    return RunConfig(**{k: _build_section(hints[k], v, k) for k, v in values.items()})
+
+
+def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(key, default, help)`` for every field, for the CLI and the docs."""
+    rows: list[tuple[str, str, str]] = []
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += describe(hints[f.name], key + ".")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        rows.append((key, repr(default), docs.get(f.name, "")))
+    return rows

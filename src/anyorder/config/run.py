@@ -1,0 +1,140 @@
+"""The other sections of a run config (data, order, train) and :class:`RunConfig`, which
+holds all four; :func:`to_dict` turns any of them into plain dicts for YAML and JSON.
+
+Every field carries its help text as the string literal under it (read by
+:func:`anyorder.config.loading.field_docs` for ``anyorder info --config-keys`` and
+docs/configs.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from anyorder.config.model import ModelConfig
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass as plain nested dicts/lists (tuples become lists), for YAML and JSON."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from and how they are packed."""
+
+    source: str = "builtin:pydoc"
+    """Text source: builtin:pydoc, builtin:stdlib, builtin:synthetic (a Markov chain with a
+    known entropy floor), a file/folder/glob of .txt/.jsonl/.parquet, or hf:NAME[:CONFIG] for
+    a Hugging Face dataset."""
+    tokenizer: str = "bytes"
+    """Tokenizer: bytes, gpt2, bert-base-uncased, a local tokenizer folder, or bpe:VOCAB."""
+    text_field: str = "text"
+    """Field that holds the text in .jsonl/.parquet/datasets records."""
+    val_fraction: float = 0.05
+    """Share of documents held out for validation (chosen by a hash of the document)."""
+    cache_dir: str = "data_cache"
+    """Folder for the packed token shards (reused when source and tokenizer match)."""
+    streaming: bool = False
+    """Stream a Hugging Face dataset instead of downloading it whole."""
+    max_documents: int | None = None
+    """Stop after this many documents (quick runs on a large corpus)."""
+
+
+@dataclass
+class OrderConfig:
+    """The distribution of generation orders used in training."""
+
+    kind: str = "uniform"
+    """l2r, uniform, mix, fixed, progressive, strided or sbp."""
+    p_l2r: float = 0.1
+    """mix: probability of the left-to-right order (AO-GPT: 0.1)."""
+    seed: int = 0
+    """fixed: the seed of the one order used throughout."""
+    i_ar: int = 0
+    """progressive: last step of pure left-to-right training."""
+    i_perm: int = 1
+    """progressive: step at which the number of displaced tokens reaches rho."""
+    rho: int = 32
+    """progressive: the final number of displaced tokens."""
+    streams: int = 1
+    """strided: the number of streams S (must divide the sequence length)."""
+    sbp_streams: tuple[int, ...] = (1, 2, 4)
+    """sbp: the stream counts S drawn uniformly per step in SBP fine-tuning."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    out_dir: str = "runs/default"
+    """Run folder: checkpoints, metrics and the resolved config."""
+    steps: int = 1000
+    """Number of optimiser steps."""
+    batch_size: int = 16
+    """Sequences per optimiser step (global, over all ranks and accumulation steps)."""
+    grad_accum: int = 1
+    """Micro-batches per optimiser step."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine schedule as a fraction of lr."""
+    warmup_steps: int = 100
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (on matrices only)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    ema: float = 0.0
+    """EMA decay of the weights (0 disables; the paper presets use 0.9999)."""
+    ema_warmup: bool = True
+    """Ramp the EMA decay as min(ema, (1 + step) / (10 + step))."""
+    eval_every: int = 200
+    """Validate every this many steps (0: only at the end)."""
+    eval_batches: int = 8
+    """Validation batches per evaluation."""
+    ckpt_every: int = 500
+    """Write a checkpoint every this many steps (and at the end)."""
+    keep_last: int = 2
+    """Number of checkpoints kept."""
+    log_every: int = 10
+    """Write metrics every this many steps."""
+    seed: int = 0
+    """Seed of parameters, data order and generation orders."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto."""
+    dtype: str = "auto"
+    """Autocast dtype: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32."""
+    compile: bool | str = "auto"
+    """torch.compile the model and its loss: true, false, or auto (per device, as measured:
+    off everywhere until a GPU measurement says otherwise; see docs/performance.md)."""
+    fsdp: bool = False
+    """Shard with FSDP2 fully_shard instead of DDP under torchrun."""
+    skip_nonfinite: bool = False
+    """Skip an optimizer step whose loss is NaN/Inf (no update) instead of stopping the run
+    (which first saves the state after the last good step)."""
+    init_from: str | None = None
+    """Start from these weights: an exported folder (anyorder convert/export), a hub id, or a
+    run/checkpoint folder; the model section is taken from it (only model.dropout may differ)."""
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    order: OrderConfig = field(default_factory=OrderConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)

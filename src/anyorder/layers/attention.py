@@ -1,0 +1,186 @@
+"""Multi-head self-attention over a permuted sequence, with QK-norm and RoPE on given
+positions.
+
+Design choices:
+
+* Attention is split into :meth:`Attention.project` and :meth:`Attention.attend` so that
+  the two streams of ARMD and the KV cache reuse the same weights and code.
+* A row with nothing to attend to (the first block under a strict mask) gives a zero output
+  on every backend: we let it attend to key 0 and multiply the result by zero, instead of
+  relying on how a kernel treats a fully masked row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from anyorder.config import ModelConfig
+from anyorder.errors import ConfigError
+from anyorder.layers.flex import _load_flex
+from anyorder.layers.masks import Mask, Packing, PreparedMask
+from anyorder.layers.norm import RMSNorm
+from anyorder.layers.rope import Positions, rotary, rotate
+
+KVHook = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # see anyorder.cache
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with QK-norm and RoPE on given positions."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.head_dim
+        self.rope = cfg.positional == "rope"
+        self.rope_base = cfg.rope_base
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.proj.residual = True  # scaled init
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.dropout = cfg.dropout
+
+    def _heads(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
+        """(B, T, d) -> (B, H, T, D), normed per head first when ``norm`` is given (on the
+        (B, T, H, D) view: a norm of the transposed view would copy its output back)."""
+        B, T, _ = x.shape
+        x = x.view(B, T, self.n_head, self.head_dim)
+        return (x if norm is None else norm(x)).transpose(1, 2)
+
+    def _rotate(self, x: Tensor, pos: Positions) -> Tensor:
+        if not self.rope:
+            return x
+        if isinstance(pos, Tensor):
+            pos = rotary(pos, self.head_dim, self.rope_base)
+        return rotate(x, pos)
+
+    def project(
+        self,
+        x: Tensor,
+        pos: Positions,
+        packing: Packing | None = None,
+        qpos: Positions = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values (each (B, H, T, D)), normed and rotated to ``pos``
+        (the queries to ``qpos`` where given; with a ``packing``: ``x`` is packed, the
+        outputs are not)."""
+        qkv = self.qkv(x)
+        if packing is not None:
+            qkv = packing.unpack(qkv)
+        q, k, v = qkv.split(x.shape[-1], dim=-1)
+        q = self._rotate(self._heads(q, self.q_norm), pos if qpos is None else qpos)
+        k = self._rotate(self._heads(k, self.k_norm), pos)
+        return q, k, self._heads(v)
+
+    def project_q(self, x: Tensor, pos: Positions, packing: Packing | None = None) -> Tensor:
+        """Queries only (the ARMD query stream reads the content stream's keys and values)."""
+        d = x.shape[-1]
+        bias = self.qkv.bias[:d] if self.qkv.bias is not None else None
+        q = F.linear(x, self.qkv.weight[:d], bias)
+        q = q if packing is None else packing.unpack(q)
+        return self._rotate(self._heads(q, self.q_norm), pos)
+
+    def project_kv(
+        self, x: Tensor, pos: Positions, packing: Packing | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Keys and values only (the rows whose queries nobody reads)."""
+        d = x.shape[-1]
+        bias = self.qkv.bias[d:] if self.qkv.bias is not None else None
+        kv = F.linear(x, self.qkv.weight[d:], bias)
+        k, v = (kv if packing is None else packing.unpack(kv)).split(d, dim=-1)
+        return self._rotate(self._heads(k, self.k_norm), pos), self._heads(v)
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Mask,
+        *,
+        empty: Tensor | bool | None = None,
+        packing: Packing | None = None,
+        project: bool = True,
+    ) -> Tensor:
+        """SDPA of (B, H, Tq, D) queries over (B, H, Tk, D) keys/values, merged and projected
+        (``project=False``: merged only, (B, Tq, d), for a caller that projects several at once).
+
+        ``mask`` is ``"causal"`` or ``"strict"`` (key < query; square only), ``None`` (all
+        visible), a boolean (B|1, 1, Tq, Tk) tensor or a :class:`PreparedMask`; rows with no
+        visible key give zeros. ``empty`` spares the host-device sync of looking for such rows
+        in a boolean mask (the KV-cache decoders know): ``False`` promises there are none, a
+        (B, 1, Tq, 1) tensor names them; ``None`` checks. A :class:`PreparedMask` names them.
+        With a ``packing`` the output is packed (1, N, d).
+        """
+        p = self.dropout if self.training else 0.0
+        if isinstance(mask, PreparedMask):
+            if mask.flex is not None:
+                if p > 0:
+                    raise ConfigError(
+                        "the FlexAttention path has no attention dropout; set model.dropout=0 "
+                        "or use the sdpa attention backend"
+                    )
+                plain, compiled, _ = _load_flex()
+                flex = plain if torch.compiler.is_compiling() else compiled
+                y = flex(q, k, v, block_mask=mask.flex)
+            else:
+                m = mask.sdpa_mask(q.dtype)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p)
+            if mask.empty is not None:
+                y = y.masked_fill(mask.empty, 0.0)
+        elif isinstance(mask, str) and mask == "strict":
+            # key < query is causal attention of queries 1.. over keys ..n-2 (the same
+            # softmax sets), so SDPA's causal kernel skips the masked half here too; query 0
+            # sees nothing and gets zeros
+            if q.shape[2] > 1:
+                y = F.scaled_dot_product_attention(
+                    q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], is_causal=True, dropout_p=p
+                )
+                y = F.pad(y, (0, 0, 1, 0))
+            else:
+                y = torch.zeros_like(q)
+        elif isinstance(mask, str):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        elif mask is None or empty is False:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        else:
+            if empty is None:
+                empty = ~mask.any(dim=-1, keepdim=True)  # (B, 1, Tq, 1)
+                fix = bool(empty.any())
+            else:
+                fix = True  # named by the caller: fix up without looking (no sync)
+            if fix:
+                first = torch.zeros_like(mask)
+                first[..., 0] = True
+                mask = mask | (empty & first)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+                y = y.masked_fill(empty, 0.0)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        B, H, T, D = y.shape
+        y = y.transpose(1, 2).reshape(B, T, H * D)
+        if not project:
+            return y
+        return self.proj(y if packing is None else packing.pack(y))
+
+    def forward(
+        self,
+        x: Tensor,
+        pos: Positions,
+        mask: Mask,
+        kv: KVHook | None = None,
+        packing: Packing | None = None,
+        qpos: Positions = None,
+    ) -> Tensor:
+        """Self-attention; ``kv`` (a KV-cache hook) swaps the new keys/values for the cached
+        ones plus the new, and then every query must see at least itself in ``mask``.
+        ``packing`` (decoding only): ``x`` and the output hold the real slots only.
+        ``qpos``: the queries' positions where they differ from the keys' (``pos``)."""
+        q, k, v = self.project(x, pos, packing, qpos)
+        if kv is None:
+            return self.attend(q, k, v, mask, packing=packing)
+        k, v = kv(k, v)
+        return self.attend(q, k, v, mask, empty=False, packing=packing)

@@ -1,0 +1,108 @@
+"""Positions of a permuted sequence: RoPE on explicit positions and sinusoidal embeddings.
+
+Design choices:
+
+* Every sequence the models see is *permuted*: slot ``t`` holds the token at original
+  position ``pos[t]``. RoPE and learned position tables are therefore indexed by the given
+  positions, never by ``arange`` (that is what makes the models permutation-equivariant).
+* RoPE tables of positions ``0..seq_len-1`` are computed once per (size, head_dim, base,
+  device) and kept; a forward looks up its positions' rows once (:func:`positions`) and every
+  layer shares them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from anyorder.config import ModelConfig
+
+
+def rope_angles(pos: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
+    """cos and sin of RoPE for explicit positions ``pos`` (B, T) -> two (B, 1, T, head_dim/2)."""
+    inv_freq = base ** (
+        -torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim
+    )
+    angles = pos.float()[..., None] * inv_freq  # (B, T, D/2)
+    return angles.cos()[:, None], angles.sin()[:, None]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` (B, H, T, D) by the angles of :func:`rope_angles` (half-split layout)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.type_as(x)
+
+
+Rotary = tuple[Tensor, Tensor]
+"""RoPE tables of :func:`rotary`: ``[cos, cos]`` and ``[-sin, sin]``, each (B, 1, T, D)."""
+Positions = Tensor | Rotary | None
+"""What attention takes as positions: (B, T) original positions, their :data:`Rotary`
+tables (built once per forward by :func:`positions` and shared by every layer), or None."""
+
+
+def rotary(pos: Tensor, head_dim: int, base: float) -> Rotary:
+    """RoPE tables for positions (B, T), laid out for :func:`rotate` (one multiply-add)."""
+    cos, sin = rope_angles(pos, head_dim, base)
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rotate(x: Tensor, tables: Rotary) -> Tensor:
+    """:func:`apply_rope` with :func:`rotary` tables: the same numbers (``a + (-b)`` is
+    ``a - b`` exactly in floating point), fewer kernels and no angles recomputed per layer."""
+    cos, sin = tables
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
+
+
+def slice_positions(pos: Positions, start: int, stop: int) -> Positions:
+    """Slots ``start:stop`` of :data:`Positions`."""
+    if pos is None:
+        return None
+    if isinstance(pos, Tensor):
+        return pos[:, start:stop]
+    return pos[0][:, :, start:stop], pos[1][:, :, start:stop]
+
+
+_ROTARY_TABLES: dict[tuple, Rotary] = {}
+
+
+def rotary_table(size: int, head_dim: int, base: float, device: torch.device) -> Rotary:
+    """:func:`rotary` of positions ``0..size-1``, each (size, head_dim); computed once per
+    (size, head_dim, base, device) and kept: the same numbers, element by element."""
+    key = (size, head_dim, base, str(device))
+    table = _ROTARY_TABLES.get(key)
+    if table is None:
+        cos, sin = rotary(torch.arange(size, device=device)[None], head_dim, base)
+        table = _ROTARY_TABLES[key] = (cos[0, 0], sin[0, 0])
+    return table
+
+
+_ROTARY_JOINT: dict[tuple, Tensor] = {}
+
+
+def positions(cfg: ModelConfig, pos: Tensor) -> Positions:
+    """What a model hands its layers for positions ``pos`` (B, T) (all below
+    ``cfg.seq_len``): their RoPE tables, looked up once per forward (cos and sin in one
+    lookup), or the positions themselves when the model has no RoPE."""
+    if cfg.positional != "rope":
+        return pos
+    key = (cfg.seq_len, cfg.head_dim, cfg.rope_base, str(pos.device))
+    joint = _ROTARY_JOINT.get(key)
+    if joint is None:
+        joint = _ROTARY_JOINT[key] = torch.cat(rotary_table(*key[:3], pos.device), dim=-1)
+    cos, sin = F.embedding(pos, joint)[:, None].chunk(2, dim=-1)
+    return cos, sin
+
+
+def sinusoidal(pos: Tensor, dim: int) -> Tensor:
+    """Transformer sinusoidal embedding of integer positions (..., ) -> (..., dim)."""
+    half = dim // 2
+    freq = torch.exp(-math.log(10000.0) * torch.arange(half, device=pos.device) / half)
+    angles = pos.float()[..., None] * freq
+    emb = torch.cat([angles.sin(), angles.cos()], dim=-1)
+    return F.pad(emb, (0, dim - 2 * half))

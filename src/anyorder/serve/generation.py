@@ -1,0 +1,330 @@
+"""One generation request, from its JSON to the events of the stream: checks
+(:func:`parse_request`), the mapping onto the sampler (:func:`plan_request`) and the run
+(:func:`run_generation`), with no HTTP in sight.
+
+Design choices:
+
+* The stream *is* the sampler: one ``step`` event per call of the sampler's ``on_step``
+  hook, so the events rebuild its :class:`~anyorder.sample.SampleResult` exactly (tokens
+  and ``step_of``); ``done`` carries the result itself.
+* Validation is the sampler's: nothing is emitted before its first pass, so every
+  :class:`~anyorder.errors.AnyorderError` raised before it propagates with no event sent
+  (the server answers it with a 400), and no second copy of those checks exists here.
+* Bounded requests (:class:`Limits`): samples per request, the slow-motion pause, and the
+  wall-clock time per request, checked after every pass (the hook raises to stop the
+  sampler).
+* ``tokens/s`` counts generated tokens over the time spent outside the optional
+  slow-motion pause (``delay_ms``, for watching a fast model fill in).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from anyorder import bounds
+from anyorder.errors import CheckpointError, SamplingError
+
+if TYPE_CHECKING:
+    from anyorder.checkpoint import Loaded
+
+MODES = ("l2r", "random", "strided", "lemma1")
+"""``l2r``/``random``: one token per pass in that order; ``strided``: ARMD's ``S`` streams;
+``lemma1``: ``T`` reverse steps, several tokens per pass."""
+MODES_OF_KIND = {
+    "gpt": ("l2r",),
+    "aogpt": ("l2r", "random", "lemma1"),
+    "armd": MODES,
+    "mdm": ("l2r", "random", "lemma1"),
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server."""
+
+    max_samples: int = 4
+    """Samples per request (one batch)."""
+    time_limit_s: float = 60.0
+    """Wall-clock seconds per request, slow-motion pauses included."""
+    max_body_bytes: int = 65536
+    """Largest request body."""
+    max_delay_ms: int = 500
+    """Longest slow-motion pause per pass."""
+    max_concurrent: int = 1
+    """Generations running at once; more get 429."""
+    max_connections: int = 32
+    """Connections open at once (each holds a thread); more get 503 and are closed."""
+    read_timeout_s: float = 10.0
+    """Seconds a connection may stay silent (a partial request) or not read the stream."""
+
+
+@dataclass
+class GenRequest:
+    """One generation request, as the page sends it (JSON keys = field names)."""
+
+    text: str = ""
+    """A prompt (a prefix), a template with ``[MASK:n]`` holes, or empty (unconditional)."""
+    mode: str = "random"
+    """One of :data:`MODES`."""
+    streams: int | None = None
+    """``S`` for ``strided``."""
+    steps: int | None = None
+    """``T`` for ``lemma1``."""
+    length: int | None = None
+    """Tokens per sample, prompt included (default: the model's context); a template sets
+    its own length and ignores this."""
+    temperature: float = 1.0
+    top_p: float | None = None
+    seed: int = 0
+    num_samples: int = 1
+    delay_ms: int = 0
+    """Slow motion: pause after each pass (not counted in tokens/s)."""
+
+
+class LimitError(SamplingError):
+    """A request stopped by one of the server's :class:`Limits`."""
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "text": (str,),
+    "mode": (str,),
+    "streams": (int,),
+    "steps": (int,),
+    "length": (int,),
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "seed": (int,),
+    "num_samples": (int,),
+    "delay_ms": (int,),
+}
+_OPTIONAL = {"streams", "steps", "length", "top_p"}
+
+
+def parse_request(body: Any, limits: Limits) -> GenRequest:
+    """Check the JSON of a request (types, names, limits) and build a :class:`GenRequest`.
+
+    Raises:
+        SamplingError: an unknown key, a value of the wrong type, an unknown mode, a mode
+            without its ``S``/``T``, or more samples than the server allows.
+    """
+    if not isinstance(body, dict):
+        raise SamplingError('the request must be a JSON object such as {"text": "..."}')
+    names = [f.name for f in fields(GenRequest)]
+    unknown = sorted(set(body) - set(names))
+    if unknown:
+        raise SamplingError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(names)}")
+    values = {}
+    for name, value in body.items():
+        if value is None and name in _OPTIONAL:
+            continue
+        ok = isinstance(value, _TYPES[name]) and not isinstance(value, bool)
+        if not ok:
+            want = "a string" if _TYPES[name] == (str,) else "a number"
+            want = "a whole number" if _TYPES[name] == (int,) else want
+            raise SamplingError(f"field {name!r} must be {want}, not {json.dumps(value)}")
+        values[name] = value
+    req = GenRequest(**values)
+    if req.mode not in MODES:
+        raise SamplingError(f"mode {req.mode!r} is unknown; use one of {', '.join(MODES)}")
+    if req.mode == "strided" and req.streams is None:
+        raise SamplingError("mode strided needs the number of streams S (field streams)")
+    if req.mode == "lemma1" and req.steps is None:
+        raise SamplingError("mode lemma1 needs the number of steps T (field steps)")
+    bounds.check_controls(
+        temperature=req.temperature, top_p=req.top_p, num_samples=req.num_samples,
+        seed=req.seed, steps=req.steps, length=req.length, max_samples=limits.max_samples,
+        limit_note="this server's limit",
+    )  # fmt: skip
+    if not 0 <= req.delay_ms <= limits.max_delay_ms:
+        raise SamplingError(f"delay_ms={req.delay_ms} must lie in 0..{limits.max_delay_ms}")
+    return req
+
+
+@dataclass
+class Plan:
+    """A request turned into the arguments of :func:`anyorder.sample.sample`."""
+
+    n: int
+    """Tokens per sample."""
+    kwargs: dict[str, Any]
+    """Everything else :func:`~anyorder.sample.sample` takes (generator excluded)."""
+    template: bool
+    """Whether the text was a template (then the text is not cut at EOS)."""
+    total_steps: int
+    """Steps a full decode has (``step_of`` values lie in ``0..total_steps-1``)."""
+
+
+def plan_request(loaded: Loaded, req: GenRequest) -> Plan:
+    """Map a request onto the sampler's arguments (as ``anyorder sample`` does).
+
+    Raises:
+        SamplingError: a malformed or too long template, a prompt not shorter than the
+            length, a tokenizer the model cannot read.
+    """
+    from anyorder.orders import strided
+    from anyorder.sample import parse_template
+
+    model, tok = loaded.model, loaded.tokenizer
+    if tok is None:
+        raise CheckpointError(f"{loaded.path} holds no tokenizer; serve needs one")
+    seq_len = model.cfg.seq_len
+    prompt = known = None
+    template = "[MASK" in req.text
+    steps = req.steps if req.mode == "lemma1" else None
+    if template:
+        bounds.check_holes(req.text, seq_len)
+        prompt, known = parse_template(req.text, tok, seq_len)
+        n = len(prompt)
+        bounds.check_steps(steps, n)
+    else:
+        n = bounds.check_fit(seq_len, length=req.length, steps=steps)
+        if req.text:
+            ids = tok.encode(req.text)
+            if len(ids) >= n:
+                raise SamplingError(
+                    f"the prompt is {len(ids)} tokens, not shorter than the length {n}; raise "
+                    "the length or shorten the prompt"
+                )
+            prompt = torch.zeros(n, dtype=torch.long)
+            prompt[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+            known = torch.zeros(n, dtype=torch.bool)
+            known[: len(ids)] = True
+    kwargs: dict[str, Any] = dict(
+        batch=req.num_samples,
+        prompt=prompt,
+        known=known,
+        temperature=req.temperature,
+        top_p=req.top_p,
+    )
+    k = 0 if known is None else int(known.sum())
+    total = n - k
+    if req.mode in ("l2r", "random"):
+        kwargs["order"] = req.mode
+    elif req.mode == "lemma1":
+        kwargs.update(order="random", steps=req.steps)
+        total = req.steps
+    else:
+        kwargs["streams"] = req.streams
+        if req.streams >= 1 and n % req.streams == 0:
+            total = int(strided(1, n, req.streams).blocks.max()) + 1
+    return Plan(n, kwargs, template, total)
+
+
+def _piece(tok: Any, token: int) -> str:
+    return tok.decode([token])
+
+
+def run_generation(
+    loaded: Loaded,
+    req: GenRequest,
+    emit: Callable[[str, dict[str, Any]], None],
+    limits: Limits = Limits(),
+    *,
+    autocast: bool = False,
+    started: float | None = None,
+) -> dict[str, Any]:
+    """Run one request through the real sampler, calling ``emit(event, data)`` as it goes.
+
+    The time limit counts from ``started`` (a ``time.perf_counter()`` value; default: now)
+    and is checked before the sampler plans the request and after every pass.
+
+    Events: ``start`` (sizes, the prompt) and ``step`` (one per sampler pass) from inside the
+    sampler's ``on_step`` hook, then ``done`` (the texts and the whole result). Nothing is
+    emitted before the sampler's first pass, so an error raised by the checks propagates
+    with no event sent.
+
+    Raises:
+        AnyorderError: the request is invalid (before any event), or
+        LimitError: the time limit ran out (after some events).
+    """
+    from anyorder.sample import sample
+
+    model, tok = loaded.model, loaded.tokenizer
+    t0 = time.perf_counter() if started is None else started
+    plan = plan_request(loaded, req)
+    n = plan.n
+    prompt = plan.kwargs["prompt"]
+    known = plan.kwargs["known"]
+    known_pos = [] if known is None else known.nonzero()[:, 0].tolist()
+    prompt_cells = [[p, int(prompt[p]), _piece(tok, int(prompt[p]))] for p in known_pos]
+    state = {"passes": 0, "generated": 0, "slept": 0.0}
+
+    def over_time() -> None:
+        now = time.perf_counter()
+        if now - t0 > limits.time_limit_s:
+            raise LimitError(
+                f"stopped after {now - t0:.1f} s: this server's limit is "
+                f"{limits.time_limit_s:g} s per request; ask for fewer tokens or samples"
+            )
+
+    def on_step(positions: Tensor, tokens: Tensor, step: int) -> None:
+        pos, toks = positions.tolist(), tokens.tolist()  # the stream's one sync per pass
+        if state["passes"] == 0:
+            emit(
+                "start",
+                {
+                    "n": n,
+                    "num_samples": req.num_samples,
+                    "mode": req.mode,
+                    "total_steps": plan.total_steps,
+                    "eos_id": tok.eos_id,
+                    "prompt": prompt_cells,
+                },
+            )
+        rows = [
+            [[p, t, _piece(tok, t)] for p, t in zip(pr, tr) if p < n] for pr, tr in zip(pos, toks)
+        ]
+        state["passes"] += 1
+        state["generated"] += sum(len(r) for r in rows)
+        now = time.perf_counter()
+        emit(
+            "step",
+            {
+                "step": step,
+                "pass": state["passes"],
+                "rows": rows,
+                "generated": state["generated"],
+                "elapsed_s": now - t0 - state["slept"],
+            },
+        )
+        over_time()
+        if req.delay_ms:
+            time.sleep(req.delay_ms / 1000)
+            state["slept"] += req.delay_ms / 1000
+
+    device = model.device
+    ctx = torch.autocast(device.type, torch.bfloat16) if autocast else contextlib.nullcontext()
+    gen = torch.Generator(device).manual_seed(req.seed)
+    over_time()  # before the sampler plans the request (a slow body or tokenizer counts)
+    with ctx:
+        result = sample(model, n, generator=gen, on_step=on_step, **plan.kwargs)
+    seconds = time.perf_counter() - t0 - state["slept"]
+    done = _done_event(tok, result, None if plan.template else tok.eos_id, seconds)
+    emit("done", done)
+    return done
+
+
+def _done_event(tok: Any, result: Any, eos: int | None, seconds: float) -> dict[str, Any]:
+    """The ``done`` event: the texts (cut at ``eos`` unless None) and the whole result."""
+    from anyorder.sample import decode_text
+
+    tokens = result.tokens.cpu()
+    generated = int((result.step_of >= 0).sum())
+    return {
+        "texts": [decode_text(tok, row, eos) for row in tokens],
+        "tokens": tokens.tolist(),
+        "step_of": result.step_of.cpu().tolist(),
+        "order": result.order.cpu().tolist(),
+        "forward_passes": result.forward_passes,
+        "generated": generated,
+        "seconds": seconds,
+        "tokens_per_s": generated / max(seconds, 1e-9),
+    }

@@ -1,0 +1,117 @@
+"""Checks on raw HTTP requests to ``anyorder serve``, before any of them reaches the model.
+
+The page is meant for the machine it runs on, and a browser on that machine also runs
+other sites' scripts. These checks keep those scripts out:
+
+* **Host**: a DNS-rebinding page reaches ``127.0.0.1`` under its own name
+  (``evil.example``), so the Host header names a domain. Only ``localhost``, loopback
+  addresses and the address the server was told to listen on are accepted; a server bound
+  to every interface (``0.0.0.0``/``::``) also accepts any IP literal (rebinding needs a
+  name, and ``--host 0.0.0.0`` asked for other machines).
+* **Origin**: a cross-site form or ``fetch`` carries its page's Origin; only an absent one
+  (not a browser, or a same-origin GET) or the server's own (``http://`` + Host) is taken.
+* **Content-Type**: POST bodies must be ``application/json``; a cross-site "simple"
+  request can only send ``text/plain`` or form types without asking the server first.
+* **Content-Length**: ASCII digits only (``'²'.isdigit()`` is True in Python), at most
+  10 of them; no chunked bodies.
+* **JSON depth**: a request is one flat object; deeper nesting than :data:`MAX_JSON_DEPTH`
+  is refused before ``json.loads`` (whose recursion a 30,000-deep body exhausts).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+
+MAX_JSON_DEPTH = 4
+"""Deepest nesting of arrays and objects a request body may have."""
+LOOPBACK_NAMES = ("localhost",)
+_LENGTH = re.compile(r"[0-9]{1,10}")
+_HOST = re.compile(
+    r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]]+))(?::(?P<port>[0-9]{1,5}))?$"
+)
+
+
+def host_name(header: str | None) -> str | None:
+    """The host part of a Host header (``[::1]:8000`` -> ``::1``), lower case, or None when
+    it is malformed."""
+    if not header:
+        return None
+    m = _HOST.match(header.strip())
+    if m is None:
+        return None
+    return (m.group("v6") or m.group("name")).lower()
+
+
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(name)
+    except ValueError:
+        return None
+
+
+def host_allowed(header: str | None, bound: str) -> bool:
+    """Whether a request's Host header names this server (see the module notes).
+
+    Args:
+        header: the Host header (None when absent: refused).
+        bound: the address the server listens on (``--host``).
+    """
+    name = host_name(header)
+    if name is None:
+        return False
+    ip = _ip(name)
+    if name in LOOPBACK_NAMES or (ip is not None and ip.is_loopback):
+        return True
+    if name == bound.strip("[]").lower():
+        return True
+    if ip is None:  # a name other than ours: DNS rebinding, or a typo
+        return False
+    wildcard = _ip(bound.strip("[]")) if bound else None
+    return not bound or (wildcard is not None and wildcard.is_unspecified)
+
+
+def origin_allowed(origin: str | None, host_header: str | None) -> bool:
+    """An absent Origin, or the server's own (``http://`` + the Host header)."""
+    if origin is None:
+        return True
+    return host_header is not None and origin.strip().lower() == f"http://{host_header}".lower()
+
+
+def is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type is ``application/json`` (parameters such as charset allowed)."""
+    if not content_type:
+        return False
+    return content_type.split(";", 1)[0].strip().lower() == "application/json"
+
+
+def content_length(value: str | None) -> int | None:
+    """The Content-Length as an int, or None when it is absent or not 1-10 ASCII digits."""
+    if value is None or not _LENGTH.fullmatch(value.strip()):
+        return None
+    return int(value.strip())
+
+
+def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``raw`` nests arrays/objects deeper than ``limit`` (brackets inside strings do
+    not count). Linear in the body, which the server's size limit bounds."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    depth, in_str, escaped = 0, False, False
+    for b in raw:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif b == 0x5C:  # backslash
+                escaped = True
+            elif b == 0x22:  # quote
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                return True
+        elif b in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return False
