@@ -62,7 +62,10 @@ def run_path(
     """Child process: build, note the peak, run the path, print the growth as JSON."""
     import torch
 
-    from anyorder import corpus
+    try:
+        from anyorder.evaluation import corpus
+    except ImportError:  # a tree from before the evaluation/ package (--src)
+        from anyorder import corpus  # type: ignore[no-redef]
 
     torch.set_num_threads(1)
     kind = path.split("-")[0]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import anyorder
+from anyorder.checkpoint.exporting import save_pretrained
 from anyorder.data import ByteTokenizer
 from anyorder.errors import CheckpointError, ConfigError, SamplingError
-from anyorder.evaluate import left_to_right_nll
-from anyorder.hub import save_pretrained
+from anyorder.evaluation.estimators import left_to_right_nll
 
 from conftest import tiny_model
 
@@ -137,7 +137,7 @@ def test_import_stays_light() -> None:
     code = (
         "import sys, anyorder; "
         "assert callable(anyorder.load); "
-        "assert not {'anyorder.api', 'anyorder.hub', 'transformers'} & set(sys.modules)"
+        "assert not {'anyorder.api', 'anyorder.interop.hub', 'transformers'} & set(sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

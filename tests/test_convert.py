@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from anyorder.convert import convert, convert_gpt2, read_gpt2
 from anyorder.errors import CheckpointError, ConfigError
-from anyorder.hub import from_pretrained
+from anyorder.interop.convert import convert, convert_gpt2, read_gpt2
+from anyorder.interop.hub import from_pretrained
 
 from conftest import GPT2_SKIP, GPT2_TOKENIZER_DIR, has_gpt2_tokenizer
 
@@ -235,7 +235,7 @@ def test_cli_needs_no_transformers_to_convert(tmp_path, tiny_gpt2) -> None:
     """Conversion reads the files itself: transformers is never imported."""
     folder, _ = tiny_gpt2
     code = (
-        "import sys; from anyorder.convert import convert_gpt2; "
+        "import sys; from anyorder.interop.convert import convert_gpt2; "
         f"convert_gpt2({str(folder)!r}, 'armd'); "
         "assert 'transformers' not in sys.modules"
     )
@@ -300,7 +300,7 @@ def test_training_starts_from_init_from(tmp_path, byte_armd) -> None:
 
 
 def test_any_order_fine_tuning_then_export(tmp_path, byte_armd) -> None:
-    from anyorder.hub import export
+    from anyorder.checkpoint.exporting import export
     from anyorder.train import read_metrics, train
 
     conv, text = byte_armd

@@ -22,15 +22,15 @@ from torch.testing import assert_close
 import anyorder
 from anyorder.cli import main
 from anyorder.config import VARIANTS, load_config
-from anyorder.convert_ref import (
+from anyorder.errors import CheckpointError
+from anyorder.evaluation.estimators import member_logprobs
+from anyorder.interop.hub import load_any
+from anyorder.interop.reference import (
     convert_reference,
     model_config_from_reference,
     parameter_order,
     read_reference,
 )
-from anyorder.errors import CheckpointError
-from anyorder.evaluate import member_logprobs
-from anyorder.hub import load_any
 from anyorder.sample import lemma1_sample, sequential_sample
 from test_evaluate import reference_member_logprobs
 from test_sample import slot_oracle

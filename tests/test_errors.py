@@ -329,7 +329,7 @@ def world(tmp_path_factory) -> Path:
         os.chdir(cwd)
     BPETokenizer.train(list(topics.values())[:40], 300).save(root / "tok300")
     # an export whose tokenizer folder was swapped for one of another vocabulary
-    from anyorder.hub import export
+    from anyorder.checkpoint.exporting import export
 
     export(root / "run", root / "exp")
     shutil.rmtree(root / "exp" / "tokenizer")

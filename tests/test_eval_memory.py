@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from anyorder.corpus import block_generator, corpus_mdm_elbo
-from anyorder.evaluate import member_logprobs
+from anyorder.evaluation.corpus import block_generator, corpus_mdm_elbo
+from anyorder.evaluation.estimators import member_logprobs
 from anyorder.models.base import head_rows
 from anyorder.orders import inverse, uniform
 

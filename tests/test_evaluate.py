@@ -17,24 +17,18 @@ from torch import Tensor
 from torch.testing import assert_close
 
 from anyorder.config import ModelConfig, RunConfig
-from anyorder.corpus import (
-    corpus_any_order,
-    corpus_ensemble,
-    corpus_left_to_right,
-    likelihood_suite,
-    pooled_estimate,
-)
 from anyorder.data import ByteTokenizer
 from anyorder.errors import ConfigError, DataError, SamplingError
-from anyorder.evaluate import (
+from anyorder.evaluation.corpus import corpus_any_order, corpus_ensemble, corpus_left_to_right
+from anyorder.evaluation.estimators import (
     combine_members,
     ensemble_cost,
     exact_any_order_nll,
     member_logprobs,
     sequence_nll,
 )
-from anyorder.models.base import AnyOrderLM
-from anyorder.zeroshot import (
+from anyorder.evaluation.suite import likelihood_suite, pooled_estimate
+from anyorder.evaluation.zeroshot import (
     ZeroShotSet,
     dataset,
     lambada_detokenize,
@@ -43,11 +37,10 @@ from anyorder.zeroshot import (
     load_texts,
     pack_examples,
     ptb_detokenize,
-    table_markdown,
     wikitext_detokenize,
-    write_table,
-    zero_shot,
 )
+from anyorder.evaluation.zeroshot_table import table_markdown, write_table, zero_shot
+from anyorder.models.base import AnyOrderLM
 
 from conftest import GPT2_TOKENIZER_DIR, REPO, has_gpt2_tokenizer, tiny_model
 
@@ -416,7 +409,7 @@ def test_zero_shot_table(tmp_path: Path) -> None:
 
 
 def test_zero_shot_splits_and_the_reference_protocol(tmp_path: Path) -> None:
-    from anyorder.zeroshot import parse_splits, resolve_splits
+    from anyorder.evaluation.zeroshot import parse_splits, resolve_splits
 
     names = ["lambada", "wikitext2", "ptb", "wikitext103", "lm1b"]
     # the AO-GPT reference code: WikiText-2 on its train split, every other set on test
@@ -480,7 +473,7 @@ def make_judge_folder(path: Path) -> Path:
 def test_generative_perplexity_matches_the_hf_model(tmp_path: Path) -> None:
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
-    from anyorder.genppl import HFJudge, generative_perplexity, unigram_entropy
+    from anyorder.evaluation.genppl import HFJudge, generative_perplexity, unigram_entropy
 
     folder = make_judge_folder(tmp_path / "judge")
     judge = HFJudge(str(folder))
@@ -515,7 +508,7 @@ def test_generative_perplexity_matches_the_hf_model(tmp_path: Path) -> None:
 def test_reference_gen_protocol_is_the_mean_per_sample_ppl_of_the_ids_as_generated(
     tmp_path: Path,
 ) -> None:
-    from anyorder.genppl import ModelJudge, generate_samples, generative_perplexity
+    from anyorder.evaluation.genppl import ModelJudge, generate_samples, generative_perplexity
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -543,7 +536,7 @@ def test_reference_gen_protocol_is_the_mean_per_sample_ppl_of_the_ids_as_generat
 
 
 def test_reference_gen_protocol_needs_the_models_vocabulary(tmp_path: Path) -> None:
-    from anyorder.genppl import HFJudge, generative_perplexity
+    from anyorder.evaluation.genppl import HFJudge, generative_perplexity
 
     judge = HFJudge(str(make_judge_folder(tmp_path / "judge")))  # a BPE judge, byte model
     samples = torch.randint(0, 256, (2, 8))
@@ -552,7 +545,7 @@ def test_reference_gen_protocol_needs_the_models_vocabulary(tmp_path: Path) -> N
 
 
 def test_generate_samples(gen: torch.Generator) -> None:
-    from anyorder.genppl import generate_samples
+    from anyorder.evaluation.genppl import generate_samples
 
     model = tiny_model("aogpt")
     a = generate_samples(model, 6, 3, seed=4, batch_size=2, progress=False)

@@ -10,16 +10,12 @@ import torch
 from torch.testing import assert_close
 
 from anyorder import checkpoint as ckpt_mod
+from anyorder.checkpoint.exported import is_exported
+from anyorder.checkpoint.exporting import save_pretrained
 from anyorder.config import MODEL_KINDS, RunConfig, to_dict
 from anyorder.data import ByteTokenizer
 from anyorder.errors import CheckpointError
-from anyorder.hub import (
-    from_pretrained,
-    is_exported,
-    load_any,
-    push_to_hub,
-    save_pretrained,
-)
+from anyorder.interop.hub import from_pretrained, load_any, push_to_hub
 from anyorder.orders import uniform
 
 from conftest import tiny_model
@@ -200,7 +196,7 @@ def _checkpoint(tmp_path):
 
 
 def test_export_takes_ema_weights_by_default(tmp_path) -> None:
-    from anyorder.hub import export
+    from anyorder.checkpoint.exporting import export
 
     path, raw, ema = _checkpoint(tmp_path)
     out = export(tmp_path / "run", tmp_path / "ema")

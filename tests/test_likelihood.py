@@ -9,7 +9,7 @@ import torch
 from torch.testing import assert_close
 
 from anyorder import orders
-from anyorder.evaluate import (
+from anyorder.evaluation.estimators import (
     any_order_nll,
     bits_per_byte,
     exact_any_order_nll,

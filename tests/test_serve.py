@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from anyorder.checkpoint.exporting import save_pretrained
 from anyorder.data import ByteTokenizer
-from anyorder.hub import load_any, save_pretrained
+from anyorder.interop.hub import load_any
 from anyorder.sample import decode_text, parse_template, sample
 from anyorder.serve import App, Limits, make_server
 

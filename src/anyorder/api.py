@@ -11,11 +11,11 @@
 
 Design choices:
 
-* One wrapper, :class:`Model`, around what :func:`anyorder.hub.load_any` returns (a
+* One wrapper, :class:`Model`, around what :func:`anyorder.interop.hub.load_any` returns (a
   :class:`~anyorder.checkpoint.Loaded`): the model, its tokenizer and its run config.
   Everything it does goes through the library's own functions — the fast samplers of
   :mod:`anyorder.sample` (KV cache, Lemma-1 steps, strided streams, the encoder's sampler)
-  and the corpus estimators of :mod:`anyorder.corpus` — so the API and the CLI agree by
+  and the corpus estimators of :mod:`anyorder.evaluation.corpus` — so the API and the CLI agree by
   construction; the arguments keep the CLI's names (``--num-samples`` is ``num_samples``).
 * Every call takes a ``seed`` and draws from its own :class:`torch.Generator`: the same
   call gives the same text.
@@ -80,7 +80,7 @@ def load(
     Raises:
         CheckpointError: nothing loadable at ``path``, a damaged file, or the wrong kind.
     """
-    from anyorder.hub import load_any
+    from anyorder.interop.hub import load_any
 
     loaded = load_any(path, kind=kind, weights=weights, device=_device(device))
     if tokenizer is not None:
@@ -366,7 +366,7 @@ class Model:
             ConfigError: an order or ensemble the model has no meaning for (any-order on a
                 gpt, an ensemble with ``l2r``), or empty text.
         """
-        from anyorder.corpus import (
+        from anyorder.evaluation.corpus import (
             corpus_any_order,
             corpus_ensemble,
             corpus_left_to_right,

@@ -579,7 +579,12 @@ def validate(
         ``val/ao_bpb``, ``val/ao_bpb_se``; plus ``val/blocks``.
     """
     from anyorder.data import iter_eval_blocks
-    from anyorder.evaluate import any_order_nll, bits_per_byte, left_to_right_nll, mdm_elbo
+    from anyorder.evaluation.estimators import (
+        any_order_nll,
+        bits_per_byte,
+        left_to_right_nll,
+        mdm_elbo,
+    )
 
     kind = cfg.model.kind
     bpt = data.bytes_per_token("val")
@@ -872,7 +877,7 @@ def train(
             before the run folder is created.
     """
     env = setup_distributed(cfg.train.device)
-    from anyorder.hub import init_model_config  # train.init_from: the model comes from it
+    from anyorder.interop.hub import init_model_config
 
     cfg = init_model_config(cfg)
     check_config(cfg, env.world_size)
@@ -945,7 +950,7 @@ def _train(
     torch.manual_seed(t.seed)
     model = build_model(cfg.model).to(device)
     if t.init_from and resume_from is None:  # start from converted or exported weights
-        from anyorder.hub import init_weights_from
+        from anyorder.interop.hub import init_weights_from
 
         print0(f"weights from {init_weights_from(model, t.init_from).path}")
     aliases = ckpt_mod.tied_aliases(model)

@@ -230,9 +230,10 @@ def run_eval(args: argparse.Namespace) -> int:
 def _eval_likelihood(args: argparse.Namespace, ckpt, suite: dict, out) -> list:
     import json
 
-    from anyorder.corpus import format_likelihood, likelihood_suite
     from anyorder.data import prepare
-    from anyorder.zeroshot import write_atomic
+    from anyorder.evaluation.report import format_likelihood
+    from anyorder.evaluation.suite import likelihood_suite
+    from anyorder.evaluation.zeroshot_table import write_atomic
 
     progress = not args.no_progress
     data = prepare(ckpt.config.data, ckpt.model.cfg.seq_len, progress=progress)
@@ -257,7 +258,8 @@ def _eval_likelihood(args: argparse.Namespace, ckpt, suite: dict, out) -> list:
 
 
 def _eval_zero_shot(args: argparse.Namespace, ckpt, suite: dict, out) -> list:
-    from anyorder.zeroshot import parse_splits, table_markdown, write_table, zero_shot
+    from anyorder.evaluation.zeroshot import parse_splits
+    from anyorder.evaluation.zeroshot_table import table_markdown, write_table, zero_shot
 
     names = [s.strip() for s in args.datasets.split(",") if s.strip()]
     table = zero_shot(
@@ -279,9 +281,9 @@ def _eval_zero_shot(args: argparse.Namespace, ckpt, suite: dict, out) -> list:
 def _eval_gen(args: argparse.Namespace, ckpt, device, out) -> list:
     import json
 
-    from anyorder.genppl import gen_markdown, gen_sweep, load_judge
+    from anyorder.evaluation.genppl import gen_markdown, gen_sweep, load_judge
+    from anyorder.evaluation.zeroshot_table import write_atomic
     from anyorder.plots import plot_gen_sweep
-    from anyorder.zeroshot import write_atomic
 
     judge = load_judge(args.judge, device)
     steps = _numbers(args.steps, int, "steps")

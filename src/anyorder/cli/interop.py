@@ -55,8 +55,8 @@ def add_convert(p: argparse.ArgumentParser) -> None:
 
 
 def _convert_reference(args: argparse.Namespace):
-    from anyorder.convert_ref import convert_ref
     from anyorder.errors import ConfigError
+    from anyorder.interop.reference import convert_ref
 
     if args.to not in (None, "aogpt"):
         raise ConfigError(f"--from {args.source_format} converts into aogpt; leave out --to")
@@ -76,8 +76,8 @@ def _convert_reference(args: argparse.Namespace):
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from anyorder.convert import convert
     from anyorder.errors import ConfigError
+    from anyorder.interop.convert import convert
 
     if args.source_format != "gpt2":
         conv = _convert_reference(args)
@@ -124,7 +124,9 @@ def add_export(p: argparse.ArgumentParser) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from anyorder.hub import export, push_to_hub, read_export_config
+    from anyorder.checkpoint.exported import read_export_config
+    from anyorder.checkpoint.exporting import export
+    from anyorder.interop.hub import push_to_hub
 
     folder = export(args.checkpoint, args.out, weights=args.weights, dtype=args.dtype)
     cfg = read_export_config(folder)

@@ -161,7 +161,7 @@ def evaluate_bits(model: Any, val: Tensor, bytes_per_token: float, batch: int = 
         ``l2r_bpb`` with ``l2r_se`` (over blocks) and ``ao_bpb`` with ``ao_se`` (over
         :data:`EVAL_ORDERS` orders).
     """
-    from anyorder.evaluate import left_to_right_nll, sequence_nll
+    from anyorder.evaluation.estimators import left_to_right_nll, sequence_nll
     from anyorder.orders import uniform
 
     N, n = val.shape
@@ -194,7 +194,7 @@ def evaluate_bits(model: Any, val: Tensor, bytes_per_token: float, batch: int = 
 def ensemble_bits(model: Any, val: Tensor, bytes_per_token: float) -> dict:
     """Any-order bits per byte with and without the ``ENSEMBLE``-member context-order
     ensemble, on the same blocks, orders and target slots (so their difference is paired)."""
-    from anyorder.corpus import corpus_ensemble
+    from anyorder.evaluation.corpus import corpus_ensemble
 
     blocks = val[:ENSEMBLE_BLOCKS]
     run = corpus_ensemble(

@@ -372,7 +372,7 @@ def serve(
     Raises:
         CheckpointError: no model there (the default folder: run ``make demo`` first).
     """
-    from anyorder.hub import load_any
+    from anyorder.interop.hub import load_any
     from anyorder.train import resolve_device
 
     if checkpoint is None:
