@@ -310,23 +310,29 @@ def _iteration(parts: RunParts, loop: LoopState, stop: StopSignals) -> bool:
     check_time_limit(parts, loop)
     step, final, t = loop.step, loop.step >= loop.end, parts.cfg.train
     if (t.eval_every and step % t.eval_every == 0) or final:
-        loop.val = evaluate_run(parts, t.eval_batches, parts.micro)
-        loop.log.write({"step": step, **loop.val})
-        say(
-            parts,
-            loop,
-            f"step {step}: loss {loop.loss:.4f} nats/token; {format_val(loop.val, loop.unigram)}",
-        )
+        _validate(parts, loop)
     if (t.ckpt_every and step % t.ckpt_every == 0) or final:
-        loop.last_ckpt = save_state(parts, loop.run_dir, step, loop.tokens_seen) or loop.last_ckpt
+        _checkpoint(parts, loop)
     if not final and stop.agreed(parts.env):
         # SIGINT/SIGTERM: save where we are and leave cleanly (resume continues).
         if step_of(loop.last_ckpt) != step:
-            saved = save_state(parts, loop.run_dir, step, loop.tokens_seen)
-            loop.last_ckpt = saved or loop.last_ckpt
+            _checkpoint(parts, loop)
         say(parts, loop, f"{stop.name}: stopped at step {step}; checkpoint {loop.last_ckpt}")
         return False
     return True
+
+
+def _validate(parts: RunParts, loop: LoopState) -> None:
+    """Validate (every rank), log the figures and say them."""
+    loop.val = evaluate_run(parts, parts.cfg.train.eval_batches, parts.micro)
+    loop.log.write({"step": loop.step, **loop.val})
+    figures = format_val(loop.val, loop.unigram)
+    say(parts, loop, f"step {loop.step}: loss {loop.loss:.4f} nats/token; {figures}")
+
+
+def _checkpoint(parts: RunParts, loop: LoopState) -> None:
+    """Save this step (every rank takes part; rank 0 writes and learns the path)."""
+    loop.last_ckpt = save_state(parts, loop.run_dir, loop.step, loop.tokens_seen) or loop.last_ckpt
 
 
 def _summarize(parts: RunParts, loop: LoopState) -> dict[str, Any]:
