@@ -23,7 +23,7 @@ TEMPLATE = "The [MASK:24] statement is used to [MASK:48]. It is [MASK:16] when t
 def main() -> None:
     from playwright.sync_api import sync_playwright
 
-    from anyorder.hub import load_any
+    from anyorder.interop.hub import load_any
     from anyorder.serve import DEFAULT_CHECKPOINT, App, make_server
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

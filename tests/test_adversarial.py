@@ -159,6 +159,8 @@ def test_a_save_removes_only_its_own_or_dead_writers_temp_folders(tmp_path) -> N
 def test_a_reader_retries_once_when_the_latest_checkpoint_is_pruned(trained, tmp_path, monkeypatch):
     import shutil
 
+    from anyorder.checkpoint import load as ck_load
+
     run = _copy(trained, tmp_path / "w") / "run"
     latest = ck.latest_checkpoint(run)
     older = latest.with_name("step_0000001")
@@ -175,7 +177,7 @@ def test_a_reader_retries_once_when_the_latest_checkpoint_is_pruned(trained, tmp
         calls.append(found.name)
         return found
 
-    monkeypatch.setattr(ck, "resolve_checkpoint", resolve_then_prune)
+    monkeypatch.setattr(ck_load, "resolve_checkpoint", resolve_then_prune)  # load_model's lookup
     loaded = ck.load_model(run)
     assert calls == ["step_0000002", "step_0000001"] and loaded.step == 1
 

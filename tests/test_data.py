@@ -201,7 +201,7 @@ def test_second_prepare_reuses_without_tokenizing(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(ByteTokenizer, "encode", boom)
         m.setattr(ByteTokenizer, "encode_batch", boom)
-        m.setattr(data, "iter_documents", boom)
+        m.setattr("anyorder.data.build.iter_documents", boom)
         again = prepare(cfg, 16, progress=False)
     assert again.reused and again.path == first.path
     np.testing.assert_array_equal(again.train, first.train)
@@ -228,7 +228,7 @@ def test_prepare_is_atomic(tmp_path, monkeypatch):
 
     # Fails after both shards are fully written, just before the manifest.
     with monkeypatch.context() as m:
-        m.setattr(data, "sha256_file", fail)
+        m.setattr("anyorder.data.split.sha256_file", fail)
         with pytest.raises(RuntimeError, match="disk on fire"):
             prepare(cfg, 16, progress=False)
     assert not cache.exists()  # a failed first use leaves no cache folder
@@ -242,7 +242,7 @@ def test_prepare_is_atomic(tmp_path, monkeypatch):
             raise RuntimeError("interrupted")
         return [self.encode(t) for t in texts]
 
-    monkeypatch.setattr(data, "_ENCODE_CHUNK", 8)
+    monkeypatch.setattr("anyorder.data.split._ENCODE_CHUNK", 8)
     with monkeypatch.context() as m:
         m.setattr(ByteTokenizer, "encode_batch", fail_later)
         with pytest.raises(RuntimeError, match="interrupted"):

@@ -6,9 +6,8 @@ import math
 
 import numpy as np
 
-from anyorder import synthetic
 from anyorder.config import DataConfig
-from anyorder.data import iter_documents, prepare
+from anyorder.data import iter_documents, prepare, synthetic
 
 
 def _log2_prob(doc: str) -> float:

@@ -99,7 +99,7 @@ def train(
             before the run folder is created.
     """
     env = setup_distributed(cfg.train.device)
-    from anyorder.hub import init_model_config  # train.init_from: the model comes from it
+    from anyorder.interop.hub import init_model_config  # train.init_from: the model comes from it
 
     cfg = init_model_config(cfg)
     check_config(cfg, env.world_size)

@@ -240,7 +240,7 @@ def build_parts(
     torch.manual_seed(t.seed)
     model = build_model(cfg.model).to(device)
     if t.init_from and resume_from is None:  # start from converted or exported weights
-        from anyorder.hub import init_weights_from
+        from anyorder.interop.hub import init_weights_from
 
         print0(f"weights from {init_weights_from(model, t.init_from).path}")
     aliases = ckpt_mod.tied_aliases(model)

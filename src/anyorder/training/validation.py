@@ -55,7 +55,12 @@ def validate(
         ``val/ao_bpb``, ``val/ao_bpb_se``; plus ``val/blocks``.
     """
     from anyorder.data import iter_eval_blocks
-    from anyorder.evaluate import any_order_nll, bits_per_byte, left_to_right_nll, mdm_elbo
+    from anyorder.evaluation.estimators import (
+        any_order_nll,
+        bits_per_byte,
+        left_to_right_nll,
+        mdm_elbo,
+    )
 
     kind = cfg.model.kind
     bpt = data.bytes_per_token("val")

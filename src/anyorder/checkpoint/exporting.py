@@ -1,0 +1,259 @@
+"""Writing exported models: :func:`save_pretrained` (any model) and :func:`export` (a run).
+
+The layout is :mod:`anyorder.checkpoint.exported`'s; :func:`anyorder.interop.hub.push_to_hub`
+uploads the folder as is.
+
+Design choices:
+
+* Writes are atomic: the folder is built under a temporary name beside its place and
+  renamed into it, so a failed export leaves nothing half-written. An existing folder is
+  replaced only when it is empty or is itself an export.
+* One set of weights, tied copies written once (as in a training checkpoint), optionally
+  cast to a smaller dtype for storage; loading always builds the model in float32.
+* A model card (``README.md``) says what the model is and how to load it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from anyorder.checkpoint.exported import (
+    CARD_NAME,
+    CONFIG_NAME,
+    FORMAT_VERSION,
+    MODEL_TYPE,
+    RUN_CONFIG_NAME,
+    TOKENIZER_DIR,
+    WEIGHTS_NAME,
+    is_exported,
+)
+from anyorder.checkpoint.layout import resolve_checkpoint
+from anyorder.checkpoint.load import load_model
+from anyorder.checkpoint.save import apply_umask, make_temp_dir
+from anyorder.checkpoint.weights import tied_aliases
+from anyorder.config import RunConfig, to_dict
+from anyorder.data import sha256_file
+from anyorder.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from anyorder.data import Tokenizer
+    from anyorder.models.base import AnyOrderLM
+
+WEIGHT_LABELS = ("ema", "raw", "converted", "model")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _version() -> str:
+    from anyorder import __version__
+
+    return __version__
+
+
+def _model_card(config: dict[str, Any], num_params: int, tokenizer: Tokenizer | None) -> str:
+    kind = config["anyorder_kind"]
+    what = {
+        "gpt": "a left-to-right GPT (the baseline)",
+        "aogpt": "an AO-GPT any-order decoder (arXiv 2506.19935)",
+        "armd": "an ARMD two-stream any-order decoder (arXiv 2601.16971)",
+        "mdm": "an encoder-only masked diffusion model (the baseline)",
+    }[kind]
+    source = config.get("source") or "trained with anyorder"
+    step = config.get("step")
+    tok = (
+        f"`{tokenizer.name}` ({tokenizer.vocab_size} ids, EOS {tokenizer.eos_id})"
+        if tokenizer
+        else ("none saved: encode text yourself, or export again with a tokenizer")
+    )
+    rows = "\n".join(
+        f"| `{k}` | `{config[k]}` |"
+        for k in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "pos_emb", "norm")
+    )
+    return f"""---
+library_name: anyorder
+tags:
+- anyorder
+- {kind}
+- masked-diffusion
+- any-order
+---
+
+# {kind} model exported by anyorder {config["anyorder_version"]}
+
+This is {what}: {num_params / 1e6:.2f}M parameters, weights `{config["weights"]}`
+{f"after {step} training steps" if step else ""} ({source}).
+
+| key | value |
+|---|---|
+{rows}
+
+Tokenizer: {tok}.
+
+## Use
+
+```python
+import anyorder
+
+model = anyorder.load("PATH_OR_REPO_ID")
+print(model.generate(n={min(64, config["seq_len"])}, num_samples=2, seed=0))
+print(model.score("Some text to score.", order="l2r"))
+```
+
+or from the shell, on a local copy of this folder: `anyorder sample FOLDER`. The weights
+are `model.safetensors`, `config.json` holds the anyorder model config (`model_type:
+anyorder`: this is not a `transformers` model) and `tokenizer/` the tokenizer.
+"""
+
+
+def _prepare_target(folder: Path) -> None:
+    if folder.exists():
+        if not folder.is_dir():
+            raise CheckpointError(
+                f"export target {str(folder)!r} is a file; give a folder path for --out"
+            )
+        if any(folder.iterdir()) and not is_exported(folder):
+            raise CheckpointError(
+                f"export target {str(folder)!r} exists and is not an exported anyorder model; "
+                "choose a new folder or delete it"
+            )
+    folder.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _move_into_place(tmp: Path, folder: Path) -> None:
+    old = None
+    if folder.exists():
+        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_pretrained(
+    model: AnyOrderLM,
+    folder: str | Path,
+    tokenizer: Tokenizer | None = None,
+    *,
+    weights: str = "model",
+    run_config: RunConfig | None = None,
+    step: int | None = None,
+    source: str | None = None,
+    dtype: str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` as an exported folder that can be uploaded to the hub as is.
+
+    Args:
+        model: any of the four models; its current weights are written.
+        folder: the target folder (replaced when it is an earlier export; created otherwise).
+        tokenizer: saved beside the weights so that :func:`from_pretrained` restores it.
+        weights: label recorded in ``config.json`` and the card: ``ema``, ``raw``,
+            ``converted`` or ``model`` (the weights the model holds, of unknown origin).
+        run_config: the training run's config, written as ``training_config.yaml``.
+        step: training steps behind the weights (recorded, shown on the card).
+        source: where the weights came from (a checkpoint path, ``gpt2:NAME``...).
+        dtype: store the weights as ``float32``, ``bfloat16`` or ``float16`` (default: as
+            they are); loading always builds the model in float32.
+        extra: more keys for ``config.json`` (e.g. conversion details).
+
+    Returns:
+        The folder.
+
+    Raises:
+        CheckpointError: the target exists and is something else than an export.
+        ConfigError: an unknown ``weights`` label or ``dtype``.
+    """
+    from safetensors.torch import save_file
+
+    if weights not in WEIGHT_LABELS:
+        raise ConfigError(f"weights={weights!r}: use one of {', '.join(WEIGHT_LABELS)}")
+    if dtype is not None and dtype not in _DTYPES:
+        raise ConfigError(f"dtype={dtype!r}: use one of {', '.join(_DTYPES)}")
+    folder = Path(folder).expanduser()
+    _prepare_target(folder)
+    tmp = make_temp_dir(folder.parent, f".{folder.name}.tmp-")
+    try:
+        aliases = tied_aliases(model)
+        tensors = {}
+        for k, v in model.state_dict().items():
+            if k in aliases:
+                continue  # a tied copy: the loader refills it from the model it builds
+            v = v.detach().to("cpu")
+            if dtype is not None and v.is_floating_point():
+                v = v.to(_DTYPES[dtype])
+            tensors[k] = v.contiguous()
+        save_file(
+            tensors,
+            str(tmp / WEIGHTS_NAME),
+            metadata={"format": "pt", "tied": json.dumps(aliases)},
+        )
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER_DIR)
+        if run_config is not None:
+            import yaml
+
+            (tmp / RUN_CONFIG_NAME).write_text(yaml.safe_dump(to_dict(run_config), sort_keys=False))
+        config: dict[str, Any] = {
+            "model_type": MODEL_TYPE,
+            "anyorder_kind": model.cfg.kind,
+            "anyorder_version": _version(),
+            "anyorder_format": FORMAT_VERSION,
+            **to_dict(model.cfg),
+            "weights": weights,
+            "step": step,
+            "source": source,
+            "tokenizer": tokenizer.name if tokenizer is not None else None,
+            "torch_dtype": dtype or str(next(model.parameters()).dtype).replace("torch.", ""),
+            **dict(extra or {}),
+            "weights_sha256": sha256_file(tmp / WEIGHTS_NAME),
+        }
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / CARD_NAME).write_text(_model_card(config, model.num_params(), tokenizer))
+        apply_umask(tmp)
+        _move_into_place(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def export(
+    checkpoint: str | Path,
+    folder: str | Path,
+    *,
+    weights: str = "ema",
+    dtype: str | None = None,
+) -> Path:
+    """Export a training checkpoint (or a run folder's latest) as an uploadable folder.
+
+    Args:
+        checkpoint: a run folder or ``RUN/checkpoints/step_*``.
+        folder: the export folder.
+        weights: ``ema`` (the EMA weights, or the raw ones when the run kept no EMA) or
+            ``raw``.
+        dtype: store the weights in this dtype (see :func:`save_pretrained`).
+
+    Returns:
+        The folder.
+
+    Raises:
+        CheckpointError: a missing or damaged checkpoint, or a bad target folder.
+    """
+    ckpt = resolve_checkpoint(checkpoint)
+    loaded = load_model(ckpt, weights=weights)
+    return save_pretrained(
+        loaded.model,
+        folder,
+        loaded.tokenizer,
+        weights=loaded.weights,
+        run_config=loaded.config,
+        step=loaded.step,
+        source=f"training checkpoint {ckpt.parent.parent.name}/{ckpt.name}",
+        dtype=dtype,
+    )

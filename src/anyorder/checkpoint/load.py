@@ -1,0 +1,179 @@
+"""Reading a training checkpoint: its config, tokenizer, state and weights; :func:`load_model`.
+
+Design choices:
+
+* Every read verifies the files it reads against the manifest first
+  (:func:`anyorder.checkpoint.layout.verify`).
+* ``state.pt`` is read with ``torch.load(weights_only=True)``: it holds only tensors and
+  plain Python values (the numpy RNG state is stored as a tensor), never pickled objects.
+* EMA weights are the default, and never replaced by the raw ones silently: a run that kept
+  EMA weights but whose manifest does not list them is an error (``--weights raw`` is the
+  explicit choice).
+* :func:`load_model` holds the checkpoint while it reads it (:func:`reading`), and when a
+  training prunes the latest checkpoint in between, starts again once on the new latest.
+  It also reads exported folders (:mod:`anyorder.checkpoint.exported`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from anyorder.checkpoint.exported import is_exported, load_exported
+from anyorder.checkpoint.layout import (
+    CONFIG_FILE,
+    EMA_FILE,
+    MANIFEST,
+    MODEL_FILE,
+    STATE_FILE,
+    TOKENIZER_DIR,
+    WEIGHTS,
+    read_manifest,
+    resolve_checkpoint,
+    verify,
+)
+from anyorder.checkpoint.loaded import Loaded, check_tokenizer_fits
+from anyorder.checkpoint.save import reading
+from anyorder.checkpoint.weights import header_problem, load_weights, read_header_shapes
+from anyorder.config import RunConfig, load_config
+from anyorder.errors import AnyorderError, CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from anyorder.data import Tokenizer
+
+
+def read_config(ckpt: str | Path) -> RunConfig:
+    """The run config stored in a checkpoint (its checksum checked).
+
+    Raises:
+        CheckpointError: a missing, altered or invalid ``config.yaml``.
+    """
+    ckpt = Path(ckpt)
+    verify(ckpt, [CONFIG_FILE])
+    try:
+        return load_config(ckpt / CONFIG_FILE)
+    except ConfigError as e:
+        if not ckpt.is_dir():
+            raise CheckpointError(
+                f"checkpoint {ckpt} disappeared while it was read (pruned by a running "
+                "training?); give the run folder to use its latest checkpoint"
+            ) from None
+        raise CheckpointError(
+            f"{ckpt / CONFIG_FILE} is not a config this version reads ({e}); use the anyorder "
+            "version that wrote it"
+        ) from None
+
+
+def read_tokenizer(ckpt: str | Path) -> Tokenizer:
+    """The tokenizer stored in a checkpoint (its checksums checked)."""
+    from anyorder.data import load_tokenizer
+
+    ckpt = Path(ckpt)
+    verify(ckpt, [TOKENIZER_DIR + "/"])
+    try:
+        return load_tokenizer(str(ckpt / TOKENIZER_DIR))
+    except AnyorderError as e:
+        raise CheckpointError(f"the tokenizer in {ckpt} cannot be loaded: {e}") from None
+
+
+def read_state(ckpt: str | Path) -> dict[str, Any]:
+    """The training state (``state.pt``) of a checkpoint, for resuming.
+
+    Raises:
+        CheckpointError: a checkpoint without training state, or a damaged one.
+    """
+    ckpt = Path(ckpt)
+    manifest = verify(ckpt, [STATE_FILE])
+    if STATE_FILE not in manifest["files"]:
+        raise CheckpointError(
+            f"{ckpt} holds weights only (no {STATE_FILE}); it cannot be resumed, only loaded"
+        )
+    return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+
+
+def weights_file(ckpt: str | Path, weights: str = "ema") -> Path:
+    """The weights file to read: ``ema.safetensors`` if asked for and present, else raw.
+
+    Raises:
+        ConfigError: ``weights`` is neither ``ema`` nor ``raw``.
+    """
+    if weights not in WEIGHTS:
+        raise ConfigError(f"weights={weights!r} is not a choice; use ema or raw")
+    manifest = read_manifest(ckpt)
+    if weights == "ema" and EMA_FILE in manifest["files"]:
+        return Path(ckpt) / EMA_FILE
+    if weights == "ema" and (Path(ckpt) / EMA_FILE).exists():
+        # The run kept EMA weights but the manifest does not vouch for them: never fall back
+        # to the raw weights silently (--weights raw is the explicit choice).
+        raise CheckpointError(
+            f"{Path(ckpt) / MANIFEST} does not list {EMA_FILE}, which is there; the manifest "
+            f"is damaged: delete {ckpt} and use an earlier checkpoint, or pass --weights raw"
+        )
+    return Path(ckpt) / MODEL_FILE
+
+
+def load_model(
+    path: str | Path, *, weights: str = "ema", device: str | torch.device = "cpu"
+) -> Loaded:
+    """Load a trained model from a run folder (its latest checkpoint) or a checkpoint folder.
+
+    Args:
+        path: a run folder or ``RUN/checkpoints/step_*`` (or an exported folder, read by
+            :func:`~anyorder.checkpoint.exported.load_exported`; ``weights`` does not apply to it).
+        weights: ``ema`` (the EMA weights; the raw ones when the run had no EMA) or ``raw``.
+        device: where to put the model.
+
+    Returns:
+        A :class:`Loaded` with the model in eval mode.
+
+    Raises:
+        CheckpointError: a missing path, a folder without checkpoints, or a damaged file.
+    """
+    if is_exported(path):  # an exported model (anyorder export/convert): one set of weights
+        return load_exported(path, device=device)
+    for attempt in (1, 2):  # a training may prune the latest checkpoint while it is read
+        ckpt = resolve_checkpoint(path)
+        try:
+            with reading(ckpt):
+                return _load_checkpoint(ckpt, weights, device)
+        except CheckpointError:
+            if attempt == 2 or ckpt.is_dir() or ckpt == Path(path).expanduser():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _load_checkpoint(ckpt: Path, weights: str, device: str | torch.device) -> Loaded:
+    from anyorder.models import build_model
+
+    manifest = read_manifest(ckpt)
+    config = read_config(ckpt)
+    tokenizer = read_tokenizer(ckpt)
+    check_tokenizer_fits(tokenizer, config.model.vocab_size, str(ckpt))
+    file = weights_file(ckpt, weights)
+    if weights == "ema" and file.name != EMA_FILE and config.train.ema > 0:
+        raise CheckpointError(
+            f"{ckpt / MANIFEST} lists no {EMA_FILE} but the run kept EMA weights "
+            f"(train.ema={config.train.ema}); delete {ckpt} and use an earlier checkpoint, or "
+            "pass --weights raw"
+        )
+    verify(ckpt, [file.name])
+    shapes = read_header_shapes(file, f"; delete {ckpt} and use an earlier checkpoint")
+    problem = header_problem(config.model, shapes)
+    if problem:
+        raise CheckpointError(
+            f"weights in {file} do not fit the model its config.yaml describes ({problem}); "
+            "the checkpoint was altered or written by another version"
+        )
+    model = build_model(config.model)
+    load_weights(model, file)
+    model.to(device).eval()
+    return Loaded(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        step=int(manifest["step"]),
+        path=ckpt,
+        weights="ema" if file.name == EMA_FILE else "raw",
+    )

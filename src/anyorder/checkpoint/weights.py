@@ -1,0 +1,150 @@
+"""Weights files: state dicts to and from safetensors, and whether a file fits a model.
+
+Design choices:
+
+* Tied weights (the head sharing the embedding) are written once: the safetensors file holds
+  no alias, and the loader fills the aliases from the model it builds. That keeps the files
+  readable by plain ``safetensors.torch.load_file``.
+* A file's tensor names and shapes are checked against the model config from its header
+  alone (:func:`read_header_shapes`, :func:`header_problem`) before the model is built, so a
+  wrong or hostile file never makes us allocate a model of its size.
+* Used by training checkpoints and exported folders alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from anyorder.checkpoint.layout import _first_line
+from anyorder.errors import CheckpointError
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for parameters shared under several names (a tied head).
+
+    The canonical name is the first one ``named_parameters`` yields (``tok_emb.weight``).
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def save_weights(
+    state: Mapping[str, Tensor], path: str | Path, aliases: Mapping[str, str] | None = None
+) -> None:
+    """Write a state dict to safetensors, without the ``aliases`` (tied copies)."""
+    from safetensors.torch import save_file
+
+    aliases = dict(aliases or {})
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items() if k not in aliases}
+    save_file(tensors, str(path), metadata={"format": "pt", "tied": json.dumps(aliases)})
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Load a safetensors file written by :func:`save_weights` into ``model`` (strictly).
+
+    Raises:
+        CheckpointError: the file's tensors do not fit the model.
+    """
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(str(path))
+    except Exception as e:  # removed by a prune, or not safetensors at all
+        raise CheckpointError(
+            f"weights file {path} cannot be read ({type(e).__name__}: {_first_line(e)})"
+        ) from None
+    detail = fit_state(model, state)
+    if detail:
+        raise CheckpointError(
+            f"weights in {path} do not fit the model its config.yaml describes ({detail}); "
+            "the checkpoint was altered or written by another version"
+        )
+    model.load_state_dict(state, strict=True)
+
+
+_MAX_HEADER = 100 * 2**20  # a safetensors header larger than this is not one of ours
+
+
+def read_header_shapes(path: str | Path, fix: str = "") -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes from a safetensors file's header (nothing else is read).
+
+    Raises:
+        CheckpointError: the file is missing or its header is malformed.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(size - 8, _MAX_HEADER):
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n))
+        shapes = {
+            k: tuple(int(d) for d in v["shape"]) for k, v in header.items() if k != "__metadata__"
+        }
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        raise CheckpointError(
+            f"{path} is corrupt (its safetensors header: {_first_line(e)}){fix}"
+        ) from None
+    return shapes
+
+
+def header_problem(model_cfg: Any, shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """How a weights file's tensor shapes (its header) do not fit a model config ("" when
+    they do), decided before the model is built: first the number of blocks and the
+    embedding (cheap, and they bound the model's size by the file's), then every tensor of
+    the model built on the meta device (no memory)."""
+    from anyorder.models import build_model
+
+    blocks = {k.split(".")[1] for k in shapes if k.startswith("blocks.") and k.count(".") > 1}
+    if len(blocks) != model_cfg.n_layer:
+        return f"the weights hold {len(blocks)} blocks, the config says n_layer={model_cfg.n_layer}"
+    emb = shapes.get("tok_emb.weight")
+    if emb is None or len(emb) != 2 or emb[1] != model_cfg.d_model:
+        return f"tok_emb.weight is {emb}, the config says d_model={model_cfg.d_model}"
+    with torch.device("meta"):
+        model = build_model(model_cfg)
+    aliases = tied_aliases(model)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in aliases}
+    missing = sorted(set(want) - set(shapes))
+    unexpected = sorted(set(shapes) - set(want) - set(aliases))
+    wrong = sorted(k for k in set(want) & set(shapes) if want[k] != shapes[k])
+    return "; ".join(
+        f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+        for what, names in (("missing", missing), ("unexpected", unexpected), ("shape", wrong))
+        if names
+    )
+
+
+def fit_state(model: nn.Module, state: dict[str, Tensor]) -> str:
+    """Restore tied copies in ``state`` (in place) and say how it does not fit ``model``.
+
+    Returns:
+        "" when every key is there with the right shape, else a short description of the
+        missing, unexpected and wrongly shaped keys (for the caller's error message).
+    """
+    for alias, canonical in tied_aliases(model).items():
+        if alias not in state and canonical in state:
+            state[alias] = state[canonical]
+    want = model.state_dict()
+    missing = sorted(set(want) - set(state))
+    unexpected = sorted(set(state) - set(want))
+    wrong = sorted(k for k in set(want) & set(state) if want[k].shape != state[k].shape)
+    return "; ".join(
+        f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+        for what, names in (("missing", missing), ("unexpected", unexpected), ("shape", wrong))
+        if names
+    )

@@ -1,0 +1,334 @@
+"""Text sources: local files, folders and globs, Hugging Face datasets and the builtins.
+
+Design choices:
+
+* A source is named by one string (``data.source``): a local file, folder (searched
+  recursively, hidden files skipped) or glob; ``hf:NAME[:CONFIG]`` for a Hugging Face
+  dataset (``hf:/local/folder`` reads local files through ``datasets``); or a builtin
+  (``builtin:pydoc``, ``builtin:stdlib``, ``builtin:synthetic`` from
+  :mod:`anyorder.data.synthetic`). Its documents come in a deterministic order.
+* A ``.txt`` file is one document (blank lines do not split it): that is what the
+  ``datasets`` text builder does with ``sample_by="document"``, so a local folder read
+  directly and through ``hf:`` gives the same documents. ``.jsonl`` holds one document per
+  line, ``.parquet`` one per row. Empty documents are skipped everywhere (they would add a
+  lone EOS and nothing else).
+* A file that cannot be read, or a dataset that cannot be reached, is a :class:`DataError`
+  naming it, raised while iterating.
+* ``datasets`` and ``pyarrow`` are imported only where they are needed.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import itertools
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from anyorder.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+"""File types a local source may hold."""
+
+_STDLIB_SKIP = {
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "test",
+    "tests",
+    "idle_test",
+    "idlelib",
+}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _looks_like_path(spec: str) -> bool:
+    # Hub ids contain "/" too ("org/name"), so only explicit path forms count.
+    return spec.startswith(("/", "./", "../", "~")) or spec in (".", "..")
+
+
+def source_bytes(source: str) -> int | None:
+    """The size in bytes of a source's text where it is known without reading it (local
+    files, the builtins), else None (hub datasets). For the up-front estimate."""
+    try:
+        if source == "builtin:pydoc":
+            from pydoc_data.topics import topics
+
+            return sum(len(t) for t in topics.values())
+        if source == "builtin:stdlib":
+            return sum(p.stat().st_size for p in stdlib_files())
+        if source == "builtin:synthetic":
+            from anyorder.data.synthetic import DOC_BYTES, DOCUMENTS
+
+            return DOCUMENTS * DOC_BYTES
+        if source.startswith(("builtin:", "hf:")):
+            return None
+        return sum(p.stat().st_size for p in resolve_files(source))
+    except (ImportError, OSError, DataError):
+        return None
+
+
+def _has_glob(text: str) -> bool:
+    return any(c in text for c in "*?[")
+
+
+def _visible(path: Path, root: Path) -> bool:
+    return not any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def _files_under(folder: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES and _visible(p, folder)
+    )
+
+
+def resolve_files(source: str) -> list[Path]:
+    """The files of a local source (file, folder searched recursively, or glob), sorted.
+
+    Raises:
+        DataError: the path does not exist, or holds no .txt/.jsonl/.parquet files.
+    """
+    kinds = "/".join(TEXT_SUFFIXES)
+    if _has_glob(source):
+        files: list[Path] = []
+        for match in sorted(globlib.glob(os.path.expanduser(source), recursive=True)):
+            p = Path(match)
+            if p.is_dir():
+                files += _files_under(p)
+            elif p.suffix.lower() in TEXT_SUFFIXES:
+                files.append(p)
+        if not files:
+            raise DataError(
+                f"data.source glob {source!r} matches no {kinds} files; fix the pattern"
+            )
+        return sorted(set(files))
+    path = Path(source).expanduser()
+    if path.is_file():
+        if path.suffix.lower() not in TEXT_SUFFIXES:
+            raise DataError(
+                f"data.source file {source!r} is not a {kinds} file; convert it or give a "
+                "folder of such files"
+            )
+        return [path]
+    if path.is_dir():
+        files = _files_under(path)
+        if not files:
+            raise DataError(
+                f"data.source folder {source!r} holds no {kinds} files; add text files or point "
+                "data.source at another folder"
+            )
+        return files
+    raise DataError(
+        f"data.source {source!r} does not exist; give an existing file, folder or glob of "
+        f"{kinds} files, builtin:pydoc, builtin:stdlib or hf:NAME"
+    )
+
+
+def _text_of(record: Any, text_field: str, where: str) -> str:
+    if not isinstance(record, dict) or text_field not in record:
+        fields = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+        raise DataError(
+            f"{where} has no field {text_field!r} (it has: {fields}); set data.text_field to "
+            "the field that holds the text"
+        )
+    value = record[text_field]
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise DataError(
+            f"{where}: field {text_field!r} holds {type(value).__name__}, not text; set "
+            "data.text_field to a text field"
+        )
+    return value
+
+
+def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:  # datasets brings pyarrow, but fall back to it if pyarrow is absent
+        ds = _import_datasets().load_dataset(
+            "parquet", data_files=[str(path)], split="train", streaming=True
+        )
+        for row in ds:
+            yield _text_of(row, text_field, str(path))
+        return
+    pf = pq.ParquetFile(path)
+    if text_field not in pf.schema_arrow.names:
+        raise DataError(
+            f"{path} has no column {text_field!r} (it has: {', '.join(pf.schema_arrow.names)}); "
+            "set data.text_field to the column that holds the text"
+        )
+    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+        for value in batch.column(0).to_pylist():
+            yield _text_of({text_field: value}, text_field, str(path))
+
+
+def _read_file(path: Path, text_field: str) -> Iterator[str]:
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".txt":
+            # Text mode (universal newlines) matches the datasets text builder exactly.
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield f.read()
+        elif suffix == ".jsonl":
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise DataError(
+                            f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove the line"
+                        ) from None
+                    yield _text_of(record, text_field, f"{path}:{lineno}")
+        else:
+            yield from _read_parquet(path, text_field)
+    except DataError:
+        raise
+    except Exception as e:  # OSError, a corrupt parquet file, ...
+        raise DataError(f"cannot read {path} ({_first_line(e)}); fix or remove the file") from None
+
+
+def _import_datasets() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            "hf: sources need the datasets package; pip install 'anyorder[hf]'"
+        ) from None
+    return datasets
+
+
+def _hf_local(rest: str) -> bool:
+    if not rest:
+        return False
+    return _looks_like_path(rest) or _has_glob(rest) or Path(rest).expanduser().exists()
+
+
+def _hf_documents(rest: str, text_field: str, streaming: bool, split: str) -> Iterator[str]:
+    datasets = _import_datasets()
+    if _hf_local(rest):
+        files = resolve_files(rest)
+        suffixes = {f.suffix.lower() for f in files}
+        if len(suffixes) > 1:
+            raise DataError(
+                f"hf:{rest} mixes {', '.join(sorted(suffixes))} files; datasets reads one kind "
+                "at a time, so keep one kind per folder"
+            )
+        builder = {".jsonl": "json", ".parquet": "parquet", ".txt": "text"}[suffixes.pop()]
+        # Streaming reads the files in place instead of copying them into the datasets cache.
+        args: tuple[Any, ...] = (builder,)
+        kwargs: dict[str, Any] = dict(data_files={split: [str(f) for f in files]}, streaming=True)
+        if builder == "text":
+            kwargs.update(sample_by="document", encoding_errors="replace")
+            text_field = "text"  # the text builder always names its column "text"
+    else:
+        name, _, config = rest.partition(":")
+        args, kwargs = (name, config or None), dict(streaming=streaming)
+    where = f"hf:{rest}"
+    try:
+        ds = datasets.load_dataset(*args, split=split, **kwargs)
+        for row in ds:
+            yield _text_of(row, text_field, f"a record of {where}")
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(
+            f"could not read dataset {where} split={split!r} ({_first_line(e)}); check the name, "
+            "config and network, or download it and pass a local folder as hf:/path/to/folder"
+        ) from None
+
+
+def _pydoc_documents() -> Iterator[str]:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        raise DataError(
+            "this Python has no pydoc_data module; use builtin:stdlib or a local corpus"
+        ) from None
+    for key in sorted(topics):
+        yield topics[key]
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files, sorted, without site-packages, tests and idlelib."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Pruning in place keeps os.walk out of site-packages (which can be huge) and test
+        # folders (which hold deliberately broken encodings).
+        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP and not d.startswith("."))
+        files += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _stdlib_documents() -> Iterator[str]:
+    for path in stdlib_files():
+        with open(path, encoding="utf-8", errors="replace") as f:
+            yield f.read()
+
+
+def iter_documents(
+    source: str,
+    *,
+    text_field: str = "text",
+    streaming: bool = False,
+    max_documents: int | None = None,
+    split: str = "train",
+) -> Iterator[str]:
+    """The documents of a source, in a deterministic order; empty documents are skipped.
+
+    Args:
+        source: ``builtin:pydoc`` (Python's topic help, ~0.5 MB), ``builtin:stdlib`` (the
+            standard library's .py files, ~12 MB), a local file, folder or glob of
+            .txt (one file = one document), .jsonl (one document per line) or .parquet (one
+            per row) files, or ``hf:NAME[:CONFIG]`` for a Hugging Face dataset;
+            ``hf:/local/folder`` reads local files through ``datasets``.
+        text_field: the field holding the text in .jsonl/.parquet/dataset records.
+        streaming: stream a hub dataset instead of downloading it whole.
+        max_documents: stop after this many (non-empty) documents.
+        split: the dataset split to read (hub datasets; local files are all one split).
+
+    Raises:
+        DataError: a missing path, a folder without supported files, an unknown builtin, or
+            (while iterating) an unreadable file or unreachable dataset.
+    """
+    if source == "builtin:pydoc":
+        docs = _pydoc_documents()
+    elif source == "builtin:stdlib":
+        docs = _stdlib_documents()
+    elif source == "builtin:synthetic":
+        from anyorder.data.synthetic import documents
+
+        docs = documents()
+    elif source.startswith("builtin:"):
+        raise DataError(
+            f"unknown data.source {source!r}; use builtin:pydoc, builtin:stdlib or "
+            "builtin:synthetic"
+        )
+    elif source.startswith("hf:"):
+        rest = source[3:]
+        if not rest.partition(":")[0]:
+            raise DataError(
+                "data.source 'hf:' needs a dataset name, e.g. hf:Skylion007/openwebtext"
+            )
+        if _hf_local(rest):
+            resolve_files(rest)  # raise on a missing path now, not at the first next()
+        docs = _hf_documents(rest, text_field, streaming, split)
+    else:
+        files = resolve_files(source)
+        docs = itertools.chain.from_iterable(_read_file(f, text_field) for f in files)
+    docs = (d for d in docs if d)
+    if max_documents is not None:
+        docs = itertools.islice(docs, max_documents)
+    return docs
