@@ -17,7 +17,7 @@ The rows (H200, bf16, 12 x 768, n = 1024; docs/performance.md has the "before"):
 * training, gpt: >= 40% of 790 TFLOP/s (eager and compiled);
 * training, aogpt / gpt time ratio <= 1.10 x its FLOP ratio; armd / gpt <= 1.05 x (both modes);
 * ``train.compile=auto`` on CUDA: compiled / eager step time of each model (below 1: compile
-  wins; then set ``anyorder.train.COMPILE_AUTO["cuda"] = True``).
+  wins; then set ``anyorder.training.setup.COMPILE_AUTO["cuda"] = True``).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def training_rows(payloads: list[tuple[dict | None, str]]) -> list[dict]:
                     "< 1: compile wins",
                     r["vs_eager"],
                     None,
-                    "informs COMPILE_AUTO['cuda'] in anyorder/train.py",
+                    "informs COMPILE_AUTO['cuda'] in anyorder/training/setup.py",
                 )
             )
     return out

@@ -23,7 +23,7 @@ ratio of stored activations, ``(L + L2s) / L`` (two streams in L2s of L layers).
     python benchmarks/train_step.py --paper --device cuda   # 12 layers, n=1024, GPT-2 vocab
 
 ``--compile`` compiles what ``train.compile=true`` compiles: the loss module (the model and
-the cross-entropy over the vocabulary, :func:`anyorder.train.compile_modules`); with
+the cross-entropy over the vocabulary, :func:`anyorder.training.setup.compile_modules`); with
 ``both``, every model is timed eager and compiled in the same rounds, and the compiled rows
 get an ``x eager`` column (the input ``train.compile=auto`` is to be decided on).
 ``--models`` picks variants (gpt, aogpt, armd_half, armd_quarter), ``--budget`` caps the
@@ -57,7 +57,7 @@ from _bench import (
 )
 from anyorder import build_model, orders, preset
 from anyorder.flops import train_flops_per_token
-from anyorder.train import LossModule
+from anyorder.training.setup import LossModule
 
 
 def saved_bytes(model, tokens, order, blocks) -> int:

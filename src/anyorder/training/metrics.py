@@ -1,0 +1,101 @@
+"""What a run writes beside its checkpoints: ``metrics.jsonl`` (and TensorBoard), the config,
+the summary.
+
+Design choices:
+
+* Rank 0 writes; every row carries the run's seed.
+* A row is appended with one ``write``; a process killed mid-row leaves a partial last line,
+  which the resumed run drops with the rows after its checkpoint (the file is then replaced
+  atomically), so a resumed curve is the uninterrupted one.
+* Whole files (config.yaml, summary.json) are written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from anyorder.config import RunConfig, to_dict
+
+
+class MetricsLog:
+    """``RUN/metrics.jsonl`` (and TensorBoard when installed), written by rank 0 only.
+
+    Every row carries the run's seed. A row is appended with one ``write``; a process killed
+    mid-row leaves a partial last line, which the resumed run drops with the rows after its
+    checkpoint (the file is then replaced atomically).
+    """
+
+    def __init__(
+        self, run_dir: Path | None, active: bool, resume_step: int | None, seed: int = 0
+    ) -> None:
+        self.path = run_dir / "metrics.jsonl" if (run_dir and active) else None
+        self.seed = seed
+        self.tb = None
+        if self.path is None:
+            return
+        if resume_step is not None and self.path.exists():
+            # Rows after the checkpoint belong to a run that was cut short: drop them.
+            keep = [
+                line
+                for line in self.path.read_text(errors="replace").splitlines()
+                if _step_of_row(line) is not None and _step_of_row(line) <= resume_step
+            ]
+            write_atomic(self.path, "".join(k + "\n" for k in keep))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+        except ImportError:  # tensorboard is optional
+            self.tb = None
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        row = {"step": row.get("step"), "seed": self.seed, **row}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k not in ("step", "seed") and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, row["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _step_of_row(line: str) -> int | None:
+    """The step of a metrics row, or None for a blank or partial (killed mid-write) line."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return int(row.get("step", 0)) if isinstance(row, dict) else None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The rows of ``RUN/metrics.jsonl``."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text(errors="replace").splitlines()
+    return [json.loads(line) for line in lines if _step_of_row(line) is not None]
+
+
+def config_yaml(cfg: RunConfig) -> str:
+    """The config as the run folder's ``config.yaml`` holds it."""
+    import yaml
+
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it into place."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

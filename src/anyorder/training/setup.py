@@ -1,0 +1,279 @@
+"""Set-up of a run: the checks, the data, and the objects a run is made of.
+
+Design choices:
+
+* :func:`check_config` takes everything that needs no data, so a bad setting stops the run
+  before anything is read or written.
+* One global batch per step whatever the number of processes: ``train.batch_size``
+  sequences, split over ranks (rank ``r`` takes rows ``r::world`` of the global batch, as
+  :class:`~anyorder.data.BlockSampler` hands them out) and then over ``grad_accum``
+  micro-steps. The generation orders are drawn for the *global* batch on every rank with
+  the same seeded generator and each rank takes its rows, so the orders a row gets do not
+  depend on the number of processes either: two ranks reproduce one process. (The encoder's
+  mask levels come from a per-rank generator, so an ``mdm`` run matches across world sizes
+  in distribution only.)
+* The loss goes through :class:`LossModule`'s ``__call__``, the one forward DDP and FSDP
+  wrap (see :mod:`anyorder.training.distributed`).
+* Mixed precision: bf16 autocast on CUDA by default; fp32 on the CPU unless
+  ``train.dtype=bf16`` (this CPU has bf16 units: about 2x faster for the tiny models).
+  Losses are computed in fp32 (the models upcast the logits).
+* ``torch.compile`` works in place, after wrapping (:func:`compile_modules`), and is off by
+  default until measured (:data:`COMPILE_AUTO`).
+* Rank 0 tokenizes; the other ranks wait and read its folder. A dry run without a prepared
+  cache tokenizes at most :data:`DRY_RUN_DOCUMENTS` documents into a temporary folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from anyorder import checkpoint as ckpt_mod
+from anyorder.config import RunConfig
+from anyorder.errors import ConfigError
+from anyorder.orders import OrderSampler
+from anyorder.training.distributed import DistEnv, barrier, is_fsdp, print0, wrap_model
+from anyorder.training.state import EMA, RunParts
+
+if TYPE_CHECKING:
+    from anyorder.data import TokenData
+
+DRY_RUN_DOCUMENTS = 2000
+"""A dry run without a prepared cache tokenizes at most this many documents (in a temp dir)."""
+COMPILE_AUTO = {"cpu": False, "cuda": False}
+"""What ``train.compile=auto`` means on each device type. Off everywhere for now: on this
+project's CPU a compiled step is no faster (docs/performance.md), and compiled against eager
+on a GPU is measured side by side by ``benchmarks/gpu_check.sh`` (``train_step.py --compile
+both``); turn ``cuda`` on here when that table shows a win."""
+COMPILE_KWARGS: dict[str, Any] = {}
+"""Extra ``torch.compile`` arguments of a compiled run (tests use ``backend="aot_eager"``)."""
+
+
+def check_config(cfg: RunConfig, world_size: int = 1) -> None:
+    """Checks that need no data: run before anything is read or written.
+
+    Raises:
+        ConfigError: a batch that does not split, an order the model cannot train on, bad
+            intervals or dtype.
+    """
+    t, o, m = cfg.train, cfg.order, cfg.model
+    OrderSampler(o)  # unknown order kinds and bad progressive settings
+    for name in ("steps", "batch_size", "grad_accum"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be a positive integer")
+    for name in ("eval_every", "ckpt_every", "log_every", "warmup_steps", "eval_batches"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be >= 0")
+    if t.keep_last < 1:
+        raise ConfigError(f"train.keep_last={t.keep_last} must be at least 1")
+    if not 0.0 < t.lr <= 1e30:  # beyond, AdamW's fp32 step size overflows
+        raise ConfigError(f"train.lr={t.lr} must be a positive number (at most 1e30), e.g. 1e-3")
+    if not 0.0 <= t.ema < 1.0:
+        raise ConfigError(f"train.ema={t.ema} must be in [0, 1) (0 disables)")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    per = world_size * t.grad_accum
+    if t.batch_size % per:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} does not split over {world_size} process(es) x "
+            f"{t.grad_accum} accumulation step(s); use a multiple of {per}"
+        )
+    if t.dtype not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"train.dtype={t.dtype!r}: use auto, bf16 or fp32")
+    if not 0.0 < cfg.data.val_fraction < 1.0:  # validation runs at the end of every run
+        raise ConfigError(
+            f"data.val_fraction={cfg.data.val_fraction} must lie in (0, 1) for training "
+            "(validation runs at the end); use e.g. 0.05"
+        )
+    if isinstance(t.compile, str) and t.compile != "auto":
+        raise ConfigError(f"train.compile={t.compile!r}: use true, false or auto")
+    block_orders = o.kind == "sbp" or (o.kind == "strided" and o.streams > 1)
+    if block_orders and m.kind in ("gpt", "aogpt"):
+        raise ConfigError(
+            f"order.kind={o.kind} trains on blocks of several tokens, which only armd and mdm "
+            "take; use model.kind=armd or a token-level order"
+        )
+    if o.kind == "strided" and m.seq_len % o.streams:
+        raise ConfigError(
+            f"order.streams={o.streams} does not divide model.seq_len={m.seq_len}; pick a divisor"
+        )
+    if o.kind == "sbp" and any(m.seq_len % s for s in o.sbp_streams):
+        raise ConfigError(
+            f"order.sbp_streams={list(o.sbp_streams)} must all divide model.seq_len={m.seq_len}"
+        )
+
+
+def resolve_vocab(cfg: RunConfig, vocab_size: int) -> RunConfig:
+    """The config with ``model.vocab_size`` set to the tokenizer's.
+
+    Raises:
+        ConfigError: the config asked for fewer ids than the tokenizer has.
+    """
+    if cfg.model.vocab_size < vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"{vocab_size} ids; remove the setting or set model.vocab_size={vocab_size}"
+        )
+    if cfg.model.vocab_size != vocab_size:
+        print0(f"model.vocab_size {cfg.model.vocab_size} -> {vocab_size} (from the tokenizer)")
+    model = dataclasses.replace(cfg.model, vocab_size=vocab_size)
+    return dataclasses.replace(cfg, model=model)
+
+
+def prepare_data(
+    cfg: RunConfig, env: DistEnv, dry_run: bool, progress: bool, tmp: Path | None
+) -> TokenData:
+    """The run's tokenized data: rank 0 prepares it, the other ranks then read its folder."""
+    from anyorder.data import cache_key, prepare
+
+    data_cfg = cfg.data
+    if dry_run:
+        ready = Path(data_cfg.cache_dir).expanduser() / cache_key(data_cfg, cfg.model.seq_len)
+        if not (ready / "manifest.json").is_file():
+            assert tmp is not None
+            cap = DRY_RUN_DOCUMENTS
+            if data_cfg.max_documents is not None:
+                cap = min(cap, data_cfg.max_documents)
+            data_cfg = dataclasses.replace(data_cfg, cache_dir=str(tmp), max_documents=cap)
+    show = progress and env.is_main
+    # Rank 0 tokenizes; the others wait and then read its folder.
+    if env.is_main:
+        data = prepare(data_cfg, cfg.model.seq_len, progress=show)
+    barrier(env)
+    if not env.is_main:
+        data = prepare(data_cfg, cfg.model.seq_len, progress=False)
+    return data
+
+
+# ----------------------------------------------------------------------------- the pieces
+
+
+def make_optimizer(model: nn.Module, cfg: RunConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (>= 2-D) only; norms, biases, BOS undecayed."""
+    t = cfg.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": t.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # fused AdamW on CUDA; the CPU keeps the default (foreach) implementation.
+    extra = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), **extra)
+
+
+class LossModule(nn.Module):
+    """``wrapper(tokens, order, blocks, generator) = model.loss(...)``: the one forward that
+    DDP and FSDP wrap, so their hooks run for every model kind."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        tokens: Tensor,
+        order: Tensor | None,
+        blocks: Tensor | None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        return self.model.loss(tokens, order, blocks, generator=generator)
+
+
+def use_compile(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether this run compiles: ``train.compile``, with ``auto`` resolved per device."""
+    c = cfg.train.compile
+    return c if isinstance(c, bool) else COMPILE_AUTO.get(device.type, False)
+
+
+def compile_modules(model: nn.Module, train_module: nn.Module) -> None:
+    """Compile, in place, the training entry point (the loss, so the cross-entropy over the
+    vocabulary is compiled with the model) and the model itself: its ``forward`` and, for the
+    models that have one, its ``features`` trunk, which validation's ``token_nll`` calls
+    before the head runs in chunks.
+
+    In place (``Module.compile``), so nothing is wrapped: parameters, ``state_dict`` keys
+    (no ``_orig_mod.``), EMA and checkpoints see the plain modules. ``train_module`` is the
+    outermost wrapper (DDP's, so that dynamo splits the graph at DDP's gradient buckets;
+    under FSDP2 the loss module over the sharded model, whose hooks dynamo leaves to run
+    eagerly). Calls of the compiled model inside the compiled loss are traced inline.
+    """
+    model.compile(**COMPILE_KWARGS)
+    if model.has_features():  # an instance attribute: the class and state_dict are untouched
+        model.features = torch.compile(model.features, **COMPILE_KWARGS)
+    train_module.compile(**COMPILE_KWARGS)
+
+
+def autocast_context(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (``auto``) or when asked for; fp32 otherwise."""
+    dtype = cfg.train.dtype
+    if dtype not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"train.dtype={dtype!r}: use auto, bf16 or fp32")
+    use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
+    if not use_bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def enable_tf32(device: torch.device) -> None:
+    """TF32 matmuls and convolutions on CUDA (fp32 stays fp32 on the CPU)."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def build_parts(
+    cfg: RunConfig, env: DistEnv, data: TokenData, resume_from: Path | None
+) -> RunParts:
+    """Model, wrapper, optimizer, EMA, generators and data cursor, identical on every rank but
+    for the per-rank generators; the weights come from ``train.init_from`` unless resumed."""
+    from anyorder.data import BlockSampler
+    from anyorder.models import build_model
+
+    t, device = cfg.train, env.device
+    torch.manual_seed(t.seed)
+    model = build_model(cfg.model).to(device)
+    if t.init_from and resume_from is None:  # start from converted or exported weights
+        from anyorder.interop.hub import init_weights_from
+
+        print0(f"weights from {init_weights_from(model, t.init_from).path}")
+    aliases = ckpt_mod.tied_aliases(model)
+    n_params = model.num_params()
+    train_module = wrap_model(model, LossModule(model), cfg, env)
+    if use_compile(cfg, device):  # after wrapping: see compile_modules
+        compile_modules(model, train_module)
+    opt = make_optimizer(model, cfg, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ema = EMA(params, t.ema, t.ema_warmup) if t.ema > 0 else None
+    order_sampler = OrderSampler(cfg.order)
+    # The order generator is the same on every rank (global-batch orders); the loss
+    # generator (the encoder's mask levels) is per rank.
+    order_gen = torch.Generator().manual_seed(t.seed)
+    loss_gen = torch.Generator().manual_seed(t.seed * 1_000_003 + 7919 * (env.rank + 1))
+    torch.manual_seed(t.seed + 1000 * env.rank)  # dropout differs between ranks
+    sampler = BlockSampler(data.num_blocks("train"), t.batch_size, t.seed, env.rank, env.world_size)
+    return RunParts(
+        cfg=cfg,
+        env=env,
+        data=data,
+        model=model,
+        train_module=train_module,
+        opt=opt,
+        params=params,
+        ema=ema,
+        order_sampler=order_sampler,
+        order_gen=order_gen,
+        loss_gen=loss_gen,
+        sampler=sampler,
+        autocast=autocast_context(cfg, device),
+        fsdp=is_fsdp(cfg, env),
+        aliases=aliases,
+        n_params=n_params,
+        micro=t.batch_size // env.world_size // t.grad_accum,
+    )

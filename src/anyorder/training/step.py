@@ -1,0 +1,84 @@
+"""One optimizer step over the global batch: the learning rate, the rows, their orders, the
+micro-steps, the update.
+
+Design choices:
+
+* The learning rate is set from the step (:func:`~anyorder.training.state.lr_at`) before
+  every step, so a resumed run needs no scheduler state.
+* The orders are drawn for the global batch from the shared order generator and each rank
+  takes its rows ``rank::world``, the rows :class:`~anyorder.data.BlockSampler` gave it.
+* Gradients are synchronised on the last micro-step only (DDP's ``no_sync``, FSDP2's
+  ``set_requires_gradient_sync``).
+* The loss is averaged over ranks before the update, so every rank skips a non-finite step
+  alike; such a step leaves the weights (and EMA) as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from anyorder.training.state import RunParts, lr_at
+
+
+def train_step(parts: RunParts, step: int, rows: int | None = None) -> float:
+    """One optimizer step (0-based ``step``); returns the mean loss over the global batch.
+
+    ``rows`` caps the rows this rank takes (the dry run's one small micro-batch). A loss
+    that is not finite is returned without an update.
+    """
+    cfg, env, opt = parts.cfg, parts.env, parts.opt
+    device, micro = env.device, parts.micro
+    lr = lr_at(step, cfg)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    idx = parts.sampler.next_indices()
+    if rows is not None:
+        idx = idx[:rows]
+    x = parts.data.batch("train", idx).to(device, non_blocking=True)  # (local, n)
+    if cfg.model.kind == "gpt":
+        order = blocks = None
+    else:
+        B, n = cfg.train.batch_size, cfg.model.seq_len
+        ordering = parts.order_sampler(B, n, step, parts.order_gen)  # the global batch's orders
+        order = ordering.order[env.rank :: env.world_size][: len(idx)].to(device)
+        mb = ordering.model_blocks
+        blocks = None if mb is None else mb[env.rank :: env.world_size][: len(idx)].to(device)
+    accum = max(1, math.ceil(len(idx) / micro))
+    total = torch.zeros((), device=device)  # the mean loss, checked before the update
+    for a in range(accum):
+        sl = slice(a * micro, (a + 1) * micro)
+        last = a == accum - 1
+        if parts.fsdp:
+            parts.model.set_requires_gradient_sync(last)
+            sync: contextlib.AbstractContextManager = contextlib.nullcontext()
+        elif env.distributed and not last:
+            sync = parts.train_module.no_sync()
+        else:
+            sync = contextlib.nullcontext()
+        with sync:
+            with parts.autocast:
+                loss = parts.train_module(
+                    x[sl],
+                    None if order is None else order[sl],
+                    None if blocks is None else blocks[sl],
+                    parts.loss_gen,
+                )
+            (loss / accum).backward()
+        total += loss.detach() / accum
+    if env.distributed:  # every rank sees the same mean, so all skip a bad update alike
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    value = float(total)
+    if not math.isfinite(value):  # no update: the weights stay the last good ones
+        opt.zero_grad(set_to_none=True)
+        return value
+    if cfg.train.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(parts.params, cfg.train.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if parts.ema is not None:
+        parts.ema.update(step)
+    return value
