@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from anyorder import checkpoint as ck
-from anyorder.train import read_metrics
+from anyorder.training.metrics import read_metrics
 
 CONFIG = """\
 model: {kind: armd, n_layer: 2, n_head: 2, d_model: 32, seq_len: 32}

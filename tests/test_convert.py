@@ -287,7 +287,7 @@ def test_training_starts_from_init_from(tmp_path, byte_armd) -> None:
     """With a negligible learning rate the run's checkpoint holds the converted weights; the
     model section comes from init_from (the config names none)."""
     from anyorder.checkpoint import load_model
-    from anyorder.train import train
+    from anyorder.training.loop import train
 
     conv, text = byte_armd
     cfg = _run_config(tmp_path, conv, text, steps=2, lr=1e-12, ema=0.0)
@@ -301,7 +301,8 @@ def test_training_starts_from_init_from(tmp_path, byte_armd) -> None:
 
 def test_any_order_fine_tuning_then_export(tmp_path, byte_armd) -> None:
     from anyorder.checkpoint.exporting import export
-    from anyorder.train import read_metrics, train
+    from anyorder.training.loop import train
+    from anyorder.training.metrics import read_metrics
 
     conv, text = byte_armd
     summary = train(_run_config(tmp_path, conv, text, steps=4, lr=1e-3, ema=0.9), progress=False)
@@ -315,7 +316,7 @@ def test_any_order_fine_tuning_then_export(tmp_path, byte_armd) -> None:
 
 
 def test_init_from_refuses_a_contradicting_model_section(tmp_path, byte_armd) -> None:
-    from anyorder.train import train
+    from anyorder.training.loop import train
 
     conv, text = byte_armd
     cfg = _run_config(tmp_path, conv, text, steps=1)

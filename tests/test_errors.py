@@ -307,7 +307,7 @@ def world(tmp_path_factory) -> Path:
     """The folder every row starts from (copied per row)."""
     from anyorder.config import load_config
     from anyorder.data import BPETokenizer
-    from anyorder.train import train
+    from anyorder.training.loop import train
 
     root = tmp_path_factory.mktemp("errors_world")
     (root / "cfg.yaml").write_text(CONFIG)

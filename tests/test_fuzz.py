@@ -22,7 +22,7 @@ from anyorder.config import RunConfig, describe, load_config, parse_override
 from anyorder.data import ByteTokenizer
 from anyorder.errors import ConfigError, SamplingError
 from anyorder.sample import parse_template
-from anyorder.train import check_config
+from anyorder.training.setup import check_config
 
 EXAMPLES = int(os.environ.get("ANYORDER_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -24,7 +24,7 @@ from anyorder.sample import (
     sequential_sample,
     strided_sample,
 )
-from anyorder.train import train
+from anyorder.training.loop import train
 from test_sample import slot_oracle
 from test_train import _cfg
 

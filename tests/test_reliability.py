@@ -34,7 +34,8 @@ import torch
 from anyorder import checkpoint as ck
 from anyorder.config import load_config
 from anyorder.errors import TrainingError
-from anyorder.train import MetricsLog, read_metrics, train
+from anyorder.training.loop import train
+from anyorder.training.metrics import MetricsLog, read_metrics
 
 STEPS = 48
 CKPT_EVERY = 4

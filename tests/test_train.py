@@ -19,7 +19,10 @@ import torch
 from anyorder import checkpoint as ck
 from anyorder.config import load_config
 from anyorder.errors import ConfigError
-from anyorder.train import EMA, check_config, lr_at, read_metrics, train
+from anyorder.training.loop import train
+from anyorder.training.metrics import read_metrics
+from anyorder.training.setup import check_config
+from anyorder.training.state import EMA, lr_at
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -175,7 +178,7 @@ WORKER = textwrap.dedent(
         timeout=timedelta(seconds=90),
     )
     from anyorder.config import load_config
-    from anyorder.train import train
+    from anyorder.training.loop import train
 
     code = 0
     try:

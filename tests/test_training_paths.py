@@ -80,28 +80,29 @@ def _compiled_vs_eager(tmp_path, kind: str, backend: str | None, **extra) -> Non
     from torch._dynamo.utils import counters
 
     from anyorder import checkpoint as ck
-    from anyorder import train as train_mod
+    from anyorder.training import loop as train_loop
+    from anyorder.training import setup as train_setup
     from test_train import _cfg, _losses
 
     cache = tmp_path / "cache"
     on = {"train.grad_accum": 2, "train.ckpt_every": 3, "train.eval_every": 3, **extra}
-    eager = train_mod.train(
+    eager = train_loop.train(
         _cfg(tmp_path / "eager", cache, kind, **on, **{"train.compile": False}), progress=False
     )
     kwargs = {} if backend is None else {"backend": backend}
-    saved = dict(train_mod.COMPILE_KWARGS)
-    train_mod.COMPILE_KWARGS.update(kwargs)
+    saved = dict(train_setup.COMPILE_KWARGS)
+    train_setup.COMPILE_KWARGS.update(kwargs)
     counters["stats"].clear()
     try:
         run = tmp_path / "compiled"
         cfg = _cfg(run, cache, kind, **on, **{"train.compile": True})
-        compiled = train_mod.train(cfg, progress=False, stop_at=3)
+        compiled = train_loop.train(cfg, progress=False, stop_at=3)
         keys = ck.load_model(run, weights="raw").model.state_dict().keys()
         assert not [k for k in keys if "_orig_mod" in k]
-        compiled = train_mod.train(cfg, resume=True, progress=False)  # compiled again
+        compiled = train_loop.train(cfg, resume=True, progress=False)  # compiled again
     finally:
-        train_mod.COMPILE_KWARGS.clear()
-        train_mod.COMPILE_KWARGS.update(saved)
+        train_setup.COMPILE_KWARGS.clear()
+        train_setup.COMPILE_KWARGS.update(saved)
     assert counters["stats"]["unique_graphs"] >= 2  # the loss and validation were compiled
     assert compiled["step"] == eager["step"] == 6
     la, lb = _losses(tmp_path / "eager"), _losses(run)
@@ -132,7 +133,7 @@ def test_compiled_training_follows_eager_with_inductor(tmp_path) -> None:
 def test_compile_setting_is_checked_and_auto_is_off_for_now() -> None:
     from anyorder.config import load_config
     from anyorder.errors import ConfigError
-    from anyorder.train import check_config, use_compile
+    from anyorder.training.setup import check_config, use_compile
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     auto = load_config(None, [])
@@ -204,7 +205,7 @@ def test_compiled_two_processes_match_one_eager_process(tmp_path, fsdp: bool) ->
     import subprocess
     import sys
 
-    from anyorder.train import train
+    from anyorder.training.loop import train
     from test_train import DIST_EXTRA, WORKER, _cfg, _losses, _overrides, _weights
 
     cache = tmp_path / "cache"
@@ -212,9 +213,12 @@ def test_compiled_two_processes_match_one_eager_process(tmp_path, fsdp: bool) ->
     train(_cfg(single, cache, "armd", **DIST_EXTRA), progress=False)
     run = tmp_path / "dist"
     script = tmp_path / "worker.py"
-    backend = 'import anyorder.train as T; T.COMPILE_KWARGS["backend"] = "aot_eager"\n'
+    backend = (
+        "import anyorder.training.setup as S; import anyorder.training.loop as T; "
+        'S.COMPILE_KWARGS["backend"] = "aot_eager"\n'
+    )
     script.write_text(
-        WORKER.replace("from anyorder.train import train\n", backend + "train = T.train\n")
+        WORKER.replace("from anyorder.training.loop import train\n", backend + "train = T.train\n")
     )
     extra = {**DIST_EXTRA, "train.fsdp": fsdp, "train.compile": True}
     overrides = json.dumps(_overrides(run, cache, "armd", **extra))

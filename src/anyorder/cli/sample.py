@@ -210,7 +210,7 @@ def run_sample(args: argparse.Namespace) -> int:
     from anyorder.checkpoint import load_model
     from anyorder.errors import SamplingError
     from anyorder.sample import decode_text, sample
-    from anyorder.train import resolve_device
+    from anyorder.training.distributed import resolve_device
 
     bounds.check_controls(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -68,7 +68,8 @@ def run_train(args: argparse.Namespace) -> int:
     code = 0
     try:
         cfg = load_config(args.config, args.overrides)
-        from anyorder.train import print0, train
+        from anyorder.training.distributed import print0
+        from anyorder.training.loop import train
 
         resume: bool | str = args.resume_from or (True if args.resume else "auto")
         if args.fresh:

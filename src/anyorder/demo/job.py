@@ -120,7 +120,8 @@ def _run(
     """The job in its phases: clear the folder, say what runs, train, measure, report."""
     from anyorder.demo.report import plot_curve, write_report
     from anyorder.progress import format_duration
-    from anyorder.train import read_metrics, train
+    from anyorder.training.loop import train
+    from anyorder.training.metrics import read_metrics
 
     _clear(out)
     _announce(out, cfg, limit, threads)

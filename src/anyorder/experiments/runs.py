@@ -5,7 +5,7 @@ helpers the sections use.
 Design choices:
 
 * Same code, data and token budget for every arm: each training run is the library's own
-  :func:`anyorder.train.train` on ``builtin:pydoc`` bytes with the same model shape, batch
+  :func:`anyorder.training.train` on ``builtin:pydoc`` bytes with the same model shape, batch
   and number of steps; only the model kind or the order distribution differs. The
   validation curves are the trainer's (``val/l2r_bpb``, ``val/ao_bpb``; fixed validation
   orders, so every arm is scored on the same orders).
@@ -243,7 +243,8 @@ def train_run(
 
     A run folder with ``done.json`` whose config matches is reused as it is.
     """
-    from anyorder.train import read_metrics, train
+    from anyorder.training.loop import train
+    from anyorder.training.metrics import read_metrics
 
     cfg, out_dir, want, info = _planned(ctx, name, kind, order, seed, steps, extra)
     if info is not None:

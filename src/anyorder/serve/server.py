@@ -373,7 +373,7 @@ def serve(
         CheckpointError: no model there (the default folder: run ``make demo`` first).
     """
     from anyorder.interop.hub import load_any
-    from anyorder.train import resolve_device
+    from anyorder.training.distributed import resolve_device
 
     if checkpoint is None:
         checkpoint = DEFAULT_CHECKPOINT
