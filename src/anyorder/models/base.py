@@ -9,8 +9,8 @@ before ``blocks[:, t]`` — slot-aligned, so ``loss`` is a plain cross-entropy a
 The forward is two halves, ``head_logits(features(tokens, order, blocks))``: the final
 hidden states (B, T, d) and the vocabulary head. Likelihoods (:meth:`AnyOrderLM.token_nll`,
 the ensembles of :mod:`anyorder.evaluation.estimators`) apply the head only to the slots
-they score and only ``head_rows`` of them at a time: at a vocabulary of 50257 the logits of every slot of a
-batch are what does not fit (a (8, 1024, 50257) fp32 tensor is 1.6 GB).
+they score and only ``head_rows`` of them at a time: at a vocabulary of 50257 the logits of
+every slot of a batch are what does not fit (a (8, 1024, 50257) fp32 tensor is 1.6 GB).
 """
 
 from __future__ import annotations
