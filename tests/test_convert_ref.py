@@ -35,7 +35,7 @@ from anyorder.sample import lemma1_sample, sequential_sample
 from test_evaluate import reference_member_logprobs
 from test_sample import slot_oracle
 
-from conftest import GPT2_TOKENIZER_DIR, REPO
+from conftest import GPT2_SKIP, GPT2_TOKENIZER_DIR, REPO, has_gpt2_tokenizer
 
 FIXTURES = REPO / "tests" / "fixtures" / "aogpt-ref"
 AO = FIXTURES / "aogpt" / "ckpt_1234.pt"
@@ -300,7 +300,7 @@ def test_padding_ids_are_never_predicted_or_sampled(tmp_path) -> None:
         assert int(out.tokens.max()) < 257
 
 
-@pytest.mark.skipif(not GPT2_TOKENIZER_DIR.is_dir(), reason="no ../shared GPT-2 tokenizer")
+@pytest.mark.skipif(not has_gpt2_tokenizer(), reason=GPT2_SKIP)
 def test_gpt2_sized_table_gets_gpt2s_ids_and_tokenizer(tmp_path) -> None:
     src = padded_checkpoint(tmp_path / "ckpt_1234.pt", rows=50304)
     out = tmp_path / "ao"
