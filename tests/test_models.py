@@ -285,6 +285,21 @@ def test_count_params_is_the_built_models_count(kind: str) -> None:
     assert w.std() > 0.5
 
 
+def test_count_params_imports_no_dynamo() -> None:
+    """`anyorder info` stays instant: counting on the meta device must not pull in
+    torch._dynamo (a second of start-up), for any model at the papers' size."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from anyorder.config import preset; from anyorder.models import "
+        "count_params; [count_params(preset('small', kind=k)) for k in "
+        "('gpt', 'aogpt', 'armd', 'mdm')]; assert 'torch._dynamo' not in sys.modules"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
 def test_config_validation() -> None:
     with pytest.raises(ConfigError, match="model.d_model=100 is not divisible by model.n_head=3"):
         preset("tiny", d_model=100, n_head=3)

@@ -191,11 +191,13 @@ class Modulation:
 def adaln_offset(adas: list[AdaLN]) -> Tensor:
     """The ``1`` of ``1 + chunk`` of every chunk of ``adas`` in ``ones``, laid out as their
     linears' outputs joined: (sum of chunks * d,), built once per model."""
-    rows = []
+    ones: list[float] = []
     for ada in adas:
         d = ada.linear.out_features // ada.chunks
-        rows += [torch.full((d,), float(i in ada.ones)) for i in range(ada.chunks)]
-    return torch.cat(rows)
+        ones += [float(i in ada.ones) for i in range(ada.chunks) for _ in range(d)]
+    # from a list, not torch.full: on the meta device (count_params) torch.full goes through
+    # PyTorch's reference decompositions, which import torch._dynamo (a second of start-up)
+    return torch.tensor(ones)
 
 
 def adaln_table(adas: list[AdaLN], c: Tensor, offset: Tensor) -> Tensor:
