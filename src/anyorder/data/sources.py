@@ -129,7 +129,7 @@ def resolve_files(source: str) -> list[Path]:
         return files
     raise DataError(
         f"data.source {source!r} does not exist; give an existing file, folder or glob of "
-        f"{kinds} files, builtin:pydoc, builtin:stdlib or hf:NAME"
+        f"{kinds} files, builtin:pydoc, builtin:stdlib, builtin:synthetic or hf:NAME"
     )
 
 
