@@ -216,15 +216,7 @@ class Model:
         prompt_ids = known = None
         if prompt:
             ids = self._encode(prompt)
-            if len(ids) >= n:
-                raise SamplingError(
-                    f"the prompt is {len(ids)} tokens, not shorter than n={n}; raise n or "
-                    "shorten the prompt"
-                )
-            prompt_ids = torch.zeros(n, dtype=torch.long)
-            prompt_ids[: len(ids)] = torch.tensor(ids, dtype=torch.long)
-            known = torch.zeros(n, dtype=torch.bool)
-            known[: len(ids)] = True
+            prompt_ids, known = bounds.prefix_prompt(ids, n, length=f"n={n}", name="n")
         return self._sample(
             n, num_samples, prompt_ids, known, order, streams, steps, schedule, shared_counts,
             temperature, top_p, top_k, seed, stop_at_eos, reveal=reveal, graphs=cuda_graphs,

@@ -161,6 +161,24 @@ def check_fit(seq_len: int, *, length: int | None = None, steps: int | None = No
     return n
 
 
+def prefix_prompt(ids: list[int], n: int, *, length: str, name: str):
+    """A prompt of token ``ids`` as the known prefix of ``n`` slots: ``(prompt, known)``, (n,)
+    each. ``length`` and ``name`` are how the caller's surface spells the length in the
+    error (``"--length 64"`` and ``"--length"`` on the command line)."""
+    import torch
+
+    if len(ids) >= n:
+        raise SamplingError(
+            f"the prompt is {len(ids)} tokens, not shorter than {length}; raise {name} or "
+            "shorten the prompt"
+        )
+    prompt = torch.zeros(n, dtype=torch.long)
+    prompt[: len(ids)] = torch.tensor(ids, dtype=torch.long)
+    known = torch.zeros(n, dtype=torch.bool)
+    known[: len(ids)] = True
+    return prompt, known
+
+
 @contextlib.contextmanager
 def out_of_memory_as_error(what: str) -> Iterator[None]:
     """Turn an allocation failure (CPU or CUDA) inside the block into a one-line

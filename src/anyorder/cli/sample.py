@@ -129,10 +129,8 @@ def _sample_order(args: argparse.Namespace, kind: str) -> tuple[str, int | None]
 def _sample_prompt(args: argparse.Namespace, model, tok) -> tuple[int, Any, Any]:
     """``(n, prompt, known)``: the tokens per sample and the known tokens of ``--infill`` or
     ``--prompt`` ((n,) ids and their mask; None and None for an unconditional sample)."""
-    import torch
 
     from anyorder import bounds
-    from anyorder.errors import SamplingError
     from anyorder.sample import parse_template
 
     prompt = known = None
@@ -145,15 +143,7 @@ def _sample_prompt(args: argparse.Namespace, model, tok) -> tuple[int, Any, Any]
         n = bounds.check_fit(model.cfg.seq_len, length=args.length, steps=args.steps)
     if args.prompt:
         ids = tok.encode(args.prompt)
-        if len(ids) >= n:
-            raise SamplingError(
-                f"the prompt is {len(ids)} tokens, not shorter than --length {n}; raise "
-                "--length or shorten the prompt"
-            )
-        prompt = torch.zeros(n, dtype=torch.long)
-        prompt[: len(ids)] = torch.tensor(ids, dtype=torch.long)
-        known = torch.zeros(n, dtype=torch.bool)
-        known[: len(ids)] = True
+        prompt, known = bounds.prefix_prompt(ids, n, length=f"--length {n}", name="--length")
     return n, prompt, known
 
 

@@ -188,15 +188,9 @@ def plan_request(loaded: Loaded, req: GenRequest) -> Plan:
         n = bounds.check_fit(seq_len, length=req.length, steps=steps)
         if req.text:
             ids = tok.encode(req.text)
-            if len(ids) >= n:
-                raise SamplingError(
-                    f"the prompt is {len(ids)} tokens, not shorter than the length {n}; raise "
-                    "the length or shorten the prompt"
-                )
-            prompt = torch.zeros(n, dtype=torch.long)
-            prompt[: len(ids)] = torch.tensor(ids, dtype=torch.long)
-            known = torch.zeros(n, dtype=torch.bool)
-            known[: len(ids)] = True
+            prompt, known = bounds.prefix_prompt(
+                ids, n, length=f"the length {n}", name="the length"
+            )
     kwargs: dict[str, Any] = dict(
         batch=req.num_samples,
         prompt=prompt,
