@@ -295,6 +295,32 @@ def test_one_generation_at_a_time_and_a_closed_page_frees_the_server(server) -> 
     assert status == 200 and parse_sse(text)[-1][0] == "done"
 
 
+class SlowRelease(threading.BoundedSemaphore):
+    """A slot that takes 0.5 s to come free: a server that sends its answer before it frees
+    the slot shows the race to the client's next request every time."""
+
+    def release(self, n: int = 1) -> None:
+        threading.Event().wait(0.5)
+        super().release(n)
+
+
+def test_a_client_that_has_its_answer_is_never_told_busy(server) -> None:
+    server.server.app.slots = SlowRelease(1)
+    for _ in range(3):  # a refused request takes no slot
+        status, text = server.post({"mode": "lemma1", "steps": 1_000_000})
+        assert status == 400 and "must lie in 1..n=32" in json.loads(text)["error"]
+    req = urllib.request.Request(
+        f"{server.url}/api/generate",
+        data=json.dumps({"mode": "l2r", "length": 8}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as first:  # read up to `done`, then ask again
+        while not first.readline().decode().startswith("event: done"):
+            pass
+        status, text = server.post({"mode": "l2r", "length": 8})
+    assert status == 200 and parse_sse(text)[-1][0] == "done"
+
+
 def test_cli_serve(exports, tmp_path, monkeypatch, capsys) -> None:
     from anyorder.cli import main
 

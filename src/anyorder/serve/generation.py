@@ -224,11 +224,16 @@ def run_generation(
     *,
     autocast: bool = False,
     started: float | None = None,
+    plan: Plan | None = None,
+    on_finished: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run one request through the real sampler, calling ``emit(event, data)`` as it goes.
 
     The time limit counts from ``started`` (a ``time.perf_counter()`` value; default: now)
-    and is checked before the sampler plans the request and after every pass.
+    and is checked before the sampler plans the request and after every pass. ``plan`` is
+    :func:`plan_request`'s answer when the caller checked the request already. ``on_finished``
+    is called once the sampler is done, before the ``done`` event: the server frees its
+    generation slot there, so a client that reads ``done`` and asks again is not refused.
 
     Events: ``start`` (sizes, the prompt) and ``step`` (one per sampler pass) from inside the
     sampler's ``on_step`` hook, then ``done`` (the texts and the whole result). Nothing is
@@ -243,7 +248,7 @@ def run_generation(
 
     model, tok = loaded.model, loaded.tokenizer
     t0 = time.perf_counter() if started is None else started
-    plan = plan_request(loaded, req)
+    plan = plan or plan_request(loaded, req)
     n = plan.n
     prompt = plan.kwargs["prompt"]
     known = plan.kwargs["known"]
@@ -302,6 +307,8 @@ def run_generation(
         result = sample(model, n, generator=gen, on_step=on_step, **plan.kwargs)
     seconds = time.perf_counter() - t0 - state["slept"]
     done = _done_event(tok, result, None if plan.template else tok.eos_id, seconds)
+    if on_finished is not None:
+        on_finished()
     emit("done", done)
     return done
 

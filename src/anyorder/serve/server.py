@@ -40,11 +40,15 @@ from anyorder.serve.generation import (
     GenRequest,
     LimitError,
     Limits,
+    Plan,
     parse_request,
+    plan_request,
     run_generation,
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from anyorder.checkpoint import Loaded
 
 DEFAULT_CHECKPOINT = "runs/demo"
@@ -233,6 +237,10 @@ class _Handler(BaseHTTPRequestHandler):
         req = self._read_request(app)
         if req is None:
             return
+        try:  # checked before taking a slot: a refusal never holds one
+            plan = plan_request(app.loaded, req)
+        except AnyorderError as e:
+            return self._error(400, str(e))
         if not app.slots.acquire(blocking=False):
             return self._error(
                 429,
@@ -240,12 +248,21 @@ class _Handler(BaseHTTPRequestHandler):
                 "try again when it finishes",
                 {"Retry-After": "1"},
             )
-        try:
-            self._stream(app, req, started)
-        finally:
-            app.slots.release()
+        held = [True]
 
-    def _stream(self, app: App, req: GenRequest, t0: float) -> None:
+        def free() -> None:  # once, before the last event goes out (see run_generation)
+            if held:
+                held.clear()
+                app.slots.release()
+
+        try:
+            self._stream(app, req, started, plan, free)
+        finally:
+            free()
+
+    def _stream(
+        self, app: App, req: GenRequest, t0: float, plan: Plan, free: Callable[[], None]
+    ) -> None:
         started = False
 
         def emit(event: str, data: dict[str, Any]) -> None:
@@ -262,8 +279,9 @@ class _Handler(BaseHTTPRequestHandler):
 
         try:
             done = run_generation(
-                app.loaded, req, emit, app.limits, autocast=app.autocast, started=t0
-            )
+                app.loaded, req, emit, app.limits, autocast=app.autocast, started=t0,
+                plan=plan, on_finished=free,
+            )  # fmt: skip
             self.log_message("generated %d tokens, %.0f tokens/s", done["generated"],
                              done["tokens_per_s"])  # fmt: skip
         except OSError:  # the page went away (Stop) or stopped reading: generation stopped
