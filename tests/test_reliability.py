@@ -144,11 +144,11 @@ def _ckpt_step(run: Path) -> int:
     return int(latest.name.split("_")[1]) if latest else 0
 
 
-def _kill_at_random(cmd, cwd: Path, run: Path, rng: random.Random) -> dict:
+def _kill_at_random(cmd, cwd: Path, run: Path, rng: random.Random, at_least: int = 0) -> dict:
     """Start ``cmd``; once its training loop runs and a checkpoint at or past a random step
-    exists, wait a random part of a checkpoint interval and SIGKILL it. Returns what was
-    seen."""
-    before = _ckpt_step(run)
+    (and at or past ``at_least``) exists, wait a random part of a checkpoint interval and
+    SIGKILL it. Returns what was seen."""
+    before = max(_ckpt_step(run), at_least)
     # 0-2 intervals past the last checkpoint, far enough from the end that the run is still
     # going after the delay (0: the kill lands within the first steps after the resume)
     target = min(before + CKPT_EVERY * rng.randint(0, 2), STEPS - 3 * CKPT_EVERY)
@@ -196,7 +196,11 @@ def _kills(workdir: Path, reference: Path, n: int, name: str) -> None:
     survived = 0
     for i in range(n):
         flags = ("--resume",) if i % 2 and ck.latest_checkpoint(run) else ()
-        seen = _kill_at_random(_train_cmd(run, workdir / "cache", *flags), workdir, run, rng)
+        # the last kill comes after a checkpoint, so the final run has one to resume from
+        # (earlier kills may land before the first: the next run then starts afresh)
+        floor = CKPT_EVERY if i == n - 1 else 0
+        cmd = _train_cmd(run, workdir / "cache", *flags)
+        seen = _kill_at_random(cmd, workdir, run, rng, at_least=floor)
         # at most one checkpoint interval of logged steps is lost
         assert seen["logged"] - seen["checkpoint"] <= CKPT_EVERY, seen
         assert seen["checkpoint"] >= seen["target"], seen
