@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -71,6 +72,51 @@ def test_progressive_k_schedule() -> None:
     # linear between i_ar and i_perm: k(s) = 1 + (rho - 1) (s - i_ar) / (i_perm - i_ar)
     for s in range(10, 41):
         assert k[s] == 1 + round(30 * (s - 10) / 30)
+
+
+def test_progressive_schedule_as_shares_of_the_run() -> None:
+    cfg = OrderConfig(kind="progressive", i_ar="10%", i_perm="70%", rho=8)
+    for steps, want in ((300, (30, 210)), (100, (10, 70)), (4500, (450, 3150))):
+        sampler = orders.OrderSampler(cfg, total_steps=steps)
+        assert (sampler.i_ar, sampler.i_perm) == want
+    g = torch.Generator().manual_seed(0)
+    sampler = orders.OrderSampler(cfg, total_steps=100)
+    assert torch.equal(sampler(4, 16, 9, g).order, torch.arange(16).expand(4, 16))  # l2r
+    assert not torch.equal(sampler(4, 16, 10, g).order, torch.arange(16).expand(4, 16))
+    both = orders.OrderSampler(OrderConfig(kind="progressive", i_ar=5, i_perm="50%"), 40)
+    assert (both.i_ar, both.i_perm) == (5, 20)
+
+
+@pytest.mark.parametrize(
+    "i_ar, i_perm, steps, message",
+    [
+        ("10", "x%", 100, "order.i_perm='x%' must be a training step (an integer) or a share"),
+        ("0.1", 5, 100, "order.i_ar='0.1' must be a training step (an integer) or a share of "
+         "train.steps from '0%' to '100%', such as '10%'"),
+        ("150%", 5, 100, "order.i_ar='150%' must be a training step"),
+        (-1, 5, 100, "order.i_ar=-1 must be a step >= 0 or a share like '10%'"),
+        ("10%", 5, None, "order.i_ar='10%' is a share of train.steps; give train.steps"),
+        ("50%", "20%", 100, "i_perm >= i_ar (here rho=32, i_ar=50, i_perm=20)"),
+    ],
+)  # fmt: skip
+def test_progressive_schedule_errors(i_ar, i_perm, steps, message) -> None:
+    cfg = OrderConfig(kind="progressive", i_ar=i_ar, i_perm=i_perm)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        orders.OrderSampler(cfg, total_steps=steps)
+
+
+def test_progressive_shares_from_yaml_and_overrides(tmp_path) -> None:
+    from anyorder.config import load_config
+    from anyorder.training.setup import check_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("order:\n  kind: progressive\n  i_ar: 10%\n  i_perm: 70%\n")
+    cfg = load_config(path, ["train.steps=50", "order.i_perm=80%"])
+    assert (cfg.order.i_ar, cfg.order.i_perm) == ("10%", "80%")
+    check_config(cfg)
+    bad = load_config(path, ["order.i_ar=ten"])
+    with pytest.raises(ConfigError, match=r"^order.i_ar='ten' must be a training step"):
+        check_config(bad)
 
 
 def test_progressive_displaces_nothing_before_i_ar_and_k_after() -> None:

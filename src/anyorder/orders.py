@@ -13,13 +13,15 @@ Design choices:
 * ``progressive`` follows METHOD.md section 3 (our reading of ARMD): ``k`` tokens are taken
   out of the left-to-right order and put back at uniformly random places; the remaining
   ``n - k`` keep their relative order. ``k`` is 0 before ``i_ar``, then rises linearly from
-  1 to ``rho`` at ``i_perm``.
+  1 to ``rho`` at ``i_perm``. Both may be given as a share of the run (``"10%"`` of
+  ``train.steps``), so a schedule keeps its shape when a run is made shorter or longer.
 * ``strided(S)`` is ARMD's SBP order: the ``S`` stream heads are generated one at a time,
   then each group of same-offset tokens is one block of ``S``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -172,19 +174,55 @@ def sbp(
     return strided(batch, n, int(streams[i]), device)
 
 
+_SHARE = re.compile(r"(\d+(?:\.\d*)?)%")
+
+
+def schedule_step(value: int | str, total_steps: int | None, key: str) -> int:
+    """A progressive-schedule step: an integer as it is, ``"P%"`` as ``round(P/100 x
+    total_steps)``.
+
+    Raises:
+        ConfigError: neither form, a share over 100%, or a share with no run length.
+    """
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"order.{key}={value} must be a step >= 0 or a share like '10%'")
+        return value
+    text = str(value).strip()
+    if text.isdigit():
+        return int(text)
+    m = _SHARE.fullmatch(text)
+    if m is None or float(m.group(1)) > 100:
+        raise ConfigError(
+            f"order.{key}={value!r} must be a training step (an integer) or a share of "
+            "train.steps from '0%' to '100%', such as '10%'"
+        )
+    if total_steps is None:
+        raise ConfigError(f"order.{key}={value!r} is a share of train.steps; give train.steps")
+    return round(float(m.group(1)) / 100 * total_steps)
+
+
 class OrderSampler:
     """The training order distribution named by an :class:`OrderConfig`.
 
-    ``sampler(batch, n, step, generator)`` returns an :class:`Ordering`.
+    ``sampler(batch, n, step, generator)`` returns an :class:`Ordering`. ``total_steps``
+    (``train.steps``) resolves a progressive schedule given as shares of the run.
     """
 
-    def __init__(self, cfg: OrderConfig) -> None:
+    def __init__(self, cfg: OrderConfig, total_steps: int | None = None) -> None:
         if cfg.kind not in ORDER_KINDS:
             raise ConfigError(
                 f"order.kind={cfg.kind!r} is unknown; use one of {', '.join(ORDER_KINDS)}"
             )
-        if cfg.kind == "progressive" and (cfg.rho < 1 or cfg.i_perm < cfg.i_ar):
-            raise ConfigError("order.progressive needs rho >= 1 and i_perm >= i_ar")
+        self.i_ar = self.i_perm = 0
+        if cfg.kind == "progressive":
+            self.i_ar = schedule_step(cfg.i_ar, total_steps, "i_ar")
+            self.i_perm = schedule_step(cfg.i_perm, total_steps, "i_perm")
+            if cfg.rho < 1 or self.i_perm < self.i_ar:
+                raise ConfigError(
+                    f"order.progressive needs rho >= 1 and i_perm >= i_ar (here rho={cfg.rho}, "
+                    f"i_ar={self.i_ar}, i_perm={self.i_perm})"
+                )
         if cfg.kind == "sbp" and not cfg.sbp_streams:
             raise ConfigError("order.sbp_streams must list at least one stream count")
         self.cfg = cfg
@@ -211,7 +249,7 @@ class OrderSampler:
         if c.kind == "fixed":
             return fixed(batch, n, c.seed, device)
         if c.kind == "progressive":
-            return progressive(batch, n, step, c.i_ar, c.i_perm, c.rho, generator, device)
+            return progressive(batch, n, step, self.i_ar, self.i_perm, c.rho, generator, device)
         if c.kind == "strided":
             return strided(batch, n, c.streams, device)
         return sbp(batch, n, generator, c.sbp_streams, device)

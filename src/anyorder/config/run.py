@@ -56,10 +56,12 @@ class OrderConfig:
     """mix: probability of the left-to-right order (AO-GPT: 0.1)."""
     seed: int = 0
     """fixed: the seed of the one order used throughout."""
-    i_ar: int = 0
-    """progressive: last step of pure left-to-right training."""
-    i_perm: int = 1
-    """progressive: step at which the number of displaced tokens reaches rho."""
+    i_ar: int | str = 0
+    """progressive: last step of pure left-to-right training; a step, or a share of
+    train.steps such as '10%' (then it follows train.steps when that is overridden)."""
+    i_perm: int | str = 1
+    """progressive: step at which the number of displaced tokens reaches rho; a step or a
+    share of train.steps such as '70%'."""
     rho: int = 32
     """progressive: the final number of displaced tokens."""
     streams: int = 1

@@ -195,7 +195,11 @@ def _recipe_section(info: dict[str, Any]) -> list[str]:
     m, t, o = c["model"], c["train"], c["order"]
     order = o["kind"]
     if order == "progressive":
-        order += f" (left to right until step {o['i_ar']}, rho {o['rho']} from step {o['i_perm']})"
+        until, full = (
+            f"{v} of the steps" if str(v).endswith("%") else f"step {v}"
+            for v in (o["i_ar"], o["i_perm"])
+        )
+        order += f" (left to right until {until}, rho {o['rho']} from {full})"
     l2s = m["l2s"] or max(1, m["n_layer"] // 2)
     return [
         "## Recipe",

@@ -62,7 +62,7 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
             intervals or dtype.
     """
     t, o, m = cfg.train, cfg.order, cfg.model
-    OrderSampler(o)  # unknown order kinds and bad progressive settings
+    OrderSampler(o, t.steps)  # unknown order kinds and bad progressive settings
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(t, name) < 1:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be a positive integer")
@@ -251,7 +251,7 @@ def build_parts(
     opt = make_optimizer(model, cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
     ema = EMA(params, t.ema, t.ema_warmup) if t.ema > 0 else None
-    order_sampler = OrderSampler(cfg.order)
+    order_sampler = OrderSampler(cfg.order, t.steps)
     # The order generator is the same on every rank (global-batch orders); the loss
     # generator (the encoder's mask levels) is per rank.
     order_gen = torch.Generator().manual_seed(t.seed)
