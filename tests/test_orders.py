@@ -85,6 +85,7 @@ def test_progressive_schedule_as_shares_of_the_run() -> None:
     assert not torch.equal(sampler(4, 16, 10, g).order, torch.arange(16).expand(4, 16))
     both = orders.OrderSampler(OrderConfig(kind="progressive", i_ar=5, i_perm="50%"), 40)
     assert (both.i_ar, both.i_perm) == (5, 20)
+    assert both.describe() == "progressive (left to right until step 5, 32 displaced from step 20)"
 
 
 @pytest.mark.parametrize(

@@ -227,6 +227,18 @@ class OrderSampler:
             raise ConfigError("order.sbp_streams must list at least one stream count")
         self.cfg = cfg
 
+    def describe(self) -> str:
+        """The distribution in words, with a progressive schedule's steps resolved."""
+        c = self.cfg
+        if c.kind == "progressive":
+            return (
+                f"progressive (left to right until step {self.i_ar}, {c.rho} displaced "
+                f"from step {self.i_perm})"
+            )
+        if c.kind == "mix":
+            return f"mix ({c.p_l2r:.0%} left to right)"
+        return c.kind
+
     @property
     def is_left_to_right_only(self) -> bool:
         return self.cfg.kind == "l2r" or (self.cfg.kind == "mix" and self.cfg.p_l2r >= 1.0)

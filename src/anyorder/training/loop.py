@@ -199,9 +199,9 @@ def _announce(parts: RunParts, dry_run: bool) -> float | None:
     B, n = t.batch_size, m.seq_len
     print0(
         f"{m.kind}: {parts.n_params / 1e6:.2f}M parameters, {m.n_layer} layers x "
-        f"{m.d_model}, seq_len {n}; order {cfg.order.kind}; {env.world_size} process(es) "
-        f"on {env.device}, dtype {t.dtype}; batch {B} = {env.world_size} x {t.grad_accum} x "
-        f"{parts.micro}"
+        f"{m.d_model}, seq_len {n}; order {parts.order_sampler.describe()}; "
+        f"{env.world_size} process(es) on {env.device}, dtype {t.dtype}; "
+        f"batch {B} = {env.world_size} x {t.grad_accum} x {parts.micro}"
         + (" (compiled)" if use_compile(cfg, env.device) else "")
         + (" (dry run: one micro-batch of at most 2)" if dry_run else "")
     )
