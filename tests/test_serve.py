@@ -321,6 +321,23 @@ def test_a_client_that_has_its_answer_is_never_told_busy(server) -> None:
     assert status == 200 and parse_sse(text)[-1][0] == "done"
 
 
+def test_a_bug_in_the_checks_is_a_500_and_the_server_keeps_serving(server, monkeypatch) -> None:
+    import anyorder.serve.server as srv
+
+    real = srv.plan_request
+
+    def broken(loaded, req):
+        if req.text == "boom":
+            raise RuntimeError("boom")
+        return real(loaded, req)
+
+    monkeypatch.setattr(srv, "plan_request", broken)
+    status, text = server.post({"text": "boom", "mode": "l2r", "length": 8})
+    assert status == 500 and json.loads(text)["error"] == "internal error: RuntimeError: boom"
+    status, text = server.post({"mode": "l2r", "length": 8})  # no slot was taken
+    assert status == 200 and parse_sse(text)[-1][0] == "done"
+
+
 def test_cli_serve(exports, tmp_path, monkeypatch, capsys) -> None:
     from anyorder.cli import main
 

@@ -241,6 +241,8 @@ class _Handler(BaseHTTPRequestHandler):
             plan = plan_request(app.loaded, req)
         except AnyorderError as e:
             return self._error(400, str(e))
+        except Exception as e:  # a bug, not the user's: report it, keep serving
+            return self._error(500, _internal_error(e))
         if not app.slots.acquire(blocking=False):
             return self._error(
                 429,
@@ -292,13 +294,19 @@ class _Handler(BaseHTTPRequestHandler):
             with contextlib.suppress(OSError):
                 emit("error", {"message": str(e)})
         except Exception as e:  # a bug, not the user's: report it, keep serving
-            traceback.print_exc(file=sys.stderr)
-            message = f"internal error: {type(e).__name__}: {e}"
+            message = _internal_error(e)
             if started:
                 with contextlib.suppress(OSError):
                     emit("error", {"message": message})
             else:
                 self._error(500, message)
+
+
+def _internal_error(e: Exception) -> str:
+    """Print the traceback of an exception that is a bug (not the user's) to stderr; the
+    message the client gets."""
+    traceback.print_exc(file=sys.stderr)
+    return f"internal error: {type(e).__name__}: {e}"
 
 
 class _Server(ThreadingHTTPServer):
