@@ -95,6 +95,8 @@ def test_progressive_schedule_as_shares_of_the_run() -> None:
         ("0.1", 5, 100, "order.i_ar='0.1' must be a training step (an integer) or a share of "
          "train.steps from '0%' to '100%', such as '10%'"),
         ("150%", 5, 100, "order.i_ar='150%' must be a training step"),
+        ("\u00b2", 5, 100, "order.i_ar='\u00b2' must be a training step"),  # a digit to isdigit
+        ("\u0661\u0660%", 5, 100, "must be a training step"),  # Arabic-Indic 10%
         (-1, 5, 100, "order.i_ar=-1 must be a step >= 0 or a share like '10%'"),
         ("10%", 5, None, "order.i_ar='10%' is a share of train.steps; give train.steps"),
         ("50%", "20%", 100, "i_perm >= i_ar (here rho=32, i_ar=50, i_perm=20)"),

@@ -174,7 +174,8 @@ def sbp(
     return strided(batch, n, int(streams[i]), device)
 
 
-_SHARE = re.compile(r"(\d+(?:\.\d*)?)%")
+_STEP = re.compile(r"[0-9]+", re.ASCII)
+_SHARE = re.compile(r"([0-9]+(?:\.[0-9]*)?)%", re.ASCII)
 
 
 def schedule_step(value: int | str, total_steps: int | None, key: str) -> int:
@@ -189,7 +190,7 @@ def schedule_step(value: int | str, total_steps: int | None, key: str) -> int:
             raise ConfigError(f"order.{key}={value} must be a step >= 0 or a share like '10%'")
         return value
     text = str(value).strip()
-    if text.isdigit():
+    if _STEP.fullmatch(text):
         return int(text)
     m = _SHARE.fullmatch(text)
     if m is None or float(m.group(1)) > 100:

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from anyorder.config import OrderConfig
 from anyorder.demo.recipe import (
     ENSEMBLE_BLOCKS,
     EVAL_ORDERS,
@@ -27,6 +28,7 @@ from anyorder.demo.recipe import (
     TOP_P,
     estimate_s,
 )
+from anyorder.orders import OrderSampler
 from anyorder.progress import format_duration
 
 LARGER_RUN = (
@@ -193,13 +195,7 @@ def _validation_section(info: dict[str, Any]) -> list[str]:
 def _recipe_section(info: dict[str, Any]) -> list[str]:
     c = info["config"]
     m, t, o = c["model"], c["train"], c["order"]
-    order = o["kind"]
-    if order == "progressive":
-        until, full = (
-            f"{v} of the steps" if str(v).endswith("%") else f"step {v}"
-            for v in (o["i_ar"], o["i_perm"])
-        )
-        order += f" (left to right until {until}, rho {o['rho']} from {full})"
+    order = OrderSampler(OrderConfig(**o), t["steps"]).describe()
     l2s = m["l2s"] or max(1, m["n_layer"] // 2)
     return [
         "## Recipe",

@@ -248,7 +248,7 @@ def run_generation(
 
     model, tok = loaded.model, loaded.tokenizer
     t0 = time.perf_counter() if started is None else started
-    plan = plan or plan_request(loaded, req)
+    plan = plan_request(loaded, req) if plan is None else plan
     n = plan.n
     prompt = plan.kwargs["prompt"]
     known = plan.kwargs["known"]
