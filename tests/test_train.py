@@ -98,6 +98,7 @@ def _scramble_global_rngs() -> None:
     [
         ("armd", {"order.kind": "progressive", "order.i_ar": 2, "order.i_perm": 5, "order.rho": 4}),
         ("mdm", {"order.kind": "uniform"}),
+        ("aogpt", {"order.kind": "uniform", "train.optimizer": "muon"}),
     ],
 )
 def test_resume_is_bit_exact(tmp_path, cache, kind, order):
@@ -337,6 +338,12 @@ def test_check_config_errors():
     with pytest.raises(ConfigError, match="order.kind='sideways' is unknown"):
         check_config(load_config(None, ["order.kind=sideways"]))
     check_config(load_config(None, ["model.kind=armd", "order.kind=strided", "order.streams=4"]))
+    with pytest.raises(ConfigError, match=r"train.optimizer='sgd': use adamw or muon"):
+        check_config(load_config(None, ["train.optimizer=sgd"]))
+    with pytest.raises(ConfigError, match=r"train.muon_momentum=1.0 must be in \[0, 1\)"):
+        check_config(load_config(None, ["train.optimizer=muon", "train.muon_momentum=1.0"]))
+    with pytest.raises(ConfigError, match="which FSDP shards over the ranks; use DDP"):
+        check_config(load_config(None, ["train.optimizer=muon", "train.fsdp=true"]))
 
 
 def test_vocab_smaller_than_tokenizer_is_refused(tmp_path, cache):

@@ -88,8 +88,13 @@ class TrainConfig:
     """Final learning rate of the cosine schedule as a fraction of lr."""
     warmup_steps: int = 100
     """Linear warm-up steps."""
+    optimizer: str = "adamw"
+    """adamw, or muon: Muon on the linear layers' matrices and AdamW on the rest (tables,
+    head, norms, biases), at the same lr (Muon's steps are scaled to AdamW's size)."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum."""
     weight_decay: float = 0.1
-    """AdamW weight decay (on matrices only)."""
+    """Weight decay (decoupled; on matrices only)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95

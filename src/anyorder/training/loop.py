@@ -201,6 +201,7 @@ def _announce(parts: RunParts, dry_run: bool) -> float | None:
         f"{m.kind}: {parts.n_params / 1e6:.2f}M parameters, {m.n_layer} layers x "
         f"{m.d_model}, seq_len {n}; order {parts.order_sampler.describe()}; "
         f"{env.world_size} process(es) on {env.device}, dtype {t.dtype}; "
+        f"{'Muon + AdamW' if t.optimizer == 'muon' else 'AdamW'} at lr {t.lr:g}, "
         f"batch {B} = {env.world_size} x {t.grad_accum} x {parts.micro}"
         + (" (compiled)" if use_compile(cfg, env.device) else "")
         + (" (dry run: one micro-batch of at most 2)" if dry_run else "")

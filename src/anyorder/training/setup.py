@@ -38,6 +38,7 @@ from anyorder.config import RunConfig
 from anyorder.errors import ConfigError
 from anyorder.orders import OrderSampler
 from anyorder.training.distributed import DistEnv, barrier, is_fsdp, print0, wrap_model
+from anyorder.training.muon import MuonAdamW, muon_matrices
 from anyorder.training.state import EMA, RunParts
 
 if TYPE_CHECKING:
@@ -73,6 +74,15 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(f"train.keep_last={t.keep_last} must be at least 1")
     if not 0.0 < t.lr <= 1e30:  # beyond, AdamW's fp32 step size overflows
         raise ConfigError(f"train.lr={t.lr} must be a positive number (at most 1e30), e.g. 1e-3")
+    if t.optimizer not in ("adamw", "muon"):
+        raise ConfigError(f"train.optimizer={t.optimizer!r}: use adamw or muon")
+    if not 0.0 <= t.muon_momentum < 1.0:
+        raise ConfigError(f"train.muon_momentum={t.muon_momentum} must be in [0, 1), e.g. 0.95")
+    if t.optimizer == "muon" and t.fsdp:
+        raise ConfigError(
+            "train.optimizer=muon orthogonalises whole matrices, which FSDP shards over the "
+            "ranks; use DDP (train.fsdp=false) or train.optimizer=adamw"
+        )
     if not 0.0 <= t.ema < 1.0:
         raise ConfigError(f"train.ema={t.ema} must be in [0, 1) (0 disables)")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
@@ -153,10 +163,25 @@ def prepare_data(
 # ----------------------------------------------------------------------------- the pieces
 
 
-def make_optimizer(model: nn.Module, cfg: RunConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices (>= 2-D) only; norms, biases, BOS undecayed."""
+def make_optimizer(model: nn.Module, cfg: RunConfig, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices (>= 2-D) only; norms, biases, BOS undecayed. With
+    ``train.optimizer=muon``, the linear layers' matrices take Muon instead."""
     t = cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
+    if t.optimizer == "muon":
+        matrices = muon_matrices(model)
+        taken = {id(p) for p in matrices}
+        rest = [p for p in params if id(p) not in taken]
+        return MuonAdamW(
+            [
+                {"params": matrices, "weight_decay": t.weight_decay, "muon": True},
+                {"params": [p for p in rest if p.dim() >= 2], "weight_decay": t.weight_decay},
+                {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            momentum=t.muon_momentum,
+        )
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [
