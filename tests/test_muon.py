@@ -31,6 +31,16 @@ def test_orthogonalize_is_near_the_polar_factor(shape):
     assert (o - u @ core @ v.T).norm() < 0.05 * o.norm()
 
 
+def test_a_stack_is_orthogonalized_matrix_by_matrix():
+    gen = torch.Generator().manual_seed(1)
+    stack = torch.randn(3, 24, 40, generator=gen) * torch.tensor([1.0, 10.0, 0.1])[:, None, None]
+    together = orthogonalize(stack)
+    for i in range(3):
+        torch.testing.assert_close(together[i], orthogonalize(stack[i]), rtol=0, atol=2e-2)
+    tall = orthogonalize(stack.mT)  # tall matrices: the transpose of the wide ones' steps
+    torch.testing.assert_close(tall, together.mT, rtol=0, atol=2e-2)
+
+
 def test_muon_takes_the_hidden_matrices_and_nothing_else():
     cfg = ModelConfig(kind="armd", n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=50)
     model = build_model(cfg)

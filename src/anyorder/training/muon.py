@@ -35,13 +35,14 @@ NS_STEPS = 5
 
 
 def orthogonalize(g: Tensor, steps: int = NS_STEPS) -> Tensor:
-    """The semi-orthogonal matrix nearest ``g`` (its ``U V^T``), approximately."""
+    """The semi-orthogonal matrix nearest ``g`` (its ``U V^T``), approximately; ``g`` is one
+    matrix (m, n) or a stack of them (k, m, n), each taken on its own."""
     a, b, c = NS_COEFFICIENTS
     x = g.to(torch.bfloat16)
-    wide = x.size(0) <= x.size(1)
+    wide = x.size(-2) <= x.size(-1)
     if not wide:
         x = x.mT
-    x = x / (x.norm() + 1e-7)
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     for _ in range(steps):
         s = x @ x.mT
         x = a * x + (b * s + c * (s @ s)) @ x
@@ -96,19 +97,29 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._adamw(g)
 
     def _muon(self, g: dict[str, Any]) -> None:
+        """Nesterov momentum, then one batched Newton-Schulz per shape (the layers of a
+        model share a few shapes: a handful of iterations for all of its matrices)."""
         lr, mu, wd = g["lr"], g["momentum"], g["weight_decay"]
-        for p in g["params"]:
-            if p.grad is None:
-                continue
-            st = self.state[p]
-            if not st:
-                st["momentum_buffer"] = torch.zeros_like(p)
-            buf = st["momentum_buffer"]
-            buf.mul_(mu).add_(p.grad)
-            update = orthogonalize(p.grad.add(buf, alpha=mu))  # Nesterov
-            if wd:
-                p.mul_(1 - lr * wd)
-            p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+        params = [p for p in g["params"] if p.grad is not None]
+        if not params:
+            return
+        for p in params:
+            if not self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_add_(bufs, grads)
+        nesterov = torch._foreach_add(grads, bufs, alpha=mu)
+        if wd:
+            torch._foreach_mul_(params, 1 - lr * wd)
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(params):
+            by_shape.setdefault(tuple(p.shape), []).append(i)
+        for shape, idx in by_shape.items():
+            steps = orthogonalize(torch.stack([nesterov[i] for i in idx])).unbind(0)
+            scale = lr * 0.2 * math.sqrt(max(shape))  # AdamW's RMS (see the module notes)
+            torch._foreach_add_([params[i] for i in idx], list(steps), alpha=-scale)
 
     def _adamw(self, g: dict[str, Any]) -> None:
         """AdamW over the group with ``torch._foreach`` ops (a few kernels for all of it)."""
