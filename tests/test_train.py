@@ -144,6 +144,15 @@ def test_auto_resume_and_refusals(tmp_path, cache):
         train(_cfg(run, cache, "aogpt", **{"order.kind": "mix", "model.n_layer": 3}))
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         train(_cfg(run, cache, "aogpt", **{"order.kind": "mix"}), resume=False)
+    # not even a forced resume takes another optimizer: the saved state is AdamW's
+    muon = {"order.kind": "mix", "train.optimizer": "muon", "train.steps": 8}
+    with pytest.raises(
+        ConfigError,
+        match=r"trained with train.optimizer=adamw, not muon, .*"
+        r"resume with train.optimizer=adamw, or start a new run from its weights "
+        r"\(train.init_from=.*step_0000006 with another train.out_dir\)",
+    ):
+        train(_cfg(run, cache, "aogpt", **muon), resume=True, progress=False)
     assert sorted(p.name for p in ck.list_checkpoints(run)) == before
 
 

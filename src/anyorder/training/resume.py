@@ -39,6 +39,8 @@ RESUME_FREE = {
     "data.streaming",
 }
 RESUME_FORCED_FREE = {"train.", "order."}
+"""Prefixes that ``--resume`` lets change, except ``train.optimizer``: another optimizer
+cannot take the saved optimizer's state."""
 
 
 def _flat(prefix: str, d: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +159,13 @@ def find_resume(cfg: RunConfig, resume: bool | str, run_dir: Path) -> Path | Non
     _check_model_of(found, old, cfg, cfg.model.vocab_size)
     diff = config_diff(old, cfg)
     forced = resume is not False and resume != "auto"
+    if "train.optimizer" in diff:  # never free, not even with --resume
+        was, now = old.train.optimizer, cfg.train.optimizer
+        raise ConfigError(
+            f"{found} was trained with train.optimizer={was}, not {now}, and its saved state "
+            f"is that optimizer's; resume with train.optimizer={was}, or start a new run from "
+            f"its weights (train.init_from={found} with another train.out_dir)"
+        )
     bad = [
         k
         for k in diff
