@@ -49,20 +49,21 @@ def test_muon_takes_the_hidden_matrices_and_nothing_else():
     assert "tok_emb.weight" not in names and "head.weight" not in names
     assert all(model.get_parameter(n).dim() == 2 for n in names)
     assert {"blocks.0.attn.qkv.weight", "blocks.1.mlp.proj.weight", "query_mlp.0.weight"} <= names
-    untied = build_model(
-        ModelConfig(
-            kind="gpt",
-            n_layer=1,
-            n_head=2,
-            d_model=32,
-            seq_len=16,
-            vocab_size=50,
-            tie_embeddings=False,
+    for kind in ("gpt", "mdm"):  # an untied head: a Head, or the encoder's plain Linear
+        untied = build_model(
+            ModelConfig(
+                kind=kind,
+                n_layer=1,
+                n_head=2,
+                d_model=32,
+                seq_len=16,
+                vocab_size=50,
+                tie_embeddings=False,
+            )
         )
-    )
-    assert "head.weight" not in {
-        n for n, p in untied.named_parameters() if id(p) in {id(q) for q in muon_matrices(untied)}
-    }
+        mats = {id(q) for q in muon_matrices(untied)}
+        assert untied.head.weight.dim() == 2 and id(untied.head.weight) not in mats
+        assert id(untied.blocks[0].attn.qkv.weight) in mats
 
 
 def test_the_adamw_groups_step_exactly_as_torch_adamw():

@@ -52,13 +52,17 @@ def orthogonalize(g: Tensor, steps: int = NS_STEPS) -> Tensor:
 
 
 def muon_matrices(model: nn.Module) -> list[nn.Parameter]:
-    """The weights Muon takes: those of ``nn.Linear`` layers, except the output head (a
-    ``Linear`` subclass whose rows are tokens, like the embedding's)."""
+    """The weights Muon takes: those of ``nn.Linear`` layers, except the output head (whose
+    rows are tokens, like the embedding's): a :class:`~anyorder.layers.blocks.Head`, or the
+    model's ``head`` attribute (the encoder's plain ``Linear``)."""
     from anyorder.layers.blocks import Head
 
+    head = getattr(model, "head", None)
     out: list[nn.Parameter] = []
     for m in model.modules():
-        if type(m) is nn.Linear and m.weight.requires_grad and not isinstance(m, Head):
+        if not isinstance(m, nn.Linear) or isinstance(m, Head) or m is head:
+            continue
+        if m.weight.requires_grad:
             out.append(m.weight)
     return out
 
