@@ -6,6 +6,7 @@ Modules, from the loop down:
   open the run folder, step, summarise) and the bookkeeping after each step.
 * :mod:`~anyorder.training.step`: one optimizer step over the global batch.
 * :mod:`~anyorder.training.setup`: config checks, data, model, wrapper, optimizer, compile.
+* :mod:`~anyorder.training.muon`: the optimizer of ``train.optimizer=muon``.
 * :mod:`~anyorder.training.validation`: validation NLL (left to right and any order).
 * :mod:`~anyorder.training.state`: the run's parts, the schedule, EMA, RNGs, save/restore.
 * :mod:`~anyorder.training.resume`: which checkpoint a run continues from, and the checks.
