@@ -165,29 +165,20 @@ def prepare_data(
 
 def make_optimizer(model: nn.Module, cfg: RunConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices (>= 2-D) only; norms, biases, BOS undecayed. With
-    ``train.optimizer=muon``, the linear layers' matrices take Muon instead."""
+    ``train.optimizer=muon``, the linear layers' matrices take Muon instead (the same lr)."""
     t = cfg.train
-    params = [p for p in model.parameters() if p.requires_grad]
-    if t.optimizer == "muon":
-        matrices = muon_matrices(model)
-        taken = {id(p) for p in matrices}
-        rest = [p for p in params if id(p) not in taken]
-        return MuonAdamW(
-            [
-                {"params": matrices, "weight_decay": t.weight_decay, "muon": True},
-                {"params": [p for p in rest if p.dim() >= 2], "weight_decay": t.weight_decay},
-                {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
-            ],
-            lr=t.lr,
-            betas=(t.beta1, t.beta2),
-            momentum=t.muon_momentum,
-        )
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    muon = muon_matrices(model) if t.optimizer == "muon" else []
+    taken = {id(p) for p in muon}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
     groups = [
-        {"params": decay, "weight_decay": t.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
+    if muon:
+        muon_group = {"params": muon, "weight_decay": t.weight_decay, "muon": True}
+        return MuonAdamW(
+            [muon_group, *groups], lr=t.lr, betas=(t.beta1, t.beta2), momentum=t.muon_momentum
+        )
     # fused AdamW on CUDA; the CPU keeps the default (foreach) implementation.
     extra = {"fused": True} if device.type == "cuda" else {}
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), **extra)
