@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import anyorder.sampling.plan as plan_mod
 from anyorder.orders import strided
 from anyorder.sample import lemma1_sample, masked_fraction, sample, sequential_sample
 from anyorder.sampling.plan import BUDGET, Plan
@@ -93,24 +94,37 @@ def test_graph_replay_logic_equals_the_uncached_oracle(kind: str, kw: dict) -> N
     assert out.forward_passes == eager.forward_passes
 
 
-def test_replays_walk_each_group_table_in_order(monkeypatch) -> None:
-    """Every runner's counter ends at its group's number of passes: each pass read its own
-    row of the table (a replay takes no argument from the host)."""
+@pytest.mark.parametrize("kind", ["aogpt", "armd"])
+def test_replays_walk_each_group_table_in_order(kind: str, monkeypatch) -> None:
+    """A replay takes no argument from the host: a device counter picks its group's table
+    row. Each pass must read its own row, the one the eager path reads by the pass's index.
+    Issue 23's example (n = 32, T = 32, batch 2) merges groups, whose passes interleave in
+    decode order; the replay read another pass's row (a logit error of 3.17)."""
     import anyorder.sampling.passes as passes_mod
 
-    runners = []
-    real = passes_mod.PassRunner
+    read: list[torch.Tensor] = []
+    engine = passes_mod.ARMDPasses if kind == "armd" else passes_mod.GPTPasses
+    real = engine.run
 
-    def keep(*a, **k):
-        runners.append(real(*a, **k))
-        return runners[-1]
+    def run(self, tab, *a, **k):
+        read.append(tab.clone())
+        return real(self, tab, *a, **k)
 
-    monkeypatch.setattr(passes_mod, "PassRunner", keep)
-    model = tiny_model("aogpt")
-    out = lemma1_sample(model, N, 6, batch=4, graphs="emulate", generator=torch.Generator())
-    assert runners and sum(int(r.counter) for r in runners) == out.forward_passes
-    for r in runners:
-        assert int(r.counter) == r.table.shape[0]
+    monkeypatch.setattr(engine, "run", run)
+    monkeypatch.setattr(plan_mod, "BUCKET_ON_CPU", True)
+    monkeypatch.setattr(plan_mod, "_PACK_BELOW", -1.0)  # the plan a GPU runs, eagerly
+    model = tiny_model(kind, seq_len=32)
+    rows = {}
+    for graphs in ("off", "emulate"):
+        read.clear()
+        gen = torch.Generator().manual_seed(0)
+        out = lemma1_sample(model, 32, 32, batch=2, graphs=graphs, generator=gen)
+        rows[graphs] = list(read)
+    assert len(rows["off"]) == len(rows["emulate"]) == out.forward_passes
+    plan = Plan(kind == "armd", 2, 32, 0, out.reveals.counts, out.reveals.step)
+    assert len({g.widths for g in plan.groups}) < len({p.dims for p in plan.passes})  # merged
+    for i, (want, got) in enumerate(zip(rows["off"], rows["emulate"])):
+        assert torch.equal(got, want), f"pass {i} read another pass's table row"
 
 
 class _Ops(TorchDispatchMode):
@@ -199,31 +213,51 @@ def test_a_huge_step_count_costs_what_n_steps_cost() -> None:
     assert sorted(out.step_of[0].tolist()) == sorted(out.reveals.step[out.reveals.counts[:, 0] > 0])
 
 
+def _reference_counts(masked: int, steps: int, schedule: str) -> list[int]:
+    """The AO-GPT reference code's loop (``generate`` in model_AOGPT_generate.py), written
+    out independently: float32 times by ``torch.linspace(1, 0, T + 1)``, the cosine
+    ``torch.cos((1 - t) * pi * 0.5)``, and ``next = max(int(m * (1 - timesteps[i + 1])),
+    current + 1)`` revealed by step ``i``, slicing the order (so never past ``m``)."""
+    t = torch.linspace(1, 0, steps + 1)
+    timesteps = t if schedule == "linear" else torch.cos((1 - t) * math.pi * 0.5)
+    targets = (masked * (1 - timesteps)).tolist()  # float32 products, exactly as there
+    out, current = [], 0
+    for i in range(steps):
+        nxt = max(int(targets[i + 1]), current + 1)
+        out.append(min(nxt, masked) - min(current, masked))
+        current = nxt
+    return out
+
+
 def test_reference_counts_are_the_reference_schedule() -> None:
-    """By step i, max(floor(m (1 - m(t_{i+1}))), previous + 1) tokens revealed in total."""
-
-    def expected(masked: int, steps: int, schedule: str) -> list[int]:
-        out, done = [], 0
-        for i in range(steps):
-            t_next = 1 - (i + 1) / steps
-            total = min(
-                masked, max(int(masked * (1 - masked_fraction(t_next, schedule))), done + 1)
-            )
-            out.append(total - done)
-            done = total
-        return out
-
-    assert reference_reveals(12, 5).dense()[:, 0].tolist() == [2, 2, 3, 2, 3]
-    assert reference_reveals(4, 10).dense()[:, 0].tolist() == [1, 1, 1, 1, 0, 0, 0, 0, 0, 0]
-    assert reference_reveals(1024, 256).dense()[:, 0].tolist() == [4] * 256
-    for masked, steps, schedule in [(1024, 64, "cosine"), (100, 7, "cosine"), (37, 50, "linear")]:
-        counts = reference_reveals(masked, steps, schedule).dense()[:, 0].tolist()
-        assert counts == expected(masked, steps, schedule)
+    """Bit-identical to the reference's loop for a sample of (m, T) and both schedules
+    (every m <= 1024 and T <= m under ``-m slow``); every position is decided, also at
+    the last cosine step (cos(pi/2) is 6e-17 in float64, which left m - 1)."""
+    rng = np.random.default_rng(0)
+    pairs = [(12, 5), (12, 3), (1024, 16), (1024, 64), (1024, 256), (3, 3), (1, 1), (4, 10)]
+    pairs += [(int(m), int(rng.integers(1, m + 1))) for m in rng.integers(1, 1025, 60)]
+    for masked, steps in pairs:
+        for schedule in ("linear", "cosine"):
+            got = reference_reveals(masked, steps, schedule).dense()[:, 0].tolist()
+            assert got == _reference_counts(masked, steps, schedule), (masked, steps, schedule)
+            assert sum(got) == masked
+    assert reference_reveals(12, 5, "cosine").dense()[:, 0].tolist() == [1, 1, 2, 4, 4]
     model = tiny_model("armd")
     out = lemma1_sample(model, N, 5, reveal="reference", batch=3, generator=torch.Generator())
-    assert out.counts.T.tolist() == [[2, 2, 3, 2, 3]] * 3 and out.forward_passes == 5
+    assert out.counts.T.tolist() == [_reference_counts(N, 5, "linear")] * 3
+    assert out.forward_passes == 5
     with pytest.raises(Exception, match="reveal 'fixed' is unknown; use one of binomial"):
         lemma1_sample(model, N, 5, reveal="fixed")
+
+
+@pytest.mark.slow
+def test_reference_counts_for_every_length_and_step_count() -> None:
+    """Every m in 1..1024 with every T in 1..m, both schedules (about a million sequences)."""
+    for masked in range(1, 1025):
+        for steps in range(1, masked + 1):
+            for schedule in ("linear", "cosine"):
+                got = reference_reveals(masked, steps, schedule).dense()[:, 0].tolist()
+                assert got == _reference_counts(masked, steps, schedule), (masked, steps)
 
 
 def test_cosine_schedule_reveals_few_tokens_first() -> None:

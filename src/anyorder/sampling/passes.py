@@ -264,6 +264,7 @@ def run_plan(
             runners.append(PassRunner(partial(engine.run, tok=tok, group=g), g.table, graphs))
     watch = _EosWatch(B, stop_at_eos, device) if stop_at_eos is not None else None
     passes = 0
+    replays = [0] * len(runners)  # host counts: each runner must read its rows in order
     for i, p in enumerate(plan.passes):
         passes += 1
         if p.prefill:
@@ -272,6 +273,12 @@ def run_plan(
             continue
         start, Q = p.dims[-2], p.dims[-1]
         if runners:  # every entry's logits: the graph's shape is the group's
+            if replays[p.group] != p.index:
+                raise AssertionError(
+                    f"pass {i} is row {p.index} of its group's table, but "
+                    f"the replay would read row {replays[p.group]}"
+                )
+            replays[p.group] += 1
             logits = runners[p.group]()[:, start : start + Q]
         else:
             g = plan.groups[p.group]

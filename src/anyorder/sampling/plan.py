@@ -73,6 +73,7 @@ class Pass:
 
     step: int  # the step recorded in step_of for its tokens; -1 for a prefill
     prefill: bool
+    seq: int  # its place in the decode (passes run in this order)
     dims: tuple[int, ...]  # needed widths: (W, Q) for AO-GPT, (C, Wg, Q) for ARMD
     state: tuple[np.ndarray, ...]  # per-row counters before the pass
     group: int = -1
@@ -135,6 +136,7 @@ class Plan:
         self.rank_of = np.append(block_of if block_of is not None else np.arange(n), BIG)
         self.passes: list[Pass] = []
         B = batch
+        _check_counts(counts, steps, B, n - k)
         d = np.full(B, k, dtype=np.int64)
         zero = np.zeros(B, dtype=np.int64)
         # (d, w, ptr, cc, gptr): decided slots, first slot without a kept entry, kept
@@ -156,7 +158,7 @@ class Plan:
             dims = (int((d - cc).max()), int((d - w).max()), int(c.max()))
         else:
             dims = (int((d - w).max()), int(c.max()))
-        p = Pass(step, prefill, dims, tuple(state) + (c,))
+        p = Pass(step, prefill, len(self.passes), dims, tuple(state) + (c,))
         self.passes.append(p)
         grow = c if self.block_mode else np.minimum(c, 1)
         if self.armd:
@@ -203,8 +205,9 @@ class Plan:
             i = min(range(len(keys) - 1), key=lambda j: len(groups[keys[j]]))
             a, b = keys[i], keys[i + 1]
             merged = tuple(max(x, y) for x, y in zip(a, b))
-            groups[merged] = groups.pop(a) + groups.pop(b) + groups.pop(merged, [])
-            keys = sorted(groups)
+            joined = groups.pop(a) + groups.pop(b) + groups.pop(merged, [])
+            groups[merged] = sorted(joined, key=lambda p: p.seq)  # decode order: the replay
+            keys = sorted(groups)  # walks a group's table rows one after the other
         if not bucket:
             self._exact(groups)
             return self._finish(pack)
@@ -231,17 +234,21 @@ class Plan:
                 if g is None:
                     g = exact[w, ks] = Group(w, ks[0], ks[-1])
                 g.passes.append(p)
-                p.keys, p.dense = g.keys, self._dense(p)
+                p.keys, p.dense = g.keys, self._dense(p, w)
                 if all(bool((a == a[0]).all()) for a in p.state):
                     # every row alike: each writes slots base, base + 1, ... (kept entries
                     # come first in a pass), so slice copies replace the scatters
                     p.start = tuple(int(b) for b in self._base(p))
         self.groups = list(exact.values())
 
-    def _dense(self, p: Pass) -> bool:
+    def _dense(self, p: Pass, widths: tuple[int, ...]) -> bool:
         """One query per row, every row alike and real, nothing written beside it but the
-        newest content (ARMD): the query sees every slot before it, and itself."""
+        newest content (ARMD): the query sees every slot before it, and itself. Only where
+        the pass runs at its own widths (``widths``, its group's): a merged group's padding
+        entries would be read unmasked."""
         d, w, ptr, cc, gptr, c = p.state
+        if widths != self._widths(p, exact=True):
+            return False
         if not bool((c == 1).all()) or p.dims[-2] != 0:
             return False
         if self.armd:
@@ -256,6 +263,8 @@ class Plan:
         for gi, g in enumerate(self.groups):
             for j, p in enumerate(g.passes):
                 p.group, p.index = gi, j
+            if any(a.seq >= b.seq for a, b in zip(g.passes, g.passes[1:])):
+                raise AssertionError(f"plan: group {gi}'s table rows are not in decode order")
         if self.prefill is not None:
             self.prefill.passes[0].keys = self.prefill.keys
         self._pack = pack
@@ -326,6 +335,10 @@ class Plan:
             q_codes.append(np.where(q < c[:, None], d[:, None] + q, n))
             p.q_offset, offset = offset, offset + p.dims[-1]
         codes = np.concatenate(q_codes, 1) if q_codes else np.zeros((B, 0), np.int64)
+        real = codes < n  # every slot after the prompt decided exactly once, in every row
+        decided = np.sort(np.where(real, codes, n), axis=1)[:, : n - self.k]
+        if not ((real.sum(1) == n - self.k).all() and (decided == np.arange(self.k, n)).all()):
+            raise AssertionError("plan: a slot is decided twice, or never")
         slots = torch.from_numpy(codes).to(device)
         pack_dev = torch.from_numpy(np.concatenate([np.zeros(0, np.int64), *flat[1:]]))
         pack_dev = pack_dev.to(device)
@@ -349,6 +362,21 @@ class Plan:
         (bc, jc), (bg, jg) = np.nonzero(real[:, :C]), np.nonzero(real[:, C:])
         both = np.concatenate([bc * (C + G) + jc, bg * (C + G) + C + jg])
         return ((add(both), add(bc * C + jc), add(bg * G + jg)), len(bc))
+
+
+def _check_counts(counts: np.ndarray, steps: np.ndarray, batch: int, left: int) -> None:
+    """The reveal counts the plan is built from: (P, B), non-negative, each row adding up to
+    the positions left, in increasing steps. A violation is a bug upstream (an undecided
+    position keeps token 0, or mdm's mask id): an error now, not a wrong sample later."""
+    if counts.shape != (len(steps), batch) or (counts < 0).any():
+        raise AssertionError(f"plan: counts of shape {counts.shape} for {batch} rows")
+    if not (counts.sum(axis=0) == left).all():
+        raise AssertionError(
+            f"plan: rows reveal {sorted(set(counts.sum(axis=0).tolist()))} tokens, not the "
+            f"{left} left"
+        )
+    if (np.diff(steps) <= 0).any():
+        raise AssertionError("plan: steps are not increasing")
 
 
 def _convert(tab: Tensor, ext: Tensor, n: int, armd: bool) -> Tensor:

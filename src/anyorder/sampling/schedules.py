@@ -16,7 +16,9 @@ Design choices:
 * ``reference`` counts: the AO-GPT reference code's deterministic schedule. By the end of
   step ``i`` (0-based) ``R_i = max(floor(m_tot * (1 - m(t_{i+1}))), R_{i-1} + 1)`` tokens
   are revealed in total (``m_tot`` masked at the start), so no step is empty until all are
-  revealed; computed in float64, at most ``m_tot`` iterations.
+  revealed, and the last step reveals the rest. Computed as the reference computes it: in
+  float32, the times by ``torch.linspace`` and the cosine by ``torch.cos`` (float64 gave
+  other counts, and left a position undecided when cos(pi/2) came out as 6e-17).
 """
 
 from __future__ import annotations
@@ -127,18 +129,26 @@ def draw_reveals(
 
 def reference_reveals(masked: int, steps: int, schedule: str = "linear") -> RevealPlan:
     """The AO-GPT reference code's counts (one row): never an empty step until every token
-    is revealed; ``min(steps, masked)`` non-empty steps."""
+    is revealed; ``min(steps, masked)`` non-empty steps; the last step reveals the rest.
+
+    Computed as the reference computes them, in float32 with torch's ``linspace`` and
+    ``cos`` on the CPU, so the sequence is bit-identical to its ``generate`` (float64 gave
+    another count at some steps, and cos(pi/2) = 6e-17 left one position undecided).
+    ``R_i = max(int(m (1 - m(t_{i+1}))), R_{i-1} + 1)`` is a running maximum:
+    ``R_i - i = max(1, max_{j <= i} (int(...)_j - j))``, O(steps) with no Python loop.
+    """
     check_reveal(steps, schedule, "reference")
-    done, step, counts = 0, [], []
-    for i in range(steps):
-        if done >= masked:
-            break
-        after = masked_fraction((steps - i - 1) / steps, schedule)  # m(t_{i+1})
-        total = min(masked, max(int(masked * (1.0 - after)), done + 1))
-        step.append(i)
-        counts.append(total - done)
-        done = total
-    return RevealPlan(steps, np.array(step, np.int64), np.array(counts, np.int64).reshape(-1, 1))
+    if masked == 0:
+        return RevealPlan(steps, np.zeros(0, np.int64), np.zeros((0, 1), np.int64))
+    t = torch.linspace(1, 0, steps + 1, dtype=torch.float32)
+    m = t if schedule == "linear" else torch.cos((1 - t) * math.pi * 0.5)
+    base = (masked * (1 - m[1:])).long().numpy()  # int() truncates, as the reference's
+    i = np.arange(steps)
+    total = np.minimum(i + np.maximum.accumulate(np.maximum(base - i, 1)), masked)
+    total[-1] = masked  # the last step reveals what is left, whatever the rounding
+    counts = np.diff(total, prepend=0)
+    step = np.flatnonzero(counts)
+    return RevealPlan(steps, step.astype(np.int64), counts[step].astype(np.int64)[:, None])
 
 
 def reveal_counts(
