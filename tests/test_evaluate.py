@@ -321,6 +321,36 @@ def test_pack_examples_eos_after_every_example_and_remainder_dropped() -> None:
         pack_examples(["ab"], tok, seq_len=4, name="toy")
 
 
+def test_reference_protocol_cuts_blocks_per_group_as_datasets_map_does() -> None:
+    """The reference code maps ``group_texts`` over the tokenized rows with ``batched=True``
+    and ``num_proc=8``: each contiguous shard, in batches of 1000 rows, is concatenated and
+    cut on its own. Checked against ``datasets`` itself (3 shards, batches of 4 rows, so
+    29 rows make shards of 10, 10, 9 and batches 4, 4, 2 | 4, 4, 2 | 4, 4, 1)."""
+    datasets = pytest.importorskip("datasets")
+    from itertools import chain
+
+    from anyorder.evaluation.zeroshot import reference_groups
+
+    tok = ByteTokenizer()
+    texts = [("xyz" * (i % 7))[: (i * 5) % 11] for i in range(29)]
+    seq_len = 4
+
+    def group_texts(batch):  # the reference's rule, on the column of ids
+        ids = list(chain(*batch["input_ids"]))
+        usable = len(ids) // seq_len * seq_len
+        return {"input_ids": [ids[i : i + seq_len] for i in range(0, usable, seq_len)]}
+
+    rows = datasets.Dataset.from_dict({"input_ids": [tok.encode(t) + [tok.eos_id] for t in texts]})
+    want = rows.map(group_texts, batched=True, batch_size=4, num_proc=3)["input_ids"]
+    assert reference_groups(29, num_proc=3, batch=4) == [4, 4, 2, 4, 4, 2, 4, 4, 1]
+    got = pack_examples(texts, tok, seq_len, groups=reference_groups(29, 3, 4)).blocks
+    assert got.tolist() == want
+    whole = pack_examples(texts, tok, seq_len).blocks
+    assert len(whole) > len(got)  # one cut over the whole set keeps more blocks
+    assert reference_groups(5) == [1] * 5  # datasets never runs more shards than rows
+    assert reference_groups(8001) == [1000, 1] + [1000] * 7
+
+
 def write_layout(root: Path) -> Path:
     """A --data-dir with a few lines of each dataset's format."""
     import pyarrow as pa
@@ -526,7 +556,8 @@ def test_reference_gen_protocol_is_the_mean_per_sample_ppl_of_the_ids_as_generat
     per_sample = nll.mean(dim=1).exp()
     assert ref.gen_ppl == pytest.approx(float(per_sample.mean()), rel=1e-5)
     assert ref.ppl_per_sample == pytest.approx(per_sample.tolist(), rel=1e-4)
-    assert ref.ppl_per_sample_std == pytest.approx(float(per_sample.std()), rel=1e-4)
+    # the reference prints np.std: the population deviation (ddof 0)
+    assert ref.ppl_per_sample_std == pytest.approx(float(np.std(per_sample.numpy())), rel=1e-4)
     assert ref.scored_tokens == 6 * 15 and ref.with_eos >= 2 and ref.protocol == "reference"
     assert ref.gen_ppl >= math.exp(ref.nll_per_token) - 1e-9  # Jensen: mean of exps
     ours = generative_perplexity(samples, tok, judge, batch_size=4)

@@ -745,3 +745,48 @@ def test_cli_sample(tmp_path, capsys) -> None:
     assert code == 2 and err == "anyorder sample: error: --order strided needs --streams S\n"
     code, _, err = run(str(tmp_path / "gpt"), "--steps", "4")
     assert code == 2 and "gpt cannot predict several positions per pass" in err
+
+
+# ----------------------------------------------------------------------------- draws
+
+
+def test_top_p_rules_nucleus_and_the_reference_code() -> None:
+    """probs 0.5, 0.3, 0.15, 0.05 (cumulative 0.5, 0.8, 0.95, 1): at p = 0.7 the nucleus
+    keeps the token that crosses p (two kept), the reference code's
+    top_p_sampling_from_probs drops it (one kept); the top token always stays."""
+    from anyorder.sampling.draws import filter_logits, top_p_rule
+
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64).log()
+
+    def kept(p: float) -> int:
+        return int(torch.isfinite(filter_logits(logits, top_p=p)).sum())
+
+    ps = (0.3, 0.7, 0.85, 0.97, 0.99)
+    assert [kept(p) for p in ps] == [1, 2, 3, 4, 4]
+    with top_p_rule("reference"):
+        assert [kept(p) for p in ps] == [1, 1, 2, 3, 3]
+    assert kept(0.7) == 2  # the rule ends with its block
+    msg = "top-p rule 'hf': use one of nucleus, reference"
+    with pytest.raises(SamplingError, match=msg), top_p_rule("hf"):
+        pass
+
+
+def test_draws_are_made_in_chunks_of_bounded_size(monkeypatch) -> None:
+    """A draw's float64 tensors cover at most DRAW_ELEMENTS values at a time; drawing in
+    chunks consumes the generator row after row, so the tokens are the ones a single
+    draw gives."""
+    import anyorder.sampling.draws as draws
+
+    logits = torch.randn(5, 33, 97, generator=torch.Generator().manual_seed(0))
+    whole = [
+        draws.sample_logits(logits, torch.Generator().manual_seed(1), t, k, p)
+        for t, k, p in [(1.0, None, None), (0.7, 9, None), (1.3, None, 0.9)]
+    ]
+    seen = []
+    real = draws.filter_logits
+    monkeypatch.setattr(draws, "filter_logits", lambda x, *a: seen.append(x.numel()) or real(x, *a))
+    monkeypatch.setattr(draws, "DRAW_ELEMENTS", 97 * 8)
+    for want, (t, k, p) in zip(whole, [(1.0, None, None), (0.7, 9, None), (1.3, None, 0.9)]):
+        got = draws.sample_logits(logits, torch.Generator().manual_seed(1), t, k, p)
+        assert torch.equal(got, want)
+    assert max(seen) <= 97 * 8 and len(seen) == 3 * -(-5 * 33 // 8)

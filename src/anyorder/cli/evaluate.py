@@ -48,9 +48,11 @@ def add_eval(p: argparse.ArgumentParser) -> None:
         choices=("ours", "reference"),
         default="ours",
         help="zero-shot: ours reads every set's test split; reference reads the AO-GPT "
-        "reference code's splits (WikiText-2 train, the others test). gen: ours cuts "
-        "samples at the first EOS and pools the NLL; reference scores every generated id "
-        "as it is and averages per-sample perplexities (AO-GPT's Table 2)",
+        "reference code's splits (WikiText-2 train, the others test) and cuts blocks per "
+        "group of examples as its datasets map does. gen: ours cuts samples at the first "
+        "EOS and pools the NLL; reference samples with its top-p (the token crossing p "
+        "dropped), scores every generated id as it is and averages per-sample "
+        "perplexities (AO-GPT's Table 2)",
     )
     g = p.add_argument_group("likelihood and zero-shot")
     g.add_argument(

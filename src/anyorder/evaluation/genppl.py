@@ -25,7 +25,10 @@ Two protocols (:data:`PROTOCOLS`); every table names the one behind its figures.
   each from the ids before it.
 * Generative perplexity is the *mean of per-sample perplexities*, ``mean_i exp(mean NLL
   of sample i)``; by Jensen it is at least ``exp`` of the pooled mean. Any-order samples
-  put EOS at random places, so ``ours`` drops arbitrary suffixes and the two differ.
+  put EOS at random places, so ``ours`` drops arbitrary suffixes and the two differ. Its
+  spread is ``np.std`` of them (ddof 0), as the reference prints it.
+* Samples are drawn with the reference's top-p (``top_p_sampling_from_probs``: the token
+  whose cumulative mass crosses ``p`` is dropped, where the usual nucleus keeps it).
 
 Both:
 * Unigram entropy (nats) is computed per sample over the sample's own token ids (all ``n``
@@ -75,6 +78,7 @@ def generate_samples(
     *,
     batch_size: int = 16,
     progress: bool = True,
+    top_p_rule: str = "nucleus",
 ) -> Tensor:
     """``num`` unconditional samples of ``n`` tokens: (num, n) token ids.
 
@@ -88,6 +92,8 @@ def generate_samples(
         seed: seeds the generator of batch ``i`` with ``seed + i``.
         batch_size: samples per sampler call.
         progress: a tqdm bar over the batches.
+        top_p_rule: ``nucleus`` or ``reference`` (the AO-GPT code's top-p, which drops the
+            token that crosses ``p``; :func:`anyorder.sampling.draws.top_p_rule`).
 
     Raises:
         SamplingError: bad controls, ``steps`` outside ``1..n``, or ``steps < n`` for gpt.
@@ -95,6 +101,7 @@ def generate_samples(
     from tqdm.auto import tqdm
 
     from anyorder.sampling import samplers
+    from anyorder.sampling.draws import top_p_rule as rule_in_force
 
     steps = n if steps is None else steps
     if not 1 <= steps <= n:
@@ -108,7 +115,8 @@ def generate_samples(
     for i, start in enumerate(tqdm(batches, desc="samples", disable=None if progress else True)):
         b = min(batch_size, num - start)
         gen = torch.Generator(model.device).manual_seed(seed + i)
-        out.append(_sample_batch(samplers, model, n, b, mode, steps, temperature, top_p, gen))
+        with rule_in_force(top_p_rule):
+            out.append(_sample_batch(samplers, model, n, b, mode, steps, temperature, top_p, gen))
     return torch.cat(out).cpu()
 
 
@@ -361,7 +369,8 @@ def generative_perplexity(
         with_eos=with_eos,
         truncated=truncated,
         protocol=protocol,
-        ppl_per_sample_std=float(per_sample.std()) if reference and len(seqs) > 1 else None,
+        # np.std, as the reference prints it: the population deviation (ddof 0)
+        ppl_per_sample_std=float(per_sample.std(correction=0)) if reference else None,
         ppl_per_sample=[round(float(p), 4) for p in per_sample] if reference else None,
     )
 
@@ -392,8 +401,8 @@ def gen_sweep(
     for st in steps:
         for temp in temperatures:
             s = generate_samples(
-                model, n, num, mode, st, temp, top_p, seed,
-                batch_size=batch_size, progress=progress,
+                model, n, num, mode, st, temp, top_p, seed, batch_size=batch_size,
+                progress=progress, top_p_rule="reference" if protocol == "reference" else "nucleus",
             )  # fmt: skip
             score = generative_perplexity(
                 s, tokenizer, judge, batch_size=batch_size, protocol=protocol

@@ -20,7 +20,10 @@ the AO-GPT reference code (scxue/AO-GPT-MDM, ``data.get_valid_dataloaders``): Wi
 its *train* split, the others on test, so its published WikiText-2 column (31.52 / 33.73 /
 30.16) is on other text than a test-split figure. That code also scores one random order
 per block on up to 128 randomly drawn blocks per set (PTB: all); use ``--orders 1`` and
-``--max-blocks`` to come close (ours takes the first blocks).
+``--max-blocks`` to come close (ours takes the first blocks). It also cuts blocks per group
+of examples, not over the whole set (:func:`reference_groups`: 8 contiguous shards, each in
+map batches of 1000 examples, every group's remainder dropped); the ``reference`` protocol
+does the same, so its blocks are the reference's blocks.
 
 Offline layout (``--data-dir DIR``): one folder per dataset, named as above, holding that
 dataset's *test split*; another split goes in a subfolder named after it
@@ -290,6 +293,7 @@ def pack_examples(
     *,
     name: str = "corpus",
     chunk: int = 1024,
+    groups: Sequence[int] | None = None,
 ) -> ZeroShotCorpus:
     """Detokenize, tokenize, append EOS to every example, concatenate, cut into blocks.
 
@@ -300,8 +304,11 @@ def pack_examples(
         detokenize: the dataset's detokenizer (None: the text as it is).
         name: the corpus name in errors and reports.
         chunk: examples per batched tokenizer call.
+        groups: examples per group, in order, each group concatenated and cut on its own
+            (its remainder dropped): :func:`reference_groups`. None: one group.
     """
     ids: list[int] = []
+    ends = [0]  # each example's end in ``ids``
     examples = nbytes = 0
     texts = list(texts)
     encode_batch = getattr(tokenizer, "encode_batch", None)
@@ -313,15 +320,39 @@ def pack_examples(
         for text, tok in zip(part, encoded):
             ids += tok
             ids.append(tokenizer.eos_id)
+            ends.append(len(ids))
             nbytes += len(text.encode("utf-8"))
         examples += len(part)
-    usable = len(ids) // seq_len * seq_len
-    if usable == 0:
+    bounds = np.cumsum([0, *(groups if groups is not None else [examples])])
+    if bounds[-1] != examples:
+        raise ValueError(f"groups cover {bounds[-1]} examples, not {examples}")
+    flat = np.asarray(ids, dtype=np.int64)
+    cut = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        start, stop = ends[a], ends[b]
+        cut.append(flat[start : start + (stop - start) // seq_len * seq_len])
+    if sum(len(c) for c in cut) == 0:
         raise DataError(
             f"{name}: {len(ids)} tokens do not fill one block of {seq_len}; use more text"
         )
-    blocks = np.asarray(ids[:usable], dtype=np.int64).reshape(-1, seq_len)
+    blocks = np.concatenate(cut).reshape(-1, seq_len)
     return ZeroShotCorpus(name, blocks, examples, len(ids), nbytes)
+
+
+def reference_groups(examples: int, num_proc: int = 8, batch: int = 1000) -> list[int]:
+    """How the AO-GPT reference code groups a test set's examples before cutting blocks
+    (``data.get_dataset``: ``map(group_texts, batched=True, num_proc=8)``): ``datasets``
+    splits the rows into ``num_proc`` contiguous shards (the first ``examples % num_proc``
+    one row longer; fewer shards than rows never), and maps each shard in batches of 1000
+    rows; ``group_texts`` concatenates a batch and drops its own remainder. Returns the
+    rows per group, in order."""
+    procs = max(1, min(num_proc, examples))
+    div, mod = divmod(examples, procs)
+    out: list[int] = []
+    for rank in range(procs):
+        size = div + (rank < mod)
+        out += [min(batch, size - start) for start in range(0, size, batch)]
+    return out
 
 
 def load_corpus(
@@ -331,10 +362,13 @@ def load_corpus(
     data_dir: str | Path | None = None,
     max_examples: int | None = None,
     split: str = "test",
+    protocol: str = "ours",
 ) -> ZeroShotCorpus:
-    """A set's split by name, through the whole protocol: read, detokenize, pack."""
+    """A set's split by name, through the whole protocol: read, detokenize, pack (the
+    ``reference`` protocol cuts blocks per group of examples, :func:`reference_groups`)."""
     spec = dataset(name)
     texts = load_texts(spec, data_dir, split)
     if max_examples is not None:
         texts = texts[:max_examples]
-    return pack_examples(texts, tokenizer, seq_len, spec.detokenize, name=name)
+    groups = reference_groups(len(texts)) if protocol == "reference" else None
+    return pack_examples(texts, tokenizer, seq_len, spec.detokenize, name=name, groups=groups)

@@ -62,7 +62,8 @@ def zero_shot(
     seq_len = model.cfg.seq_len
     results: dict[str, Any] = {}
     for name in names:
-        corpus = load_corpus(name, tokenizer, seq_len, data_dir, split=split_of[name])
+        split = split_of[name]
+        corpus = load_corpus(name, tokenizer, seq_len, data_dir, split=split, protocol=protocol)
         blocks = corpus.blocks[:max_blocks] if max_blocks else corpus.blocks
         res = likelihood_suite(
             model, blocks, bytes_per_token=corpus.bytes_per_token, progress=progress, **suite

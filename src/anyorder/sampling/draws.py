@@ -12,7 +12,9 @@ Design choices:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -65,18 +67,52 @@ def check_controls(temperature: float, top_k: int | None, top_p: float | None) -
         raise SamplingError(f"top-k={top_k} must be at least 1; leave it out to keep every token")
 
 
+TOP_P_RULES = ("nucleus", "reference")
+_TOP_P_RULE: ContextVar[str] = ContextVar("anyorder_top_p_rule", default="nucleus")
+
+
+@contextlib.contextmanager
+def top_p_rule(rule: str) -> Iterator[None]:
+    """Which tokens top-p keeps, for the draws inside the block.
+
+    ``nucleus`` (the default): the smallest set of top tokens whose mass reaches ``p``, the
+    token that crosses ``p`` included (Holtzman et al.; what ``transformers`` does).
+    ``reference``: the AO-GPT reference code's ``top_p_sampling_from_probs``, which drops
+    every token whose cumulative mass exceeds ``p``, the crossing token too (the top token
+    always stays); the generative-perplexity ``reference`` protocol samples this way.
+    """
+    if rule not in TOP_P_RULES:
+        raise SamplingError(f"top-p rule {rule!r}: use one of {', '.join(TOP_P_RULES)}")
+    token = _TOP_P_RULE.set(rule)
+    try:
+        yield
+    finally:
+        _TOP_P_RULE.reset(token)
+
+
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
-    """Set logits outside the top-k / nucleus (top-p) support to -inf. (..., V) -> (..., V)."""
+    """Set logits outside the top-k / nucleus (top-p) support to -inf. (..., V) -> (..., V).
+    Top-p follows the rule in force (:func:`top_p_rule`)."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the mass before it already reaches top_p (the top token stays)
-        drop = probs.cumsum(dim=-1) - probs >= top_p
+        mass = probs.cumsum(dim=-1)
+        if _TOP_P_RULE.get() == "reference":
+            drop = mass > top_p  # the crossing token goes too
+            drop[..., 0] = False
+        else:  # drop a token when the mass before it already reaches top_p
+            drop = mass - probs >= top_p
         logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
     return logits
+
+
+DRAW_ELEMENTS = 1 << 22
+"""Float64 elements drawn at once (32 MB): rows of (..., V) logits are drawn in chunks of
+this size, so a draw's memory is bounded whatever the batch and the queries (a whole
+(32, 512, 50257) draw was 6.6 GB per float64 tensor, and top-p sorts two of them)."""
 
 
 def sample_logits(
@@ -86,14 +122,32 @@ def sample_logits(
     top_k: int | None = None,
     top_p: float | None = None,
 ) -> Tensor:
-    """Draw one token per row from ``logits`` (..., V) in float64. Returns (...)."""
-    logits = filter_logits(logits.double() / temperature, top_k, top_p)
-    probs = logits.softmax(dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    if generator is not None and generator.device != flat.device:
-        flat = flat.to(generator.device)
-    draw = torch.multinomial(flat, 1, generator=generator).to(logits.device)
-    return draw.view(probs.shape[:-1])
+    """Draw one token per row from ``logits`` (..., V) in float64. Returns (...).
+
+    The rows are drawn in chunks of :data:`DRAW_ELEMENTS` float64 values, in order, from
+    the one generator; the chunks depend on the shape alone (no host sync)."""
+    V = logits.shape[-1]
+    flat = logits.reshape(-1, V)
+    rows = max(1, DRAW_ELEMENTS // V)
+    if flat.shape[0] <= rows:
+        return _draw(flat, generator, temperature, top_k, top_p).view(logits.shape[:-1])
+    out = torch.empty(flat.shape[0], dtype=torch.long, device=logits.device)
+    for start in range(0, flat.shape[0], rows):
+        part = flat[start : start + rows]
+        out[start : start + rows] = _draw(part, generator, temperature, top_k, top_p)
+    return out.view(logits.shape[:-1])
+
+
+def _draw(flat: Tensor, generator, temperature: float, top_k, top_p) -> Tensor:
+    """One draw per row of (R, V) logits, in float64."""
+    x = flat.double()
+    if x.data_ptr() == flat.data_ptr():  # already float64: do not divide the caller's
+        x = x.clone()
+    x.div_(temperature)
+    probs = filter_logits(x, top_k, top_p).softmax(dim=-1)
+    if generator is not None and generator.device != probs.device:
+        probs = probs.to(generator.device)
+    return torch.multinomial(probs, 1, generator=generator).view(-1).to(flat.device)
 
 
 def prompt_order(
