@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from anyorder.cache import BIG
+from anyorder.sampling.schedules import check_counts
 
 BUDGET = 8
 """Most distinct attention (queries, keys) shapes in one decode (a bucketed plan)."""
@@ -136,7 +137,7 @@ class Plan:
         self.rank_of = np.append(block_of if block_of is not None else np.arange(n), BIG)
         self.passes: list[Pass] = []
         B = batch
-        _check_counts(counts, steps, B, n - k)
+        check_counts(counts, steps, B, n - k)
         d = np.full(B, k, dtype=np.int64)
         zero = np.zeros(B, dtype=np.int64)
         # (d, w, ptr, cc, gptr): decided slots, first slot without a kept entry, kept
@@ -362,21 +363,6 @@ class Plan:
         (bc, jc), (bg, jg) = np.nonzero(real[:, :C]), np.nonzero(real[:, C:])
         both = np.concatenate([bc * (C + G) + jc, bg * (C + G) + C + jg])
         return ((add(both), add(bc * C + jc), add(bg * G + jg)), len(bc))
-
-
-def _check_counts(counts: np.ndarray, steps: np.ndarray, batch: int, left: int) -> None:
-    """The reveal counts the plan is built from: (P, B), non-negative, each row adding up to
-    the positions left, in increasing steps. A violation is a bug upstream (an undecided
-    position keeps token 0, or mdm's mask id): an error now, not a wrong sample later."""
-    if counts.shape != (len(steps), batch) or (counts < 0).any():
-        raise AssertionError(f"plan: counts of shape {counts.shape} for {batch} rows")
-    if not (counts.sum(axis=0) == left).all():
-        raise AssertionError(
-            f"plan: rows reveal {sorted(set(counts.sum(axis=0).tolist()))} tokens, not the "
-            f"{left} left"
-        )
-    if (np.diff(steps) <= 0).any():
-        raise AssertionError("plan: steps are not increasing")
 
 
 def _convert(tab: Tensor, ext: Tensor, n: int, armd: bool) -> Tensor:

@@ -163,3 +163,18 @@ def reveal_counts(
     dense (steps, batch) int64 CPU tensor whose rows add up to ``masked`` (see
     :func:`draw_reveals`; the count of a step is ``Binomial(#still masked, 1 - m(s)/m(t))``)."""
     return draw_reveals(masked, steps, batch, schedule, reveal, generator).dense()
+
+
+def check_counts(counts: np.ndarray, steps: np.ndarray, batch: int, left: int) -> None:
+    """Reveal counts as a plan takes them: (P, B), non-negative, each row adding up to
+    the positions left, in increasing steps. A violation is a bug upstream (an undecided
+    position keeps token 0, or mdm's mask id): an error now, not a wrong sample later."""
+    if counts.shape != (len(steps), batch) or (counts < 0).any():
+        raise AssertionError(f"plan: counts of shape {counts.shape} for {batch} rows")
+    if not (counts.sum(axis=0) == left).all():
+        raise AssertionError(
+            f"plan: rows reveal {sorted(set(counts.sum(axis=0).tolist()))} tokens, not the "
+            f"{left} left"
+        )
+    if (np.diff(steps) <= 0).any():
+        raise AssertionError("plan: steps are not increasing")
