@@ -12,6 +12,9 @@ other sites' scripts. These checks keep those scripts out:
   (not a browser, or a same-origin GET) or the server's own (``http://`` + Host) is taken.
 * **Content-Type**: POST bodies must be ``application/json``; a cross-site "simple"
   request can only send ``text/plain`` or form types without asking the server first.
+* **One of each**: a second Host, Origin, Content-Length, Content-Type or
+  Transfer-Encoding header is refused, not resolved by taking the first (the parts of a
+  chain may each take a different one).
 * **Content-Length**: ASCII digits only (``'²'.isdigit()`` is True in Python), at most
   10 of them; no chunked bodies.
 * **JSON depth**: a request is one flat object; deeper nesting than :data:`MAX_JSON_DEPTH`
@@ -22,14 +25,35 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from typing import Any
 
 MAX_JSON_DEPTH = 4
 """Deepest nesting of arrays and objects a request body may have."""
 LOOPBACK_NAMES = ("localhost",)
+SINGLE = ("Host", "Origin", "Content-Length", "Content-Type", "Transfer-Encoding")
+"""Headers a request may carry once at most."""
+PREVIEW = 80
+"""Characters of a client's value quoted in an answer."""
 _LENGTH = re.compile(r"[0-9]{1,10}")
 _HOST = re.compile(
     r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]]+))(?::(?P<port>[0-9]{1,5}))?$"
 )
+
+
+def preview(value: str | None, limit: int = PREVIEW) -> str:
+    """``repr(value)``, cut to ``limit`` characters with the full length named."""
+    if value is None or len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def repeated(headers: Any) -> str | None:
+    """The first of :data:`SINGLE` that ``headers`` (an :class:`email.message.Message`)
+    holds more than once, or None."""
+    for name in SINGLE:
+        if len(headers.get_all(name) or ()) > 1:
+            return name
+    return None
 
 
 def host_name(header: str | None) -> str | None:
