@@ -122,6 +122,14 @@ _TYPES: dict[str, tuple[type, ...]] = {
 _OPTIONAL = {"streams", "steps", "length", "top_p"}
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_request(body: Any, limits: Limits) -> GenRequest:
     """Check the JSON of a request (types, names, limits) and build a :class:`GenRequest`.
 
@@ -144,6 +152,11 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
             want = "a string" if _TYPES[name] == (str,) else "a number"
             want = "a whole number" if _TYPES[name] == (int,) else want
             raise SamplingError(f"field {name!r} must be {want}, not {json.dumps(value)}")
+        if isinstance(value, str) and not _encodable(value):
+            raise SamplingError(
+                f"field {name!r} is not valid Unicode (it holds an unpaired surrogate such as "
+                "\\ud800); send UTF-8 text"
+            )
         values[name] = value
     req = GenRequest(**values)
     if req.mode not in MODES:

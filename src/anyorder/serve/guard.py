@@ -17,6 +17,8 @@ other sites' scripts. These checks keep those scripts out:
   chain may each take a different one).
 * **Content-Length**: ASCII digits only (``'²'.isdigit()`` is True in Python), at most
   10 of them; no chunked bodies.
+* **Strict JSON**: ``NaN``/``Infinity`` (not JSON, though Python reads them) and a field
+  named twice (which Python resolves by taking the last) are refused.
 * **JSON depth**: a request is one flat object; deeper nesting than :data:`MAX_JSON_DEPTH`
   is refused before ``json.loads`` (whose recursion a 30,000-deep body exhausts).
 """
@@ -24,8 +26,11 @@ other sites' scripts. These checks keep those scripts out:
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from typing import Any
+
+from anyorder.errors import SamplingError
 
 MAX_JSON_DEPTH = 4
 """Deepest nesting of arrays and objects a request body may have."""
@@ -139,3 +144,22 @@ def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
         elif b in (0x5D, 0x7D):  # ] }
             depth -= 1
     return False
+
+
+def _no_constant(name: str) -> Any:
+    raise SamplingError(f"{name} is not a JSON number; send a finite number")
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise SamplingError(f"the body names the field {preview(key)} twice; send it once")
+        out[key] = value
+    return out
+
+
+def strict_json(text: str) -> Any:
+    """``json.loads`` that refuses ``NaN``/``Infinity`` and repeated keys
+    (:class:`~anyorder.errors.SamplingError`); other faults raise ``ValueError`` as usual."""
+    return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_once)

@@ -201,11 +201,13 @@ class Intake:
         c.buf += data
         if c.need is None:  # look for the blank line in the new bytes only: linear
             m = _HEAD_END.search(c.buf, max(0, len(c.buf) - len(data) - 3))
+            if (m is None and len(c.buf) > self.limits.max_header_bytes) or (
+                m is not None and m.start() > self.limits.max_header_bytes
+            ):
+                n = self.limits.max_header_bytes
+                message = f"the request's headers are over {n} bytes; send shorter ones"
+                return self._refuse(c, 431, "Request Header Fields Too Large", message)
             if m is None:
-                if len(c.buf) > self.limits.max_header_bytes:
-                    n = self.limits.max_header_bytes
-                    message = f"the request's headers are over {n} bytes; send shorter ones"
-                    self._refuse(c, 431, "Request Header Fields Too Large", message)
                 return
             c.need = request_size(bytes(c.buf[: m.start()]), m.end())
             if c.need - m.end() > self.limits.max_body_bytes:

@@ -112,6 +112,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.rfile = io.BytesIO(data)
         self.wfile = DeadlineWriter(sock, time.monotonic() + self.server.app.limits.send_timeout_s)
 
+    def send_response(self, code: int, message: str | None = None) -> None:
+        super().send_response(code, message)
+        self.send_header("Connection", "close")  # one request per connection: say so
+
     def handle(self) -> None:
         self.close_connection = True
         self.handle_one_request()  # one request per connection
@@ -243,7 +247,7 @@ class _Handler(BaseHTTPRequestHandler):
                         "send one flat JSON object")  # fmt: skip
             return None
         try:
-            return parse_request(json.loads(raw.decode("utf-8")), app.limits)
+            return parse_request(serve_guard.strict_json(raw.decode("utf-8")), app.limits)
         except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, a 5000-digit number
             reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             self._error(400, f"the body is not JSON ({reason}); send a JSON object")
@@ -348,6 +352,7 @@ class _Server(HTTPServer):
     app: App
     verbose: bool = False
     bound_host: str = "127.0.0.1"
+    request_queue_size = 128  # socketserver's 5 makes a burst of clients wait 1 s (SYN retry)
 
     def __init__(self, address: tuple[str, int], app: App, family: socket.AddressFamily) -> None:
         self.address_family = family
