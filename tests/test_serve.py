@@ -617,3 +617,31 @@ def test_requests_answered_at_once_are_capped(server) -> None:
             break
         threading.Event().wait(0.1)
     assert server.get("/api/info")[0] == 200
+
+
+# ----------------------------------------------------------------------------- the docs
+
+
+def test_docs_figures_are_the_codes() -> None:
+    """docs/serve.md's parameter count of the demo model and its table of limits."""
+    from dataclasses import fields
+
+    from anyorder.config import load_config
+    from anyorder.models import build_model
+
+    doc = (REPO / "docs" / "serve.md").read_text()
+    model = build_model(load_config(REPO / "configs" / "demo.yaml").model)
+    assert f"a {model.num_params() / 1e6:.2f}M-parameter ARMD" in doc
+    limits = Limits()
+    rows = [line for line in doc.splitlines() if line.startswith("| ")]
+    for f in fields(Limits):
+        value = getattr(limits, f.name)
+        shown = (
+            f"{value:g} s" if f.name.endswith("_s")
+            else f"{value} ms" if f.name.endswith("_ms")
+            else f"{value // 1024} KiB" if f.name.endswith("_bytes")
+            else str(value)
+        )  # fmt: skip
+        row = [r for r in rows if f"`{f.name}`" in r or f"`--{f.name.replace('_', '-')}`" in r]
+        assert len(row) == 1, f.name
+        assert row[0].split(" | ")[1].startswith(shown), (f.name, shown, row[0])
