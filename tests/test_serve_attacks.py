@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import select
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -189,6 +192,22 @@ def test_waiting_clients_cannot_crowd_out_a_prompt_one(server) -> None:
             s.close()
 
 
+@pytest.mark.parametrize("server", [Limits(max_waiting=16)], indirect=True)
+def test_a_flood_of_silent_connections(server) -> None:
+    flood = []
+    try:
+        for _ in range(100):  # far more than may wait: the oldest make room, with 408
+            flood.append(connect(server))
+            flood[-1].sendall(b"GET / HTTP/1.1\r\n")
+        info_within_a_second(server)
+        status, message = error_of(read_answer(flood[0], 2.0))
+        assert status == 408 and "(other clients were waiting)" in message
+    finally:
+        for s in flood:
+            s.close()
+    info_within_a_second(server)
+
+
 # ----------------------------------------------------------------------------- clients that leave
 
 
@@ -343,6 +362,27 @@ def test_ipv6_loopback(armd) -> None:
             assert r.read().decode().rstrip().split("\n\n")[-1].startswith("event: done")
     finally:
         server.close()
+
+
+def test_cli_serves_on_ipv6_loopback(armd) -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    cmd = [sys.executable, "-m", "anyorder.cli", "serve", str(armd.path), "--host", "::1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([*cmd, "--port", "0", "--device", "cpu"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving armd (") and " at http://[::1]:" in line, line
+        url = line.split(" at ")[1].split()[0]
+        with urllib.request.urlopen(url + "api/info", timeout=30) as r:
+            assert json.loads(r.read())["kind"] == "armd"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("value", ["inf", "nan", "-inf", "1e300", "0"])

@@ -35,6 +35,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,7 +111,7 @@ class Intake:
     # -- called from other threads: never blocks
     def add(self, sock: socket.socket, addr: Any, *, linger: bool = False) -> None:
         """Take an accepted connection (``linger``: one already answered, to drain)."""
-        if self._new.qsize() >= MAX_QUEUED:
+        if self._stop or self._new.qsize() >= MAX_QUEUED:
             with contextlib.suppress(OSError):
                 sock.close()
             return
@@ -129,20 +130,26 @@ class Intake:
     def _run(self) -> None:
         try:
             while not self._stop:
-                now = time.monotonic()
-                soonest = min((c.deadline for c in self._conns.values()), default=now + 1)
-                for key, _ in self._sel.select(min(max(soonest - now, 0.0), 1.0)):
-                    if key.fileobj is self._wake_r:
-                        self._take_new()
-                    else:
-                        self._read(self._conns[key.fileobj])
-                self._expire()
+                try:
+                    self._round()
+                except Exception:  # a bug here must not stop every client being read
+                    traceback.print_exc(file=sys.stderr)
         finally:
             for c in list(self._conns.values()):
                 self._drop(c)
             self._sel.close()
             self._wake_r.close()
             self._wake_w.close()
+
+    def _round(self) -> None:
+        now = time.monotonic()
+        soonest = min((c.deadline for c in self._conns.values()), default=now + 1)
+        for key, _ in self._sel.select(min(max(soonest - now, 0.0), 1.0)):
+            if key.fileobj is self._wake_r:
+                self._take_new()
+            elif (c := self._conns.get(key.fileobj)) is not None:  # not dropped meanwhile
+                self._read(c)
+        self._expire()
 
     def _take_new(self) -> None:
         with contextlib.suppress(OSError):

@@ -316,8 +316,13 @@ class _Handler(BaseHTTPRequestHandler):
             )  # fmt: skip
             self.log_message("generated %d tokens, %.0f tokens/s", done["generated"],
                              done["tokens_per_s"])  # fmt: skip
-        except OSError:  # the page went away (Stop) or stopped reading: generation stopped
+        except TimeoutError:  # a stream nobody reads: stopped at its deadline
             self.close_connection = True
+            log_line(self.client_address, "did not read its stream in time; generation stopped")
+        except OSError as e:  # the page went away (Stop): generation stopped
+            self.close_connection = True
+            log_line(self.client_address, f"left during its stream ({type(e).__name__}); "
+                     "generation stopped")  # fmt: skip
         except AnyorderError as e:
             if not started:
                 return self._error(503 if isinstance(e, LimitError) else 400, str(e))
