@@ -290,6 +290,10 @@ def test_oversized_and_malformed_headers(server) -> None:
     info_within_a_second(server)
 
 
+def test_empty_lines_before_a_request_are_skipped(server) -> None:
+    assert ask(server, b"\r\n\r\n" + INFO)[0] == 200
+
+
 def test_pipelined_requests_get_one_answer(server) -> None:
     status, headers, body = ask(server, INFO + INFO + b"GET /nowhere HTTP/1.1\r\n\r\n")
     assert status == 200 and headers["Connection"] == "close"

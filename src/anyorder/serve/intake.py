@@ -206,6 +206,8 @@ class Intake:
                 self._drop(c)
             return
         c.buf += data
+        if c.need is None and c.buf[:1] in (b"\r", b"\n"):  # empty lines before a request
+            del c.buf[: len(c.buf) - len(c.buf.lstrip(b"\r\n"))]  # are skipped (RFC 9112)
         if c.need is None:  # look for the blank line in the new bytes only: linear
             m = _HEAD_END.search(c.buf, max(0, len(c.buf) - len(data) - 3))
             if (m is None and len(c.buf) > self.limits.max_header_bytes) or (
