@@ -160,19 +160,23 @@ class Intake:
                 sock, addr, linger = self._new.get_nowait()
             except queue.Empty:
                 return
-            sock.setblocking(False)
             now = time.monotonic()
             c = _Conn(sock, addr, now + (LINGER_S if linger else self.limits.request_timeout_s))
             c.closing = linger
             self._make_room(closing=linger)
+            try:
+                sock.setblocking(False)
+                self._sel.register(sock, selectors.EVENT_READ)
+            except (OSError, ValueError):  # closed already: nothing to read or answer
+                self._drop(c)
+                continue
             self._conns[sock] = c
-            self._sel.register(sock, selectors.EVENT_READ)
 
     def _make_room(self, *, closing: bool) -> None:
         """Keep at most ``max_waiting`` connections of each kind: the one waiting longest
         goes (a waiting request gets 408 first)."""
         mine = [c for c in self._conns.values() if c.closing == closing]
-        while len(mine) >= self.limits.max_waiting:
+        while mine and len(mine) >= self.limits.max_waiting:
             oldest = min(mine, key=lambda c: c.deadline)
             mine.remove(oldest)
             if closing:
