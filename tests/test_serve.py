@@ -497,7 +497,7 @@ def test_huge_steps_are_refused_before_any_work(server) -> None:
         ({"seed": -1}, "seed=-1 must be a whole number in 0.."),
         ({"text": "a[MASK:" + "9" * 5000 + "]"}, "hole [MASK:999999... (5000 digits)] is longer"),
         ({"length": 0}, "length=0 must be at least 1"),
-        ({"temperature": 1e400}, "temperature=inf must be a finite number > 0"),
+        ({"temperature": 1e400}, "Infinity is not a JSON number; send a finite number"),
     ],
 )
 def test_out_of_range_numbers_get_400(server, body, message) -> None:
@@ -581,38 +581,67 @@ def _stuck(server, count: int) -> list:
     return out
 
 
-@pytest.mark.parametrize("server", [("armd", Limits(read_timeout_s=1.0))], indirect=True)
-def test_partial_requests_are_dropped_after_the_read_timeout(server) -> None:
+@pytest.mark.parametrize("server", [("armd", Limits(request_timeout_s=1.0))], indirect=True)
+def test_partial_requests_are_dropped_at_the_request_deadline(server) -> None:
     stuck = _stuck(server, 20)
-    for s in stuck:  # the server closes each one by itself (the client would wait 60 s)
-        assert s.recv(65536) == b""
+    for s in stuck:  # the server answers and closes each one by itself (the client waits 60 s)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
         s.close()
+        assert answer.startswith(b"HTTP/1.0 408 Request Timeout\r\n")
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"] == (
+            "the request was not sent whole within 1 s and is dropped (it took too long); "
+            "send the headers and body at once"
+        )
     assert server.get("/api/info")[0] == 200
 
 
-@pytest.mark.parametrize(
-    "server", [("armd", Limits(read_timeout_s=120.0, max_connections=4))], indirect=True
-)
-def test_open_connections_are_capped(server) -> None:
-    import time
-
-    stuck = _stuck(server, 4)
-    try:
-        # one more is answered 503 at once (the four may not all be accepted yet: retry)
-        deadline = time.monotonic() + 60
-        while True:
-            status, headers, body = raw(
-                server, b"GET /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
-            )
-            if status == 503 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+@pytest.mark.parametrize("server", [("armd", Limits(max_connections=1))], indirect=True)
+def test_requests_answered_at_once_are_capped(server) -> None:
+    slow = {"mode": "l2r", "length": 32, "delay_ms": 200}  # about 6 s if left to run
+    req = urllib.request.Request(
+        f"{server.url}/api/generate",
+        data=json.dumps(slow).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as first:
+        assert first.readline().decode().startswith("event: start")  # it holds the one worker
+        status, headers, body = raw(server, b"GET /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert status == 503 and headers["Content-Type"] == "application/json"
-        assert json.loads(body)["error"] == "busy: 4 connections are open; retry"
-    finally:
-        for s in stuck:
-            s.close()
-    # closed by their clients: the slots free up
-    while server.get("/api/info")[0] != 200 and time.monotonic() < deadline:
-        time.sleep(0.05)
+        assert headers["Retry-After"] == "1"
+        assert json.loads(body)["error"] == "busy: this server answers 1 request(s) at once; retry"
+    # closed by its client: the generation stops at its next pass and the worker is free
+    for _ in range(100):
+        if server.get("/api/info")[0] == 200:
+            break
+        threading.Event().wait(0.1)
     assert server.get("/api/info")[0] == 200
+
+
+# ----------------------------------------------------------------------------- the docs
+
+
+def test_docs_figures_are_the_codes() -> None:
+    """docs/serve.md's parameter count of the demo model and its table of limits."""
+    from dataclasses import fields
+
+    from anyorder.config import load_config
+    from anyorder.models import build_model
+
+    doc = (REPO / "docs" / "serve.md").read_text()
+    model = build_model(load_config(REPO / "configs" / "demo.yaml").model)
+    assert f"a {model.num_params() / 1e6:.2f}M-parameter ARMD" in doc
+    limits = Limits()
+    rows = [line for line in doc.splitlines() if line.startswith("| ")]
+    for f in fields(Limits):
+        value = getattr(limits, f.name)
+        shown = (
+            f"{value:g} s" if f.name.endswith("_s")
+            else f"{value} ms" if f.name.endswith("_ms")
+            else f"{value // 1024} KiB" if f.name.endswith("_bytes")
+            else str(value)
+        )  # fmt: skip
+        row = [r for r in rows if f"`{f.name}`" in r or f"`--{f.name.replace('_', '-')}`" in r]
+        assert len(row) == 1, f.name
+        assert row[0].split(" | ")[1].startswith(shown), (f.name, shown, row[0])

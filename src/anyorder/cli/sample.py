@@ -299,11 +299,14 @@ def add_serve(p: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from anyorder.bounds import MAX_NUM_SAMPLES
     from anyorder.errors import ConfigError
-    from anyorder.serve import Limits, serve
+    from anyorder.serve import MAX_TIME_LIMIT_S, Limits, serve
 
-    if not 1 <= args.max_samples <= MAX_NUM_SAMPLES or not args.time_limit > 0:
+    if not 1 <= args.max_samples <= MAX_NUM_SAMPLES:
+        raise ConfigError(f"--max-samples {args.max_samples} must lie in 1..{MAX_NUM_SAMPLES}")
+    if not 0 < args.time_limit <= MAX_TIME_LIMIT_S:  # False for nan and inf too
         raise ConfigError(
-            f"--max-samples must lie in 1..{MAX_NUM_SAMPLES} and --time-limit be above 0"
+            f"--time-limit {args.time_limit:g} must be a number of seconds above 0 and at most "
+            f"{MAX_TIME_LIMIT_S:g} (a day)"
         )
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port} must lie in 0..65535 (0: any free port)")

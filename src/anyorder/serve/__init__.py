@@ -8,8 +8,8 @@ server-sent event: the positions decided, their tokens and text, and the step re
 
 Design choices:
 
-* Standard library only (:class:`http.server.ThreadingHTTPServer`): no new dependency, and
-  page loads are answered while a generation runs.
+* Standard library only (:mod:`http.server`): no new dependency, and page loads are
+  answered while a generation runs.
 * The stream *is* the sampler: one ``step`` event per call of the sampler's ``on_step``
   hook, so the events rebuild its :class:`~anyorder.sample.SampleResult` exactly (tokens
   and ``step_of``); ``done`` carries the result itself.
@@ -21,8 +21,9 @@ Design choices:
 * Bounded requests (:class:`Limits`): body size (413), samples per request, length (the
   model's context, checked by the sampler), wall-clock time per request (checked after
   every pass; the hook raises to stop the sampler), and one generation at a time (429 with
-  ``Retry-After`` while busy). A client that goes away stops its generation at the next
-  pass (the write fails).
+  ``Retry-After`` while busy), and per connection: one deadline for the whole request (408),
+  requests answered at once (503), the time an answer may take to be read. A client that
+  goes away stops its generation at the next pass (the write fails).
 * Binds ``127.0.0.1`` by default: the page is meant for the machine it runs on.
 * ``tokens/s`` counts generated tokens over the time spent outside the optional
   slow-motion pause (``delay_ms``, for watching a fast model fill in).
@@ -33,10 +34,12 @@ the limits), ``POST /api/generate`` (JSON in, ``text/event-stream`` out: ``start
 
 Modules: :mod:`~anyorder.serve.generation` (one request: checks, the sampler's arguments,
 the run and its events), :mod:`~anyorder.serve.server` (the HTTP server and the page),
-:mod:`~anyorder.serve.guard` (checks on raw HTTP requests).
+:mod:`~anyorder.serve.guard` (checks on raw HTTP requests), :mod:`~anyorder.serve.intake`
+(reading requests whole in one thread, writing answers before a deadline).
 """
 
 from anyorder.serve.generation import (
+    MAX_TIME_LIMIT_S,
     MODES,
     MODES_OF_KIND,
     GenRequest,
@@ -51,6 +54,7 @@ from anyorder.serve.server import DEFAULT_CHECKPOINT, STATIC, App, make_server, 
 
 __all__ = [
     "DEFAULT_CHECKPOINT",
+    "MAX_TIME_LIMIT_S",
     "MODES",
     "MODES_OF_KIND",
     "STATIC",

@@ -46,6 +46,11 @@ MODES_OF_KIND = {
 }
 
 
+MAX_TIME_LIMIT_S = 86400.0
+"""The longest time limit ``anyorder serve --time-limit`` takes (a day): a finite bound, so
+that every generation ends."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask of the server."""
@@ -61,9 +66,18 @@ class Limits:
     max_concurrent: int = 1
     """Generations running at once; more get 429."""
     max_connections: int = 32
-    """Connections open at once (each holds a thread); more get 503 and are closed."""
-    read_timeout_s: float = 10.0
-    """Seconds a connection may stay silent (a partial request) or not read the stream."""
+    """Whole requests answered at once (each holds a thread); more get 503."""
+    max_waiting: int = 128
+    """Connections still sending their request (they hold no thread); a newcomer beyond
+    this drops the one that has waited longest (408)."""
+    request_timeout_s: float = 10.0
+    """Seconds from connecting to the end of the request, headers and body together;
+    later gets 408."""
+    send_timeout_s: float = 10.0
+    """Seconds an answer may take to be read by its client (a stream: beyond the time
+    limit); then the connection is closed."""
+    max_header_bytes: int = 65536
+    """Largest request line and headers together; more gets 431."""
 
 
 @dataclass
@@ -108,6 +122,14 @@ _TYPES: dict[str, tuple[type, ...]] = {
 _OPTIONAL = {"streams", "steps", "length", "top_p"}
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_request(body: Any, limits: Limits) -> GenRequest:
     """Check the JSON of a request (types, names, limits) and build a :class:`GenRequest`.
 
@@ -130,6 +152,11 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
             want = "a string" if _TYPES[name] == (str,) else "a number"
             want = "a whole number" if _TYPES[name] == (int,) else want
             raise SamplingError(f"field {name!r} must be {want}, not {json.dumps(value)}")
+        if isinstance(value, str) and not _encodable(value):
+            raise SamplingError(
+                f"field {name!r} is not valid Unicode (it holds an unpaired surrogate such as "
+                "\\ud800); send UTF-8 text"
+            )
         values[name] = value
     req = GenRequest(**values)
     if req.mode not in MODES:

@@ -12,8 +12,13 @@ other sites' scripts. These checks keep those scripts out:
   (not a browser, or a same-origin GET) or the server's own (``http://`` + Host) is taken.
 * **Content-Type**: POST bodies must be ``application/json``; a cross-site "simple"
   request can only send ``text/plain`` or form types without asking the server first.
+* **One of each**: a second Host, Origin, Content-Length, Content-Type or
+  Transfer-Encoding header is refused, not resolved by taking the first (the parts of a
+  chain may each take a different one).
 * **Content-Length**: ASCII digits only (``'²'.isdigit()`` is True in Python), at most
   10 of them; no chunked bodies.
+* **Strict JSON**: ``NaN``/``Infinity`` (not JSON, though Python reads them) and a field
+  named twice (which Python resolves by taking the last) are refused.
 * **JSON depth**: a request is one flat object; deeper nesting than :data:`MAX_JSON_DEPTH`
   is refused before ``json.loads`` (whose recursion a 30,000-deep body exhausts).
 """
@@ -21,15 +26,39 @@ other sites' scripts. These checks keep those scripts out:
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
+from typing import Any
+
+from anyorder.errors import SamplingError
 
 MAX_JSON_DEPTH = 4
 """Deepest nesting of arrays and objects a request body may have."""
 LOOPBACK_NAMES = ("localhost",)
+SINGLE = ("Host", "Origin", "Content-Length", "Content-Type", "Transfer-Encoding")
+"""Headers a request may carry once at most."""
+PREVIEW = 80
+"""Characters of a client's value quoted in an answer."""
 _LENGTH = re.compile(r"[0-9]{1,10}")
 _HOST = re.compile(
     r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]]+))(?::(?P<port>[0-9]{1,5}))?$"
 )
+
+
+def preview(value: str | None, limit: int = PREVIEW) -> str:
+    """``repr(value)``, cut to ``limit`` characters with the full length named."""
+    if value is None or len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def repeated(headers: Any) -> str | None:
+    """The first of :data:`SINGLE` that ``headers`` (an :class:`email.message.Message`)
+    holds more than once, or None."""
+    for name in SINGLE:
+        if len(headers.get_all(name) or ()) > 1:
+            return name
+    return None
 
 
 def host_name(header: str | None) -> str | None:
@@ -115,3 +144,22 @@ def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
         elif b in (0x5D, 0x7D):  # ] }
             depth -= 1
     return False
+
+
+def _no_constant(name: str) -> Any:
+    raise SamplingError(f"{name} is not a JSON number; send a finite number")
+
+
+def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise SamplingError(f"the body names the field {preview(key)} twice; send it once")
+        out[key] = value
+    return out
+
+
+def strict_json(text: str) -> Any:
+    """``json.loads`` that refuses ``NaN``/``Infinity`` and repeated keys
+    (:class:`~anyorder.errors.SamplingError`); other faults raise ``ValueError`` as usual."""
+    return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_once)

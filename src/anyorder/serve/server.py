@@ -3,31 +3,40 @@ static files, ``GET /api/info`` and ``POST /api/generate`` as server-sent events
 
 Design choices:
 
-* Standard library only (:class:`http.server.ThreadingHTTPServer`): no new dependency, and
-  page loads are answered while a generation runs.
+* Standard library only (:mod:`http.server`'s handler): no new dependency, and page loads
+  are answered while a generation runs.
+* A request reaches a thread only when it is whole: :mod:`anyorder.serve.intake` reads
+  every connection until then in one thread, with one deadline per request, so slow or
+  silent clients hold no thread and the accepting thread never waits on a client. The
+  handler parses the request from memory and writes its answer before one deadline.
 * The response headers are sent at the sampler's first pass, so an
   :class:`~anyorder.errors.AnyorderError` raised before it becomes a 400 with its one-line
   message; errors after it arrive as an ``error`` event. Unexpected exceptions become a 500
   or an ``error`` event; the server keeps going.
-* Bounded: body size (413), one generation at a time (429 with ``Retry-After`` while
-  busy), connections open at once (503), a read timeout per connection. A client that goes
-  away stops its generation at the next pass (the write fails).
+* Bounded (:class:`~anyorder.serve.generation.Limits`): request time (408), header size
+  (431), body size (413), one generation at a time (429 with ``Retry-After`` while busy),
+  requests answered at once (503), the time an answer may take to be read. One request per
+  connection (HTTP/1.0 style: a pipelined second request is not read). A client that goes
+  away stops its generation at the next pass (the write fails) and is logged in one line.
 * Raw requests are checked (Host, Origin, Content-Type, Content-Length, JSON depth) by the
   pure functions of :mod:`anyorder.serve.guard` before any of them reaches the model.
-* Binds ``127.0.0.1`` by default: the page is meant for the machine it runs on.
+* Binds ``127.0.0.1`` by default: the page is meant for the machine it runs on; IPv6
+  addresses (``::1``) work too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import socket
+import socketserver
 import sys
 import threading
 import time
 import traceback
 from dataclasses import asdict
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +54,7 @@ from anyorder.serve.generation import (
     plan_request,
     run_generation,
 )
+from anyorder.serve.intake import DeadlineWriter, Intake, log_line
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -95,14 +105,31 @@ class _Handler(BaseHTTPRequestHandler):
     default_request_version = "HTTP/1.0"  # answers to malformed lines get a status line too
 
     def setup(self) -> None:
-        # A per-connection socket timeout: a client that stops sending (a partial request)
-        # or stops reading is dropped after it instead of holding a thread forever.
-        self.timeout = self.server.app.limits.read_timeout_s
-        super().setup()
+        # The intake read the whole request already: parsing it never waits on the client.
+        # The answer has one deadline however slowly the client reads it.
+        sock, data = self.request
+        self.connection = sock
+        self.rfile = io.BytesIO(data)
+        self.wfile = DeadlineWriter(sock, time.monotonic() + self.server.app.limits.send_timeout_s)
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        super().send_response(code, message)
+        self.send_header("Connection", "close")  # one request per connection: say so
+
+    def handle(self) -> None:
+        self.close_connection = True
+        self.handle_one_request()  # one request per connection
+
+    def finish(self) -> None:
+        pass  # the server half-closes and drains the socket
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
         if self.server.verbose:
             super().log_message(format, *args)
+
+    def log_error(self, format: str, *args: Any) -> None:  # noqa: A002
+        # http.server's own "Request timed out" (an answer nobody read): one line, always
+        log_line(self.client_address, format % args)
 
     def _json(self, status: int, data: dict[str, Any], headers: dict | None = None) -> None:
         body = json.dumps(data).encode()
@@ -131,17 +158,23 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _refused(self) -> bool:
         """Host and Origin checks (:mod:`anyorder.serve.guard`); True when refused."""
+        twice = serve_guard.repeated(self.headers)
+        if twice is not None:
+            n = len(self.headers.get_all(twice))
+            self._error(400, f"the request has {n} {twice} headers; send one")
+            return True
         host = self.headers.get("Host")
         if not serve_guard.host_allowed(host, self.server.bound_host):
             self._error(
                 403,
-                f"Host {host!r} is not this server's address; open the page at "
+                f"Host {serve_guard.preview(host)} is not this server's address; open the page at "
                 f"http://127.0.0.1:{self.server.server_address[1]}/",
             )
             return True
         origin = self.headers.get("Origin")
         if not serve_guard.origin_allowed(origin, host):
-            self._error(403, f"cross-origin request from {origin!r} refused; use the page itself")
+            shown = serve_guard.preview(origin)
+            self._error(403, f"cross-origin request from {shown} refused; use the page itself")
             return True
         return False
 
@@ -166,8 +199,10 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         allow = self._routes(path)
         if allow is None:
-            return self._error(404, f"no page at {path}; the page is /")
-        self._error(405, f"{self.command} is not served at {path}; use {allow}", {"Allow": allow})
+            return self._error(404, f"no page at {_cut(path)}; the page is /")
+        self._error(
+            405, f"{_cut(self.command)} is not served at {path}; use {allow}", {"Allow": allow}
+        )
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         if self._refused():
@@ -180,8 +215,8 @@ class _Handler(BaseHTTPRequestHandler):
         name = "index.html" if path in ("/", "/index.html") else None
         if path.startswith("/static/"):
             name = path[len("/static/") :]
-        if name not in STATIC:
-            return self._error(404, f"no page at {path}; the page is /")
+        if name not in STATIC:  # a fixed list: no path from the client reaches the disk
+            return self._error(404, f"no page at {_cut(path)}; the page is /")
         body = (resources.files("anyorder") / "web" / name).read_bytes()
         self.send_response(200)
         self.send_header("Content-Type", f"{STATIC[name]}; charset=utf-8")
@@ -206,20 +241,13 @@ class _Handler(BaseHTTPRequestHandler):
                 f"{app.limits.max_body_bytes}",
             )
             return None
-        try:
-            raw = self.rfile.read(length)
-        except TimeoutError:
-            self._error(408, f"the body did not arrive within {app.limits.read_timeout_s:g} s")
-            return None
-        if len(raw) < length:
-            self.close_connection = True  # the client went away mid-body
-            return None
+        raw = self.rfile.read(length)  # whole: the intake waited for it
         if serve_guard.json_too_deep(raw):
             self._error(400, f"the body nests deeper than {serve_guard.MAX_JSON_DEPTH} levels; "
                         "send one flat JSON object")  # fmt: skip
             return None
         try:
-            return parse_request(json.loads(raw.decode("utf-8")), app.limits)
+            return parse_request(serve_guard.strict_json(raw.decode("utf-8")), app.limits)
         except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, a 5000-digit number
             reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             self._error(400, f"the body is not JSON ({reason}); send a JSON object")
@@ -232,7 +260,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self._refused():
             return
         if self.path.split("?", 1)[0] != "/api/generate":
-            return self._error(404, f"nothing to POST at {self.path}; use /api/generate")
+            return self._error(404, f"nothing to POST at {_cut(self.path)}; use /api/generate")
         app = self.server.app
         req = self._read_request(app)
         if req is None:
@@ -251,6 +279,8 @@ class _Handler(BaseHTTPRequestHandler):
                 {"Retry-After": "1"},
             )
         held = [True]
+        # the stream may take the time limit, and its last events as long as any answer
+        self.wfile.deadline = time.monotonic() + app.limits.time_limit_s + app.limits.send_timeout_s
 
         def free() -> None:  # once, before the last event goes out (see run_generation)
             if held:
@@ -286,8 +316,13 @@ class _Handler(BaseHTTPRequestHandler):
             )  # fmt: skip
             self.log_message("generated %d tokens, %.0f tokens/s", done["generated"],
                              done["tokens_per_s"])  # fmt: skip
-        except OSError:  # the page went away (Stop) or stopped reading: generation stopped
+        except TimeoutError:  # a stream nobody reads: stopped at its deadline
             self.close_connection = True
+            log_line(self.client_address, "did not read its stream in time; generation stopped")
+        except OSError as e:  # the page went away (Stop): generation stopped
+            self.close_connection = True
+            log_line(self.client_address, f"left during its stream ({type(e).__name__}); "
+                     "generation stopped")  # fmt: skip
         except AnyorderError as e:
             if not started:
                 return self._error(503 if isinstance(e, LimitError) else 400, str(e))
@@ -302,6 +337,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(500, message)
 
 
+def _cut(text: str, limit: int = serve_guard.PREVIEW) -> str:
+    """A client's path or method, cut for an answer."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _internal_error(e: Exception) -> str:
     """Print the traceback of an exception that is a bug (not the user's) to stderr; the
     message the client gets."""
@@ -309,66 +349,86 @@ def _internal_error(e: Exception) -> str:
     return f"internal error: {type(e).__name__}: {e}"
 
 
-class _Server(ThreadingHTTPServer):
-    """Threads per connection, at most ``limits.max_connections`` open at once: the next one
-    gets a JSON 503 and is closed without a thread."""
+class _Server(HTTPServer):
+    """Accepts connections and hands them to an :class:`~anyorder.serve.intake.Intake`,
+    which reads each request whole; each whole request then gets a thread of its own, at
+    most ``limits.max_connections`` at once (the intake answers 503 beyond)."""
 
-    daemon_threads = True
     app: App
     verbose: bool = False
     bound_host: str = "127.0.0.1"
+    request_queue_size = 128  # socketserver's 5 makes a burst of clients wait 1 s (SYN retry)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._open = 0
-        self._open_lock = threading.Lock()
+    def __init__(self, address: tuple[str, int], app: App, family: socket.AddressFamily) -> None:
+        self.address_family = family
+        self.app = app
+        self._busy = 0
+        self._busy_lock = threading.Lock()
+        super().__init__(address, _Handler)
+        self.intake = Intake(app.limits, self._dispatch)
+
+    def server_bind(self) -> None:
+        # HTTPServer's own looks the address up in DNS (getfqdn): slow, and not needed here
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        with self._open_lock:
-            full = self._open >= self.app.limits.max_connections
-            if not full:
-                self._open += 1
-        if not full:
-            return super().process_request(request, client_address)
-        body = json.dumps(
-            {"error": f"busy: {self.app.limits.max_connections} connections are open; retry"}
-        ).encode()
-        head = (
-            "HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
-        )
-        with contextlib.suppress(OSError):
-            request.settimeout(0.1)  # short: this runs in the accepting thread
-            request.sendall(head.encode() + body)
-            request.shutdown(socket.SHUT_WR)
-            while request.recv(65536):  # drain the request, so closing sends no reset
-                pass
-        self.shutdown_request(request)
+        self.intake.add(request, client_address)  # never waits: see intake.Intake.add
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+    def _dispatch(self, sock: socket.socket, addr: Any, data: bytes) -> bool:
+        with self._busy_lock:
+            if self._busy >= self.app.limits.max_connections:
+                return False
+            self._busy += 1
         try:
-            super().process_request_thread(request, client_address)
+            threading.Thread(target=self._work, args=(sock, addr, data), daemon=True).start()
+        except RuntimeError:  # no thread to be had: as busy
+            with self._busy_lock:
+                self._busy -= 1
+            return False
+        return True
+
+    def _work(self, sock: socket.socket, addr: Any, data: bytes) -> None:
+        try:
+            sock.setblocking(True)
+            self.RequestHandlerClass((sock, data), addr, self)
+        except TimeoutError:
+            log_line(addr, "did not read its answer in time; closed")
+        except OSError as e:  # BrokenPipe, ConnectionReset: the client left early
+            log_line(addr, f"left before its answer was sent ({type(e).__name__})")
+        except Exception:  # a bug, not the client's: the traceback, and keep serving
+            traceback.print_exc(file=sys.stderr)
         finally:
-            with self._open_lock:
-                self._open -= 1
+            with self._busy_lock:
+                self._busy -= 1
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)
+            self.intake.add(sock, addr, linger=True)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.intake.close()
 
 
 def make_server(
     app: App, host: str = "127.0.0.1", port: int = 8000, *, verbose: bool = False
-) -> ThreadingHTTPServer:
-    """An HTTP server for ``app`` bound to ``host:port`` (port 0: any free port).
+) -> HTTPServer:
+    """An HTTP server for ``app`` bound to ``host:port`` (port 0: any free port; an IPv6
+    address such as ``::1`` or ``[::1]`` listens on IPv6).
 
     Call ``serve_forever()`` on it (in a thread for tests); ``server_address`` has the port.
     """
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
     try:
-        server = _Server((host, port), _Handler)
+        server = _Server((bare, port), app, family)
     except OSError as e:
         raise SamplingError(
-            f"cannot listen on {host}:{port} ({e.strerror}); pick another --host or --port"
+            f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --host or --port"
         ) from None
     except OverflowError:
         raise SamplingError(f"--port {port} must lie in 0..65535 (0: any free port)") from None
-    server.app, server.verbose, server.bound_host = app, verbose, host
+    server.verbose, server.bound_host = verbose, bare
     return server
 
 
@@ -412,13 +472,14 @@ def serve(
     app = App(loaded, limits, autocast=dtype == "bf16" or (dtype == "auto" and dev.type == "cuda"))
     server = make_server(app, host, port, verbose=verbose)
     h, p = server.server_address[:2]
+    h = f"[{h}]" if ":" in h else h
     m = loaded.model
     print(
         f"serving {m.kind} ({m.num_params() / 1e6:.2f}M parameters, context {m.cfg.seq_len}) "
         f"from {loaded.path} at http://{h}:{p}/  (Ctrl-C stops)",
         flush=True,
     )
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
         print(f"note: listening on {host}: other machines can reach this page", flush=True)
     try:
         server.serve_forever()

@@ -1,0 +1,408 @@
+"""``anyorder serve`` under hostile clients: slow, silent, crowding and malformed ones, each
+driven against a real server on 127.0.0.1 while another client checks that ``GET /api/info``
+is still answered within 1 s. Deadlines are set short (about a second) so each test is
+quick; every loop is bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from anyorder.checkpoint.exporting import save_pretrained
+from anyorder.data import ByteTokenizer
+from anyorder.interop.hub import load_any
+from anyorder.serve import App, Limits, make_server
+
+from conftest import tiny_model
+
+INFO = b"GET /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def armd(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("attacks") / "armd"
+    model = tiny_model("armd", seed=3, vocab_size=257, seq_len=32)
+    return load_any(save_pretrained(model, folder, ByteTokenizer()))
+
+
+class Running:
+    """A server on a free loopback port, in a thread."""
+
+    def __init__(self, loaded, limits: Limits, host: str = "127.0.0.1") -> None:
+        self.server = make_server(App(loaded, limits), host, 0)
+        self.url = f"http://{'[::1]' if ':' in host else host}:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def server(armd, request):
+    s = Running(armd, getattr(request, "param", Limits()))
+    yield s
+    s.close()
+
+
+def port(server) -> int:
+    return int(server.url.rsplit(":", 1)[1])
+
+
+def connect(server, timeout: float = 5.0) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port(server)), timeout=timeout)
+
+
+def read_answer(s: socket.socket, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+    """Everything the server sends until it closes (within ``timeout``): status, headers,
+    body."""
+    s.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), headers, body
+
+
+def ask(server, request: bytes, timeout: float = 5.0) -> tuple[int, dict[str, str], bytes]:
+    """Send ``request`` whole on a connection of its own; the answer."""
+    with connect(server, timeout) as s:
+        s.sendall(request)
+        return read_answer(s, timeout)
+
+
+def error_of(answer: tuple[int, dict[str, str], bytes]) -> tuple[int, str]:
+    status, headers, body = answer
+    assert headers["Content-Type"] == "application/json", answer
+    return status, json.loads(body)["error"]
+
+
+def info_within_a_second(server) -> None:
+    """Another client's ``GET /api/info``, answered whole within 1 s."""
+    status, _, body = ask(server, INFO, timeout=1.0)
+    assert status == 200 and json.loads(body)["kind"] == "armd"
+
+
+def post(body: bytes, *extra: str, length: int | None = None) -> bytes:
+    head = ["POST /api/generate HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
+    head += [f"Content-Length: {len(body) if length is None else length}", *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+# ----------------------------------------------------------------------------- slow clients
+
+
+def drip(socks: list[socket.socket], seconds: float, server, every: float = 0.05) -> dict:
+    """Send one byte of an endless header line to each open socket every ``every`` s for at
+    most ``seconds``, checking ``GET /api/info`` each round; the answers the dripping
+    clients got, by index, with when they arrived (seconds after the first byte)."""
+    sent = []
+    for s in socks:
+        s.sendall(b"GET /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: ")
+        sent.append(time.monotonic())
+    answers: dict[int, tuple[float, bytes]] = {}
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds and len(answers) < len(socks):
+        for i, s in enumerate(socks):
+            if i in answers:
+                continue
+            with contextlib.suppress(OSError):  # closed by the server: read what it said
+                s.sendall(b"a")
+            if select.select([s], [], [], 0)[0]:
+                answers[i] = (time.monotonic() - sent[i], read_answer(s, 2.0)[2])
+        info_within_a_second(server)
+        time.sleep(every)
+    return answers
+
+
+@pytest.mark.parametrize(
+    "server", [Limits(max_connections=4, request_timeout_s=30.0)], indirect=True
+)
+def test_clients_that_never_finish_cannot_stop_the_server_accepting(server) -> None:
+    # more dripping clients than threads: the old server gave the 5th a 503 and then drained
+    # it in the accepting thread for as long as it dripped, accepting nobody else
+    socks = [connect(server) for _ in range(12)]
+    try:
+        answers = drip(socks, 1.5, server)
+    finally:
+        for s in socks:
+            s.close()
+    assert answers == {}  # still within their deadline: nobody was refused
+    info_within_a_second(server)
+
+
+@pytest.mark.parametrize(
+    "server", [Limits(max_connections=4, request_timeout_s=1.0)], indirect=True
+)
+def test_slow_loris_is_dropped_at_the_request_deadline(server) -> None:
+    # a byte every 0.05 s: the old per-read timeout never ran out, and 4 of these took every
+    # thread (503 for everyone else)
+    socks = [connect(server) for _ in range(8)]
+    try:
+        answers = drip(socks, 6.0, server)
+    finally:
+        for s in socks:
+            s.close()
+    assert sorted(answers) == list(range(8))  # every one was answered and closed...
+    for when, body in answers.values():
+        assert 0.5 < when < 4.0, body  # ...at its deadline (1 s after connecting), not later
+        assert json.loads(body)["error"] == (
+            "the request was not sent whole within 1 s and is dropped (it took too long); "
+            "send the headers and body at once"
+        )
+
+
+@pytest.mark.parametrize(
+    "server",
+    [Limits(max_connections=4, max_waiting=8, request_timeout_s=60.0)],
+    indirect=True,
+)
+def test_waiting_clients_cannot_crowd_out_a_prompt_one(server) -> None:
+    silent = [connect(server) for _ in range(8)]
+    try:
+        for s in silent:
+            s.sendall(b"POST /api/generate HTTP/1.1\r\n")
+        time.sleep(0.3)  # all eight are waiting now
+        info_within_a_second(server)  # the ninth: the longest waiting one makes room
+        status, message = error_of(read_answer(silent[0], 2.0))
+        assert status == 408 and message == (
+            "the request was not sent whole within 60 s and is dropped (other clients were "
+            "waiting); send the headers and body at once"
+        )
+        for s in silent[1:]:  # the others still wait
+            assert not select.select([s], [], [], 0)[0]
+    finally:
+        for s in silent:
+            s.close()
+
+
+@pytest.mark.parametrize("server", [Limits(max_waiting=16)], indirect=True)
+def test_a_flood_of_silent_connections(server) -> None:
+    flood = []
+    try:
+        for _ in range(100):  # far more than may wait: the oldest make room, with 408
+            flood.append(connect(server))
+            flood[-1].sendall(b"GET / HTTP/1.1\r\n")
+        info_within_a_second(server)
+        status, message = error_of(read_answer(flood[0], 2.0))
+        assert status == 408 and "(other clients were waiting)" in message
+    finally:
+        for s in flood:
+            s.close()
+    info_within_a_second(server)
+
+
+# ----------------------------------------------------------------------------- clients that leave
+
+
+def test_a_client_that_leaves_early_is_logged_in_one_line(server, capsys) -> None:
+    for _ in range(30):
+        s = connect(server)
+        s.sendall(b"GET /static/app.js HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()  # a reset: the server's writes fail
+    info_within_a_second(server)
+    time.sleep(0.2)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert lines, "no client was seen leaving"
+    for line in lines:
+        assert line.startswith("anyorder serve: 127.0.0.1:") and line.endswith(
+            ("left before its answer was sent (BrokenPipeError)",
+             "left before its answer was sent (ConnectionResetError)")
+        ), line  # fmt: skip
+
+
+def test_half_closed_clients(server) -> None:
+    # the whole request, then no more sending: answered
+    with connect(server) as s:
+        s.sendall(INFO)
+        s.shutdown(socket.SHUT_WR)
+        assert read_answer(s)[0] == 200
+    # half a request, then no more sending: told so, at once
+    for partial in (b"GET /api/info HTTP/1.1\r\nHost: 1", post(b'{"mode"', length=40)):
+        with connect(server) as s:
+            s.sendall(partial)
+            s.shutdown(socket.SHUT_WR)
+            assert error_of(read_answer(s)) == (
+                400,
+                "the request ended before it was whole; send the whole request before closing",
+            )
+    info_within_a_second(server)
+
+
+# ----------------------------------------------------------------------------- malformed HTTP
+
+
+def test_duplicate_security_headers_are_refused(server) -> None:
+    body = b'{"mode": "l2r", "length": 4}'
+    twice = [
+        ("Host", b"GET /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n\r\n"),
+        ("Origin", post(body, "Origin: http://127.0.0.1", "Origin: http://evil.example")),
+        ("Content-Length", post(body, f"Content-Length: {len(body)}")),
+        ("Content-Type", post(body, "Content-Type: text/plain")),
+    ]
+    for name, request in twice:
+        status, message = error_of(ask(server, request))
+        assert (status, message) == (400, f"the request has 2 {name} headers; send one"), name
+    info_within_a_second(server)
+
+
+def test_oversized_and_malformed_headers(server) -> None:
+    huge = b"GET /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"
+    assert error_of(ask(server, huge)) == (
+        431,
+        "the request's headers are over 65536 bytes; send shorter ones",
+    )
+    many = b"GET /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-A: b\r\n" * 200 + b"\r\n"
+    status, message = error_of(ask(server, many))
+    assert status == 431 and message.startswith("Too many headers")
+    for length in ("-1", "1e3", "5, 5", "0x10", " ", "99999999999"):
+        status, message = error_of(ask(server, post(b"{}", length=None).replace(
+            b"Content-Length: 2", f"Content-Length: {length}".encode())))  # fmt: skip
+        assert status == 411, length
+    chunked = post(b"2\r\n{}\r\n0\r\n\r\n", "Transfer-Encoding: chunked")
+    assert error_of(ask(server, chunked))[0] == 411
+    # a body announced over the limit is refused before it is sent
+    with connect(server) as s:
+        s.sendall(post(b"", length=10**9))
+        assert error_of(read_answer(s, 2.0)) == (
+            413,
+            "the request is 1000000000 bytes; this server takes at most 65536",
+        )
+    info_within_a_second(server)
+
+
+def test_empty_lines_before_a_request_are_skipped(server) -> None:
+    assert ask(server, b"\r\n\r\n" + INFO)[0] == 200
+
+
+def test_pipelined_requests_get_one_answer(server) -> None:
+    status, headers, body = ask(server, INFO + INFO + b"GET /nowhere HTTP/1.1\r\n\r\n")
+    assert status == 200 and headers["Connection"] == "close"
+    assert json.loads(body)["kind"] == "armd"  # one answer, whole; the rest is not read
+
+
+def test_bad_bodies_get_400(server) -> None:
+    cases = [
+        (b'{"text": "\xff\xfe"}', "the body is not JSON ('utf-8' codec can't decode byte 0xff"),
+        (b"\xef\xbb\xbf{}", "the body is not JSON (Unexpected UTF-8 BOM"),
+        (b'{"temperature": NaN}', "NaN is not a JSON number; send a finite number"),
+        (b'{"temperature": -Infinity}', "-Infinity is not a JSON number; send a finite number"),
+        (b'{"steps": 1e999, "mode": "lemma1"}', "field 'steps' must be a whole number"),
+        (b'{"delay_ms": 1' + b"0" * 400 + b"}", "delay_ms=1000000"),
+        (b'{"length": 1' + b"0" * 400 + b"}", "length n=1000000"),
+        (b'{"text": "\\ud800 [MASK:2]"}', "field 'text' is not valid Unicode"),
+        (b'{"text": "a", "text": "b"}', "the body names the field 'text' twice; send it once"),
+    ]
+    for raw, message in cases:
+        status, got = error_of(ask(server, post(raw)))
+        assert status == 400 and got.startswith(message), (raw[:40], got)
+    info_within_a_second(server)
+
+
+def test_static_files_do_not_reach_the_disk(server) -> None:
+    for path in (
+        "/static/../guard.py",
+        "/static/%2e%2e/guard.py",
+        "/static//etc/passwd",
+        "/static/app.js/../../__init__.py",
+        "/static/app.js%00.png",
+        "/../../etc/passwd",
+    ):
+        status, message = error_of(
+            ask(server, f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        )
+        assert status == 404 and message == f"no page at {path}; the page is /", path
+    long = "/" + "a" * 5000
+    status, message = error_of(
+        ask(server, f"GET {long} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    )
+    assert (
+        status == 404 and message == f"no page at {long[:80]}... (5001 characters); the page is /"
+    )
+    info_within_a_second(server)
+
+
+# ----------------------------------------------------------------------------- addresses
+
+
+def test_ipv6_loopback(armd) -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    server = Running(armd, Limits(), host="::1")
+    try:
+        assert server.url.startswith("http://[::1]:")
+        with urllib.request.urlopen(server.url + "/api/info", timeout=5) as r:
+            assert json.loads(r.read())["kind"] == "armd"
+        # the page's own requests carry Host and Origin [::1]:port: taken
+        host = server.url.removeprefix("http://")
+        req = urllib.request.Request(
+            server.url + "/api/generate",
+            data=b'{"mode": "l2r", "length": 4}',
+            headers={"Content-Type": "application/json", "Origin": server.url, "Host": host},
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.read().decode().rstrip().split("\n\n")[-1].startswith("event: done")
+    finally:
+        server.close()
+
+
+def test_cli_serves_on_ipv6_loopback(armd) -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    cmd = [sys.executable, "-m", "anyorder.cli", "serve", str(armd.path), "--host", "::1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([*cmd, "--port", "0", "--device", "cpu"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving armd (") and " at http://[::1]:" in line, line
+        url = line.split(" at ")[1].split()[0]
+        with urllib.request.urlopen(url + "api/info", timeout=30) as r:
+            assert json.loads(r.read())["kind"] == "armd"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf", "1e300", "0"])
+def test_time_limit_must_be_finite(value, capsys) -> None:
+    from anyorder.cli import main
+
+    assert main(["serve", "nowhere", f"--time-limit={value}"]) == 2
+    err = capsys.readouterr().err
+    shown = f"{float(value):g}"
+    assert err == (
+        f"anyorder serve: error: --time-limit {shown} must be a number of seconds above 0 and "
+        "at most 86400 (a day)\n"
+    )
+
+
+def test_the_raw_requests_of_these_tests_are_well_formed(server) -> None:
+    # the refusals above come from what each case changes, not from a broken request
+    status, _, body = ask(server, post(b'{"mode": "l2r", "length": 8, "seed": 1}'))
+    assert status == 200 and body.decode().rstrip().split("\n\n")[-1].startswith("event: done")
