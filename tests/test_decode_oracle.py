@@ -131,7 +131,7 @@ def requests(draw, n_max: int):
     req["k"] = draw(st.integers(0, n - 1)) if prompt not in ("none", "template") else 0
     req["order"] = draw(st.sampled_from(["random", "l2r"])) if kind != "gpt" else "l2r"
     if mode == "lemma1":
-        req["steps"] = draw(st.one_of(st.integers(1, n + 3), st.integers(n // 2, n + 3)))
+        req["steps"] = draw(st.one_of(st.integers(1, n + 3), st.integers(max(1, n // 2), n + 3)))
         req["counts"] = draw(st.sampled_from(["per-row", "shared", "reference"]))
         req["schedule"] = draw(st.sampled_from(["linear", "cosine"]))
     if mode == "strided":
