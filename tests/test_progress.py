@@ -107,3 +107,21 @@ def test_experiment_prints_an_estimate_and_progress_lines_in_a_log(tmp_path):
     assert "experiment: training 3 of 3 run(s) (0 reused): about " in out.stdout
     assert "calibrated, one thread)" in out.stdout
     assert "train: 4/4 steps (100%)" in out.stderr and "\r" not in out.stderr
+
+
+def test_import_makes_openmp_threads_sleep_while_they_wait() -> None:
+    """``import anyorder`` sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP (spinning
+    threads collapse training on a busy machine: docs/performance.md, "Under load"); a value
+    the user set is kept, and so is torch's own state when torch came first."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import anyorder, os; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    run = [sys.executable, "-c", code]
+    assert subprocess.run(run, env=env, capture_output=True, text=True).stdout == "PASSIVE\n"
+    user = {**env, "OMP_WAIT_POLICY": "ACTIVE"}
+    assert subprocess.run(run, env=user, capture_output=True, text=True).stdout == "ACTIVE\n"
+    late = [sys.executable, "-c", "import torch; " + code]
+    assert subprocess.run(late, env=env, capture_output=True, text=True).stdout == "None\n"

@@ -7,6 +7,17 @@ package touches no GPU and downloads nothing.
 
 from __future__ import annotations
 
+import os as _os
+import sys as _sys
+
+if "torch" not in _sys.modules:
+    # OpenMP threads that wait for work sleep instead of spinning, so a busy machine does not
+    # collapse torch's CPU kernels: with spinning, a thread waiting at a barrier burns the
+    # core its partner needs (the demo's training step at a load of 17 on 2 cores: 3.9 s
+    # with 2 threads, 0.42 s with 1, 0.19 s with 2 passive; docs/performance.md, "Under
+    # load"). OpenMP reads this once, when torch loads it; a value the user set is kept.
+    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 

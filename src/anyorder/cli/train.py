@@ -150,8 +150,7 @@ def add_demo(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch threads (default 2; the report does not depend on them, and on a busy "
-        "machine 1 is faster)",
+        help="torch threads (default 2; the report does not depend on them)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
 

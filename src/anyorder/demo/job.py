@@ -41,12 +41,15 @@ _OWN_FILES = ("checkpoints", "metrics.jsonl", "summary.json", "config.yaml", "tb
 
 
 def _busy_hint(threads: int) -> str | None:
-    """A line for a machine whose cores are taken: more runnable threads than cores slow
-    PyTorch's CPU kernels many-fold (measured: 11 s per step with 2 threads at a load of 14
-    on 2 cores, 0.7 s with 1). Fewer threads give the same report: the result does not
-    depend on the number of threads (tests/test_demo.py)."""
+    """A line for a busy machine where OpenMP threads spin while they wait (the user set
+    ``OMP_WAIT_POLICY=ACTIVE``): more runnable threads than cores then slow PyTorch's CPU
+    kernels many-fold (docs/performance.md, "Under load"). ``import anyorder`` makes them
+    sleep instead, and then 2 threads stay the faster choice under load. Fewer threads give
+    the same report: it does not depend on the number of threads (tests/test_demo.py)."""
     import os
 
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() != "ACTIVE":
+        return None
     try:
         cores = len(os.sched_getaffinity(0))
         load = os.getloadavg()[0]
@@ -55,8 +58,9 @@ def _busy_hint(threads: int) -> str | None:
     if threads < 2 or load + threads <= cores + 0.5:
         return None
     return (
-        f"demo: this machine is busy (load {load:.1f} on {cores} cores): {threads} threads may "
-        "run many times slower than usual; --threads 1 writes the same report"
+        f"demo: this machine is busy (load {load:.1f} on {cores} cores) and OMP_WAIT_POLICY="
+        f"ACTIVE makes {threads} waiting threads spin: unset it, or use --threads 1 (the same "
+        "report)"
     )
 
 
