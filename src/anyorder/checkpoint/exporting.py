@@ -134,6 +134,22 @@ def _move_into_place(tmp: Path, folder: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+MODELING_NAME = "modeling_anyorder.py"
+MODELING_FILE = """\
+# transformers reads this folder through this file:
+#     AutoModel.from_pretrained(folder, trust_remote_code=True)
+# The model code is the anyorder package's (pip install anyorder[hf]); none is copied here.
+from anyorder.interop.transformers_model import AnyorderConfig, AnyorderModel
+
+__all__ = ["AnyorderConfig", "AnyorderModel"]
+"""
+AUTO_MAP = {
+    "AutoConfig": "modeling_anyorder.AnyorderConfig",
+    "AutoModel": "modeling_anyorder.AnyorderModel",
+}
+"""``config.json``'s ``auto_map``: where ``transformers`` finds the classes (MODELING_FILE)."""
+
+
 def save_pretrained(
     model: AnyOrderLM,
     folder: str | Path,
@@ -198,8 +214,11 @@ def save_pretrained(
             import yaml
 
             (tmp / RUN_CONFIG_NAME).write_text(yaml.safe_dump(to_dict(run_config), sort_keys=False))
+        (tmp / MODELING_NAME).write_text(MODELING_FILE)
         config: dict[str, Any] = {
             "model_type": MODEL_TYPE,
+            "architectures": ["AnyorderModel"],
+            "auto_map": AUTO_MAP,
             "anyorder_kind": model.cfg.kind,
             "anyorder_version": _version(),
             "anyorder_format": FORMAT_VERSION,
