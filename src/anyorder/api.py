@@ -136,8 +136,8 @@ class Model:
     def _tok(self) -> Tokenizer:
         if self.tokenizer is None:
             raise SamplingError(
-                f"{self.loaded.path} holds no tokenizer; load it with "
-                "anyorder.load(path, tokenizer=SPEC)"
+                f"{self.loaded.path} holds no tokenizer; pass tokenizer=SPEC to anyorder.load "
+                "(gpt2, bytes or a tokenizer folder)"
             )
         return self.tokenizer
 
