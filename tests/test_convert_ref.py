@@ -313,6 +313,11 @@ def test_gpt2_sized_table_gets_gpt2s_ids_and_tokenizer(tmp_path) -> None:
     assert model.tokenizer.vocab_size == 50257 and model.tokenizer.eos_id == 50256
     text = model.generate(n=8, num_samples=2, seed=0)
     assert len(text) == 2 and all(isinstance(t, str) for t in text)
+    # a whole model: infill and score take text through GPT-2's tokenizer
+    filled = model.infill("Hello[MASK:3] world", seed=0)
+    assert filled.startswith("Hello") and filled.endswith(" world")
+    ids = model.tokenizer.encode(" world")
+    assert ids == [995] and model.score("Hello world")["tokens"] == 2
 
 
 def test_vocabulary_from_the_table_and_the_tokenizer() -> None:
