@@ -27,7 +27,7 @@ Design choices:
   ``Model.score``; the harness's own rolling windows give each window the previous tokens as
   context, which a model trained on from-scratch blocks does not need.
 * ``generate_until``: the context is a known prefix and ``max_gen_toks`` tokens are decoded
-  after it, one per pass (``gen_order=l2r`` or ``random``) or in ``steps`` Lemma-1 steps;
+  after it (fewer where the window is full: the context keeps at least half of it), one per pass (``gen_order=l2r`` or ``random``) or in ``steps`` Lemma-1 steps;
   then the text is cut at EOS and at the first stop sequence. Any-order decoding cannot stop
   early, so a stop sequence only cuts the text.
 """
@@ -134,8 +134,10 @@ class AnyorderLM(TemplateLM):
             context, kwargs = req.args
             g = gen_settings(kwargs, self.tok.decode([self.tok.eos_id]))
             ids = self.tok.encode(context)
-            room = max(0, self.max_length - min(g.max_tokens, self.max_length))
-            ids = ids[max(0, len(ids) - room) :] if room else []
+            # the context keeps what max_gen_toks leaves of the window, and at least half of
+            # it: a long generation is cut short by the window rather than lose its prompt
+            keep = max(self.max_length - g.max_tokens, min(len(ids), self.max_length // 2))
+            ids = ids[max(0, len(ids) - keep) :] if keep else []
             n = min(self.max_length, len(ids) + g.max_tokens)
             groups.setdefault((len(ids), n, g), []).append((i, ids))
         bar = tqdm(
