@@ -27,9 +27,10 @@ Design choices:
   ``Model.score``; the harness's own rolling windows give each window the previous tokens as
   context, which a model trained on from-scratch blocks does not need.
 * ``generate_until``: the context is a known prefix and ``max_gen_toks`` tokens are decoded
-  after it (fewer where the window is full: the context keeps at least half of it), one per pass (``gen_order=l2r`` or ``random``) or in ``steps`` Lemma-1 steps;
-  then the text is cut at EOS and at the first stop sequence. Any-order decoding cannot stop
-  early, so a stop sequence only cuts the text.
+  after it (fewer where the window is full: the context keeps at least half of it), one per
+  pass (``gen_order=l2r`` or ``random``) or in ``steps`` Lemma-1 steps; then the text is cut
+  at EOS and at the first stop sequence. Any-order decoding cannot stop early, so a stop
+  sequence only cuts the text.
 """
 
 from __future__ import annotations
