@@ -24,8 +24,8 @@ Design choices:
   scored under, in every order.
 * ``loglikelihood_rolling`` scores a document in windows of the model's ``seq_len``, each
   from scratch (the first token of a window is predicted with no context), exactly as
-  ``Model.score``; the harness's own rolling windows give each window the previous tokens as
-  context, which a model trained on from-scratch blocks does not need.
+  ``Model.score`` (the harness's own ``hf`` model gives later windows the previous tokens as
+  context; here every window is scored as the model was trained, from scratch).
 * ``generate_until``: the context is a known prefix and ``max_gen_toks`` tokens are decoded
   after it (fewer where the window is full: the context keeps at least half of it), one per
   pass (``gen_order=l2r`` or ``random``) or in ``steps`` Lemma-1 steps; then the text is cut
