@@ -224,3 +224,29 @@ def test_orders_the_model_has_no_meaning_for_are_refused(exports) -> None:
     lm = AnyorderLM(str(exports["mdm"]), order="ensemble:2", device="cpu")
     with pytest.raises(ConfigError, match="an encoder's conditionals depend on the context set"):
         lm._loglikelihood_tokens([(("a", "b"), [97], [98])])
+
+
+def test_anyorder_eval_suite_lm_eval(tmp_path, monkeypatch, capsys, exports) -> None:
+    """``anyorder eval --suite lm-eval``: the harness's table, the results file, one-line
+    errors for a missing or unknown task."""
+    from anyorder.cli import main as cli
+
+    monkeypatch.chdir(FIXTURES)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    model = str(exports["gpt"])
+    assert cli(["eval", model, "--suite", "lm-eval"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "anyorder eval: error: --suite lm-eval needs --tasks NAME[,NAME...]"
+    )
+    args = ["eval", model, "--suite", "lm-eval", "--include-path", str(FIXTURES)]
+    assert cli([*args, "--tasks", "anyorder_nope"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .startswith("anyorder eval: error: --tasks anyorder_nope: not a task the harness knows")
+    )
+    out = tmp_path / "out"
+    assert cli([*args, "--tasks", "anyorder_ppl", "--device", "cpu", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    saved = json.loads((out / "lm_eval.json").read_text())["results"]["anyorder_ppl"]
+    assert f"{saved['bits_per_byte,none']:.4f}" in table
