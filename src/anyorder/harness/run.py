@@ -41,6 +41,9 @@ def run_harness(
 
     from anyorder.errors import ConfigError
 
+    # the model's arguments first: they cost nothing to check, the task index seconds
+    args = dict(model_args or {}, batch_size=batch_size, device=device)
+    lm = AnyorderLM(pretrained, **args)
     manager = TaskManager(include_path=include_path)
     missing = [t for t in tasks if t not in manager.all_tasks]
     if missing:
@@ -48,8 +51,6 @@ def run_harness(
             f"--tasks {missing[0]}: not a task the harness knows; list them with "
             "python -m anyorder.harness ls tasks (add --include-path DIR for your own YAML)"
         )
-    args = dict(model_args or {}, batch_size=batch_size, device=device)
-    lm = AnyorderLM(pretrained, **args)
     return simple_evaluate(
         model=lm,
         tasks=tasks,
