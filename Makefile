@@ -11,7 +11,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[hf,plot,dev]"
+	$(BIN)/pip install -q -e ".[hf,plot,eval,dev]"
 	touch $@
 
 setup: $(BIN)/.installed

@@ -126,7 +126,9 @@ def test_load_errors_and_tokenizer_override(tmp_path, exports) -> None:
     with pytest.raises(CheckpointError, match="holds a mdm model, not armd"):
         anyorder.load(exports["mdm"], kind="armd")
     bare = save_pretrained(tiny_model("aogpt", vocab_size=257, seq_len=32), tmp_path / "bare")
-    with pytest.raises(SamplingError, match="holds no tokenizer; load it with"):
+    with pytest.raises(
+        SamplingError, match="holds no tokenizer; pass tokenizer=SPEC to anyorder.load"
+    ):
         anyorder.load(bare).generate(n=4)
     model = anyorder.load(bare, tokenizer="bytes")
     assert len(model.generate(n=4, num_samples=2)) == 2

@@ -22,7 +22,7 @@ from torch.testing import assert_close
 import anyorder
 from anyorder.cli import main
 from anyorder.config import VARIANTS, load_config
-from anyorder.errors import CheckpointError
+from anyorder.errors import CheckpointError, SamplingError
 from anyorder.evaluation.estimators import member_logprobs
 from anyorder.interop.hub import load_any
 from anyorder.interop.reference import (
@@ -114,6 +114,8 @@ def test_cli_convert_writes_a_folder_every_loader_takes(tmp_path, capsys) -> Non
     assert_close(got, exp["logits_raw"][:, :32], atol=1e-4, rtol=0)
     sigma = tmp_path / "sigma"  # a tied head: stored once, re-tied on loading
     assert main(["convert", str(SIGMA), "--from", "sigmagpt-ref", "--out", str(sigma)]) == 0
+    assert "\nsigma-GPT (aogpt) (raw weights): " in capsys.readouterr().out
+    assert (sigma / "README.md").read_text().split("\n# ")[1].startswith("sigma-GPT model")
     model = anyorder.load(sigma).model
     assert model.head.weight is model.tok_emb.weight
     exp = expected("sigmagpt")
@@ -311,6 +313,11 @@ def test_gpt2_sized_table_gets_gpt2s_ids_and_tokenizer(tmp_path) -> None:
     assert model.tokenizer.vocab_size == 50257 and model.tokenizer.eos_id == 50256
     text = model.generate(n=8, num_samples=2, seed=0)
     assert len(text) == 2 and all(isinstance(t, str) for t in text)
+    # a whole model: infill and score take text through GPT-2's tokenizer
+    filled = model.infill("Hello[MASK:3] world", seed=0)
+    assert filled.startswith("Hello") and filled.endswith(" world")
+    ids = model.tokenizer.encode(" world")
+    assert ids == [995] and model.score("Hello world")["tokens"] == 2
 
 
 def test_vocabulary_from_the_table_and_the_tokenizer() -> None:
@@ -403,13 +410,15 @@ def test_sample_and_eval_on_a_folder_without_a_tokenizer(tmp_path, capsys, monke
     out = tmp_path / "ao"
     assert main(["convert", str(AO), "--from", "aogpt-ref", "--out", str(out)]) == 0
     assert "tokenizer none (pass --tokenizer)" in capsys.readouterr().out
-    assert main(["sample", str(out), "--num-samples", "2", "--length", "8"]) == 0
-    rows = [r for r in capsys.readouterr().out.splitlines() if not r.startswith("===")]
-    assert len(rows) == 2 and all(
-        len(r.split()) == 8 and r.replace(" ", "").isdigit() for r in rows
+    # the CLI and the API refuse alike, and say what to pass
+    assert main(["sample", str(out), "--num-samples", "2", "--length", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"anyorder sample: error: {out} holds no tokenizer; pass --tokenizer SPEC (gpt2, "
+        "bytes or a tokenizer folder)"
     )
-    assert main(["sample", str(out), "--prompt", "hi"]) == 2
-    assert "holds no tokenizer, so text cannot be encoded" in capsys.readouterr().err
+    with pytest.raises(SamplingError, match="holds no tokenizer; pass tokenizer=SPEC to anyorder"):
+        anyorder.load(out).generate(n=8)
     assert main(["eval", str(out), "--no-progress"]) == 2
     assert "holds no tokenizer, so eval cannot tokenize text" in capsys.readouterr().err
     # with one, eval scores its data tokenized by the folder's own tokenizer

@@ -239,6 +239,12 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "length-zero": (["sample", "run", "--length", "0"], {}, None),
     "eval-targets-zero": (["eval", "run", "--ensemble", "2", "--targets", "0"], {}, None),
     "eval-out-is-file": (["eval", "run", "--out", "cfg.yaml"], {}, None),
+    "eval-lm-eval-no-tasks": (["eval", "run", "--suite", "lm-eval"], {}, None),
+    "eval-lm-eval-model-args": (
+        ["eval", "run", "--suite", "lm-eval", "--tasks", "wikitext", "--model-args", "order=up"],
+        {},
+        None,
+    ),
     "out-dir-is-file": ([*TRAIN, "train.out_dir=cfg.yaml"], {}, None),
     "out-dir-unwritable": ([*TRAIN, "train.out_dir=/proc/anyorder-run"], {}, None),
     "cache-dir-under-file": (

@@ -1,5 +1,5 @@
-"""``train.optimizer=muon``: the Newton-Schulz step, the parameters Muon takes, and AdamW on
-the rest exactly as torch's."""
+"""``train.optimizer=muon``: torch's Muon giving our update, the parameters Muon takes, and
+AdamW on the rest exactly as torch's."""
 
 from __future__ import annotations
 
@@ -7,38 +7,108 @@ import pytest
 import torch
 
 from anyorder.config import ModelConfig
+from anyorder.errors import ConfigError
 from anyorder.models import build_model
-from anyorder.training.muon import MuonAdamW, muon_matrices, orthogonalize
+from anyorder.training.muon import MuonAdamW, muon_matrices
+
+NS = (3.4445, -4.7750, 2.0315)  # Muon's published quintic coefficients
 
 
-@pytest.mark.parametrize("shape", [(48, 160), (160, 48), (64, 64)])
-def test_orthogonalize_is_near_the_polar_factor(shape):
+def previous_update(grads: list[torch.Tensor], lr: float, mu: float, wd: float, w: torch.Tensor):
+    """Our Muon before torch's took over, written out in float64: a summed momentum
+    ``B = mu B + g``, the Nesterov step ``g + mu B``, five Newton-Schulz iterations on it
+    normalised by its Frobenius norm, decoupled weight decay, and the step scaled by
+    ``0.2 sqrt(max(m, n))``. Returns the weights after every gradient."""
+    w, buf = w.double().clone(), torch.zeros_like(w, dtype=torch.float64)
+    a, b, c = NS
+    for g in grads:
+        buf = mu * buf + g.double()
+        x = g.double() + mu * buf
+        tall = x.shape[0] > x.shape[1]
+        x = x.T if tall else x
+        x = x / x.norm()
+        for _ in range(5):
+            s = x @ x.T
+            x = a * x + (b * s + c * (s @ s)) @ x
+        x = x.T if tall else x
+        w = w * (1 - lr * wd) - lr * 0.2 * max(w.shape) ** 0.5 * x
+    return w
+
+
+@pytest.mark.parametrize("shape", [(48, 160), (160, 48)])
+def test_torch_muon_gives_our_update(shape):
+    """The same gradients on the same weights: torch's Muon in MuonAdamW against the update
+    we computed ourselves before, to the bf16 round-off of the iteration."""
     gen = torch.Generator().manual_seed(0)
-    k = min(shape)
-    u, _ = torch.linalg.qr(torch.randn(shape[0], k, generator=gen))
-    v, _ = torch.linalg.qr(torch.randn(shape[1], k, generator=gen))
-    s = torch.logspace(0, -1.5, k)  # a badly conditioned gradient: condition number ~32
-    g = u @ torch.diag(s) @ v.T
-    o = orthogonalize(g)
-    assert o.shape == g.shape and o.dtype == g.dtype
-    # in g's singular basis the step is diagonal, with every direction brought near 1 (the
-    # polar factor u v^T would have exactly 1; five bf16 iterations land in about [0.7, 1.2])
-    core = u.T @ o @ v
-    diag = torch.diagonal(core)
-    assert (core - torch.diag(diag)).norm() < 0.05 * diag.norm()
-    assert diag.min() > 0.6 and diag.max() < 1.3, diag
-    # and nothing outside g's row and column spaces
-    assert (o - u @ core @ v.T).norm() < 0.05 * o.norm()
+    w0 = torch.randn(shape, generator=gen) * 0.05
+    grads = [torch.randn(shape, generator=gen) for _ in range(6)]
+    w = torch.nn.Parameter(w0.clone())
+    opt = MuonAdamW([{"params": [w], "muon": True, "weight_decay": 0.1}], lr=1e-2, momentum=0.9)
+    for g in grads:
+        w.grad = g.clone()
+        opt.step()
+    want = previous_update(grads, 1e-2, 0.9, 0.1, w0).float()
+    step = (want - w0).norm()
+    assert (w.detach() - want).norm() < 0.02 * step  # bf16 iterations: about 1% apart
 
 
-def test_a_stack_is_orthogonalized_matrix_by_matrix():
+def test_muon_groups_step_exactly_as_torch_muon():
+    """MuonAdamW hands its Muon groups to torch.optim.Muon with our settings: the same
+    weights as a torch Muon of its own, to fp32 round-off."""
     gen = torch.Generator().manual_seed(1)
-    stack = torch.randn(3, 24, 40, generator=gen) * torch.tensor([1.0, 10.0, 0.1])[:, None, None]
-    together = orthogonalize(stack)
-    for i in range(3):
-        torch.testing.assert_close(together[i], orthogonalize(stack[i]), rtol=0, atol=2e-2)
-    tall = orthogonalize(stack.mT)  # tall matrices: the transpose of the wide ones' steps
-    torch.testing.assert_close(tall, together.mT, rtol=0, atol=2e-2)
+    ps = [torch.nn.Parameter(torch.randn(24, 40, generator=gen)) for _ in range(2)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ref = torch.optim.Muon(
+        ps, lr=3e-3, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw"
+    )
+    ours = MuonAdamW([{"params": qs, "muon": True, "weight_decay": 0.1}], lr=3e-3, momentum=0.9)
+    for _ in range(5):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        ref.step()
+        ours.step()
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+
+
+def test_a_checkpoint_of_the_summed_momentum_resumes_with_the_same_updates():
+    """A state dict from before torch's Muon (a summed momentum buffer, no torch keys)
+    resumes to the weights an uninterrupted run reaches."""
+    gen = torch.Generator().manual_seed(2)
+    w0 = torch.randn(16, 32, generator=gen) * 0.05
+    grads = [torch.randn(16, 32, generator=gen) for _ in range(6)]
+    run = torch.nn.Parameter(w0.clone())
+    opt = MuonAdamW([{"params": [run], "muon": True}], lr=1e-2, momentum=0.9)
+    buf = torch.zeros_like(w0)
+    for g in grads:
+        run.grad = g.clone()
+        opt.step()
+    for g in grads[:3]:
+        buf = 0.9 * buf + g  # what the earlier version kept
+    w = torch.nn.Parameter(w0.clone())
+    part = MuonAdamW([{"params": [w], "muon": True}], lr=1e-2, momentum=0.9)
+    for g in grads[:3]:
+        w.grad = g.clone()
+        part.step()
+    old = part.state_dict()
+    old["state"][0] = {"momentum_buffer": buf.clone()}
+    group = old["param_groups"][0]
+    old["param_groups"][0] = {k: group[k] for k in ("lr", "betas", "momentum", "muon",
+                                                    "weight_decay", "params")}  # fmt: skip
+    old["param_groups"][0]["eps"] = 1e-8
+    resumed = MuonAdamW([{"params": [w], "muon": True}], lr=1e-2, momentum=0.9)
+    resumed.load_state_dict(old)
+    for g in grads[3:]:
+        w.grad = g.clone()
+        resumed.step()
+    torch.testing.assert_close(w, run, rtol=0, atol=1e-5)
+
+
+def test_muon_needs_torch_muon(monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(ConfigError, match="train.optimizer=muon needs torch.optim.Muon"):
+        MuonAdamW([{"params": [torch.nn.Parameter(torch.zeros(3, 3))], "muon": True}], lr=1e-3)
 
 
 def test_muon_takes_the_hidden_matrices_and_nothing_else():

@@ -136,8 +136,8 @@ class Model:
     def _tok(self) -> Tokenizer:
         if self.tokenizer is None:
             raise SamplingError(
-                f"{self.loaded.path} holds no tokenizer; load it with "
-                "anyorder.load(path, tokenizer=SPEC)"
+                f"{self.loaded.path} holds no tokenizer; pass tokenizer=SPEC to anyorder.load "
+                "(gpt2, bytes or a tokenizer folder)"
             )
         return self.tokenizer
 
@@ -332,17 +332,23 @@ class Model:
         self,
         text: str,
         *,
+        context: str | None = None,
         order: str = "l2r",
         ensemble: int = 1,
         num_orders: int = 4,
         seed: int = 0,
     ) -> dict[str, Any]:
-        """Likelihood of ``text`` under the model.
+        """Likelihood of ``text`` under the model, or of ``text`` given a known ``context``.
 
         Args:
             text: the text (scored in windows of ``seq_len`` tokens, see the module notes).
+            context: known text before ``text`` (not scored): the result is then the
+                log-likelihood of the continuation given the context, as the evaluation
+                harness asks for it. ``context + text`` is encoded whole and split after the
+                context's tokens, and must fit one window. None: score ``text`` alone.
             order: ``l2r`` (exact left-to-right NLL) or ``any`` (the any-order NLL over
-                ``num_orders`` uniform random orders, Monte Carlo; for mdm its ELBO).
+                ``num_orders`` uniform random orders, Monte Carlo; for mdm its ELBO; with a
+                context, random orders of the continuation after the context).
             ensemble: context-order ensemble size ``M`` (AO-GPT Eq. 7; aogpt/armd, with
                 ``order="any"``): each conditional averages ``M`` context orders in
                 probability space, the identity among them.
@@ -350,59 +356,33 @@ class Model:
             seed: seed of the orders and ensemble draws.
 
         Returns:
-            ``{"nats_per_token", "stderr", "ppl", "bits_per_byte", "bpb_stderr", "tokens",
-            "bytes", "order", "ensemble", "num_orders", "seed"}``; ``stderr`` is 0 for the exact
-            left-to-right NLL and nan with a single order.
+            ``{"nats_per_token", "nats", "stderr", "ppl", "bits_per_byte", "bpb_stderr",
+            "tokens", "bytes", "order", "ensemble", "num_orders", "seed"}`` (``nats``: the
+            total; ``tokens`` and ``bytes`` count ``text`` only); ``stderr`` is 0 for the
+            exact left-to-right NLL and nan with a single order.
 
         Raises:
             ConfigError: an order or ensemble the model has no meaning for (any-order on a
-                gpt, an ensemble with ``l2r``), or empty text.
+                gpt, an ensemble with ``l2r``), empty text, or a context that does not fit.
         """
-        from anyorder.evaluation.corpus import (
-            corpus_any_order,
-            corpus_ensemble,
-            corpus_left_to_right,
-            corpus_mdm_elbo,
-        )
-        from anyorder.models.mdm import MDM
-
-        if order not in SCORE_ORDERS:
-            raise ConfigError(f"order={order!r}: use l2r or any")
-        if ensemble < 1 or num_orders < 1:
-            raise ConfigError("ensemble and num_orders must be at least 1")
         from anyorder.bounds import check_seed
+        from anyorder.evaluation.conditional import check_order, window_totals
 
+        check_order(self.model, order, ensemble, num_orders)
         check_seed(seed)
-        if order == "l2r" and ensemble > 1:
-            raise ConfigError("an ensemble averages context orders: use it with order='any'")
-        if order == "any" and self.kind == "gpt":
-            raise ConfigError("gpt is a left-to-right model: score it with order='l2r'")
-        ids = self._encode(text)
-        if not ids:
-            raise ConfigError("the text encodes to no tokens; give some text to score")
-        n = self.seq_len
-        windows = [torch.tensor(ids[i : i + n], dtype=torch.long) for i in range(0, len(ids), n)]
-        kw: dict[str, Any] = dict(seed=seed, progress=False)
-        totals = []  # per window: (K,) or () summed nats
-        for w in windows:
-            blocks = w[None]
-            if order == "l2r":
-                v = corpus_left_to_right(self.model, blocks, progress=False)[0]
-            elif isinstance(self.model, MDM):
-                v = corpus_mdm_elbo(self.model, blocks, num_orders, **kw)[0]
-            elif ensemble > 1:
-                run = corpus_ensemble(
-                    self.model, blocks, num_orders, ensemble, sizes=[ensemble], **kw
-                )
-                v = run.values[0, :, 0]
-            else:
-                v = corpus_any_order(self.model, blocks, num_orders, **kw)[0]
-            totals.append(v.double() * len(w))
+        if context is not None:
+            ids, totals = self._score_given(context, text, order, ensemble, num_orders, seed)
+        else:
+            ids = self._encode(text)
+            if not ids:
+                raise ConfigError("the text encodes to no tokens; give some text to score")
+            totals = window_totals(self.model, ids, order, ensemble, num_orders, seed)
         mean, stderr = _combine(totals, len(ids))
         num_bytes = len(text.encode("utf-8"))
         bpb = mean * len(ids) / math.log(2) / num_bytes if num_bytes else float("nan")
         return {
             "nats_per_token": mean,
+            "nats": mean * len(ids),
             "stderr": stderr,
             "ppl": math.exp(mean),
             "bits_per_byte": bpb,
@@ -414,6 +394,28 @@ class Model:
             "num_orders": num_orders if order == "any" else 0,
             "seed": seed,
         }
+
+    def _score_given(
+        self, context: str, text: str, order: str, ensemble: int, num_orders: int, seed: int
+    ) -> tuple[list[int], list[Tensor]]:
+        """The continuation's ids and its summed NLL, (K,) over the order replicates."""
+        from anyorder.evaluation.conditional import continuation_nll
+
+        ctx = self._encode(context)
+        ids = self._encode(context + text)[len(ctx) :]
+        if not ids:
+            raise ConfigError("the text encodes to no tokens; give some text to score")
+        if len(ctx) + len(ids) > self.seq_len:
+            raise ConfigError(
+                f"context and text are {len(ctx) + len(ids)} tokens, more than the model's "
+                f"context of {self.seq_len}; shorten the context"
+            )
+        res = continuation_nll(
+            self.model, [(ctx, ids)], order=order, num_orders=num_orders, ensemble=ensemble,
+            seed=seed,
+        )  # fmt: skip
+        v = res.nll[0]
+        return ids, [v[0] if order == "l2r" else v]
 
 
 def _combine(totals: list[Tensor], tokens: int) -> tuple[float, float]:

@@ -38,7 +38,7 @@ from anyorder.checkpoint.layout import resolve_checkpoint
 from anyorder.checkpoint.load import load_model
 from anyorder.checkpoint.save import apply_umask, make_temp_dir
 from anyorder.checkpoint.weights import tied_aliases
-from anyorder.config import RunConfig, to_dict
+from anyorder.config import RunConfig, method_name, to_dict
 from anyorder.data import sha256_file
 from anyorder.errors import CheckpointError, ConfigError
 from anyorder.version import __version__
@@ -57,12 +57,15 @@ def _version() -> str:
 
 def _model_card(config: dict[str, Any], num_params: int, tokenizer: Tokenizer | None) -> str:
     kind = config["anyorder_kind"]
+    name = method_name(kind, config.get("target_injection"))
     what = {
         "gpt": "a left-to-right GPT (the baseline)",
         "aogpt": "an AO-GPT any-order decoder (arXiv 2506.19935)",
         "armd": "an ARMD two-stream any-order decoder (arXiv 2601.16971)",
         "mdm": "an encoder-only masked diffusion model (the baseline)",
     }[kind]
+    if name == "sigma-GPT":
+        what = "a sigma-GPT any-order decoder (the target position added to the input)"
     source = config.get("source") or "trained with anyorder"
     step = config.get("step")
     tok = (
@@ -79,11 +82,12 @@ library_name: anyorder
 tags:
 - anyorder
 - {kind}
+- {name}
 - masked-diffusion
 - any-order
 ---
 
-# {kind} model exported by anyorder {config["anyorder_version"]}
+# {name} model exported by anyorder {config["anyorder_version"]}
 
 This is {what}: {num_params / 1e6:.2f}M parameters, weights `{config["weights"]}`
 {f"after {step} training steps" if step else ""} ({source}).
@@ -132,6 +136,22 @@ def _move_into_place(tmp: Path, folder: Path) -> None:
     os.replace(tmp, folder)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+MODELING_NAME = "modeling_anyorder.py"
+MODELING_FILE = """\
+# transformers reads this folder through this file:
+#     AutoModel.from_pretrained(folder, trust_remote_code=True)
+# The model code is the anyorder package's (pip install anyorder[hf]); none is copied here.
+from anyorder.interop.transformers_model import AnyorderConfig, AnyorderModel
+
+__all__ = ["AnyorderConfig", "AnyorderModel"]
+"""
+AUTO_MAP = {
+    "AutoConfig": "modeling_anyorder.AnyorderConfig",
+    "AutoModel": "modeling_anyorder.AnyorderModel",
+}
+"""``config.json``'s ``auto_map``: where ``transformers`` finds the classes (MODELING_FILE)."""
 
 
 def save_pretrained(
@@ -198,8 +218,11 @@ def save_pretrained(
             import yaml
 
             (tmp / RUN_CONFIG_NAME).write_text(yaml.safe_dump(to_dict(run_config), sort_keys=False))
+        (tmp / MODELING_NAME).write_text(MODELING_FILE)
         config: dict[str, Any] = {
             "model_type": MODEL_TYPE,
+            "architectures": ["AnyorderModel"],
+            "auto_map": AUTO_MAP,
             "anyorder_kind": model.cfg.kind,
             "anyorder_version": _version(),
             "anyorder_format": FORMAT_VERSION,

@@ -21,11 +21,12 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="run folder (its latest checkpoint) or checkpoint folder")
     p.add_argument(
         "--suite",
-        choices=("likelihood", "zero-shot", "gen"),
+        choices=("likelihood", "zero-shot", "gen", "lm-eval"),
         default="likelihood",
         help="likelihood: the checkpoint's own data (l2r, any-order, ensemble, ELBO; in bits "
         "per byte); zero-shot: the paper's test sets and table; gen: generative "
-        "perplexity and entropy of samples",
+        "perplexity and entropy of samples; lm-eval: EleutherAI's evaluation harness "
+        "(pip install anyorder[eval]; docs/evaluation.md)",
     )
     p.add_argument(
         "--weights",
@@ -99,6 +100,18 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     q.add_argument("--temperature", default="1.0", help="comma-separated temperatures")
     q.add_argument("--top-p", type=float, default=None, help="nucleus sampling")
     q.add_argument("--order", choices=("random", "l2r"), default="random", help="sample order")
+    h = p.add_argument_group("lm-eval")
+    h.add_argument("--tasks", default=None, help="lm-eval: comma-separated task names")
+    h.add_argument("--include-path", default=None, help="lm-eval: a folder of task YAML files")
+    h.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
+    h.add_argument("--num-fewshot", type=int, default=None, help="lm-eval: examples per prompt")
+    h.add_argument(
+        "--model-args",
+        default="",
+        help="lm-eval: the anyorder model's arguments, e.g. order=any,num_orders=4 or "
+        "order=ensemble:4 (docs/evaluation.md); --seed, --weights, --batch-size and --device "
+        "are passed on",
+    )
 
 
 def _numbers(text: str | None, kind: type, name: str) -> list:
@@ -182,6 +195,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from anyorder.runlock import check_writable_dir
 
     _check_eval_args(args)
+    if args.suite == "lm-eval":
+        return _eval_harness(args)
     targets = _targets(args.targets, args.ensemble)
     if args.suite == "likelihood" and args.protocol != "ours":
         raise ConfigError(
@@ -346,4 +361,44 @@ def run_experiment(args: argparse.Namespace) -> int:
         )  # fmt: skip
         res = run_one(name, ctx)
         print(f"experiment {name}: {ctx.out / 'section.md'} ({res['wall_s']:.0f} s)", flush=True)
+    return 0
+
+
+def _eval_harness(args: argparse.Namespace) -> int:
+    """``--suite lm-eval``: the harness's tasks through ``lm_eval.simple_evaluate``."""
+    import json
+    from pathlib import Path
+
+    from anyorder.errors import ConfigError
+    from anyorder.evaluation.zeroshot_table import write_atomic
+
+    if not args.tasks:
+        raise ConfigError("--suite lm-eval needs --tasks NAME[,NAME...]")
+    try:
+        from lm_eval.utils import make_table, simple_parse_args_string
+
+        from anyorder.harness import run_harness
+    except ImportError as e:
+        raise ConfigError(
+            f"--suite lm-eval needs the evaluation harness ({e.name} is missing); "
+            'pip install "anyorder[eval]"'
+        ) from None
+    extra = simple_parse_args_string(args.model_args)
+    extra.update(seed=args.seed, weights=args.weights)
+    results = run_harness(
+        args.checkpoint,
+        [t.strip() for t in args.tasks.split(",") if t.strip()],
+        model_args=extra,
+        include_path=args.include_path,
+        limit=args.limit,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size,
+        device=args.device,
+    )
+    print(make_table(results))
+    if args.out:
+        path = Path(args.out) / "lm_eval.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(results, indent=2, default=str))
+        print(f"wrote {path}")
     return 0

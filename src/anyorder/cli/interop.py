@@ -102,8 +102,12 @@ def run_convert(args: argparse.Namespace) -> int:
     what = (
         f" ({conv.info['reference_weights']} weights)" if "reference_weights" in conv.info else ""
     )
+    from anyorder.config import method_name
+
+    name = method_name(m.kind, m.cfg.target_injection)  # sigma-GPT is an aogpt module
+    name = m.kind if name.lower().replace("-", "") == m.kind else f"{name} ({m.kind})"
     print(
-        f"{m.kind}{what}: {m.num_params() / 1e6:.2f}M parameters, {m.cfg.n_layer} layers x "
+        f"{name}{what}: {m.num_params() / 1e6:.2f}M parameters, {m.cfg.n_layer} layers x "
         f"{m.cfg.d_model}, seq_len {m.cfg.seq_len}, tokenizer {tok}"
     )
     print(f"wrote {conv.folder}")

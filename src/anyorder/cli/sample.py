@@ -27,6 +27,13 @@ def add_sample(p: argparse.ArgumentParser) -> None:
         "n >= 1 tokens; everything else literal); its length is the template's",
     )
     p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="SPEC",
+        help="for a model saved without a tokenizer: gpt2, bytes or a tokenizer folder "
+        "(as anyorder.load(path, tokenizer=SPEC))",
+    )
+    p.add_argument(
         "--order",
         choices=("l2r", "random", "strided"),
         default=None,
@@ -210,11 +217,17 @@ def run_sample(args: argparse.Namespace) -> int:
         raise SamplingError("--infill takes its length from the template; leave out --length")
     device = resolve_device(args.device, what="--device")
     ckpt = load_model(args.checkpoint, weights=args.weights, device=device)
+    if args.tokenizer is not None:
+        from anyorder.checkpoint import check_tokenizer_fits
+        from anyorder.data import load_tokenizer
+
+        ckpt.tokenizer = load_tokenizer(args.tokenizer)
+        check_tokenizer_fits(ckpt.tokenizer, ckpt.model.cfg.vocab_size, repr(args.tokenizer))
     model, tok = ckpt.model, ckpt.tokenizer
-    if tok is None and (args.prompt or args.infill is not None):
+    if tok is None:  # as the API's Model.generate: no text without a tokenizer
         raise SamplingError(
-            f"{args.checkpoint} holds no tokenizer, so text cannot be encoded; sample without "
-            "--prompt/--infill (token ids), or convert/export it again with --tokenizer"
+            f"{args.checkpoint} holds no tokenizer; pass --tokenizer SPEC (gpt2, bytes or a "
+            "tokenizer folder)"
         )
     order, streams = _sample_order(args, model.kind)
     n, prompt, known = _sample_prompt(args, model, tok)
@@ -242,10 +255,7 @@ def run_sample(args: argparse.Namespace) -> int:
         )  # fmt: skip
     seconds = time.perf_counter() - start
     tokens = result.tokens.cpu()
-    if tok is None:  # no tokenizer: the token ids themselves
-        texts = [" ".join(map(str, row.tolist())) for row in tokens]
-    else:
-        texts = [decode_text(tok, row, tok.eos_id if cut else None) for row in tokens]
+    texts = [decode_text(tok, row, tok.eos_id if cut else None) for row in tokens]
     generated = int((result.step_of >= 0).sum())
     mode = "encoder" if model.kind == "mdm" else "strided" if streams else "lemma1"
     mode = "sequential" if sequential and model.kind != "mdm" else mode

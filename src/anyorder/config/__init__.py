@@ -28,6 +28,7 @@ from anyorder.config.model import (
     VARIANTS,
     ModelConfig,
     expand_model_values,
+    method_name,
 )
 from anyorder.config.run import DataConfig, OrderConfig, RunConfig, TrainConfig, to_dict
 
@@ -43,6 +44,7 @@ __all__ = [
     "config_from_dict",
     "describe",
     "expand_model_values",
+    "method_name",
     "field_docs",
     "load_config",
     "parse_override",

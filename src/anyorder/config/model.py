@@ -235,6 +235,15 @@ compute exactly what a reference model computes. They set no sizes (use a preset
 keys given beside them win."""
 
 
+def method_name(kind: str, target_injection: str | None = None) -> str:
+    """The method a model implements, as people name it: ``GPT``, ``AO-GPT``, ``ARMD``,
+    ``MDM``, or ``sigma-GPT`` for an aogpt told its target by an added table (the
+    ``sigmagpt-ref`` variant: the same module class, another method)."""
+    if kind == "aogpt" and target_injection == "add":
+        return "sigma-GPT"
+    return {"gpt": "GPT", "aogpt": "AO-GPT", "armd": "ARMD", "mdm": "MDM"}.get(kind, kind)
+
+
 def expand_model_values(values: dict[str, Any], prefix: str = "model") -> dict[str, Any]:
     """Model-section values with ``preset`` and ``variant`` replaced by the fields they set
     (preset first, then variant, then the keys given beside them)."""

@@ -7,48 +7,38 @@ and biases keep AdamW, as Muon's authors recommend.
 
 Design choices:
 
+* The arithmetic is torch's: ``torch.optim.Muon`` (Nesterov momentum, the quintic
+  Newton-Schulz iteration in bf16, decoupled weight decay) with ``adjust_lr_fn=
+  "match_rms_adamw"``, which scales the step of an ``m x n`` matrix by ``0.2 sqrt(max(m,
+  n))``: AdamW's typical RMS (Liu et al., 2025), so ``train.lr`` means about the same for
+  both optimizers and one schedule serves both. The other groups step by
+  ``torch.optim.AdamW``. :class:`MuonAdamW` only holds the groups and hands each kind to
+  its torch optimizer, sharing the group dicts and the state.
 * One :class:`torch.optim.Optimizer` with two kinds of parameter group (``"muon": True`` or
   not), so the learning-rate schedule (which sets ``group["lr"]``), checkpoints
   (``state_dict``) and exact resume work as they do for AdamW.
-* The step of a ``m x n`` matrix is scaled by ``0.2 * sqrt(max(m, n))``, which gives it the
-  root-mean-square of a typical AdamW step (Liu et al., 2025, "Muon is scalable"), so
-  ``train.lr`` means about the same thing for both optimizers and one schedule serves both.
-* Decoupled weight decay on the matrices, as AdamW's.
-* The iteration runs in bf16, on the CPU too: half the time of fp32 there (0.16 s against
-  0.34 s per step for the tiny preset's 18 matrices, one thread), and the result is
-  approximate by design.
+* Checkpoints written before torch's Muon took over (``muon_momentum`` absent from a Muon
+  group) kept the momentum as a plain sum ``B = mu B + g``; torch keeps ``(1 - mu) B``, an
+  average. :meth:`MuonAdamW.load_state_dict` rescales such buffers once, so those runs resume
+  with the same updates (up to bf16 round-off in the iteration).
+* ``torch.optim.Muon`` is in torch 2.9 and later; on an older torch (the package's floor is
+  2.6) ``train.optimizer=muon`` is refused in one line instead of keeping a copy of it here.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-"""The quintic Newton-Schulz coefficients of Muon's reference implementation (a published
-constant): they push every singular value into roughly [0.7, 1.2] in 5 steps."""
-NS_STEPS = 5
+from anyorder.errors import ConfigError
 
-
-def orthogonalize(g: Tensor, steps: int = NS_STEPS) -> Tensor:
-    """The semi-orthogonal matrix nearest ``g`` (its ``U V^T``), approximately; ``g`` is one
-    matrix (m, n) or a stack of them (k, m, n), each taken on its own."""
-    a, b, c = NS_COEFFICIENTS
-    x = g.to(torch.bfloat16)
-    wide = x.size(-2) <= x.size(-1)
-    if not wide:
-        x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
-    for _ in range(steps):
-        s = x @ x.mT
-        x = a * x + (b * s + c * (s @ s)) @ x
-    if not wide:
-        x = x.mT
-    return x.to(g.dtype)
+MOMENTUM_KIND = "average"
+"""The ``muon_momentum`` of a Muon group: torch's ``(1 - mu)``-weighted momentum buffer."""
+_OURS = ("lr", "weight_decay", "momentum", "betas", "muon", "params")
+"""Group keys this optimizer sets; the torch optimizers' other defaults fill the rest."""
 
 
 def muon_matrices(model: nn.Module) -> list[nn.Parameter]:
@@ -68,7 +58,8 @@ def muon_matrices(model: nn.Module) -> list[nn.Parameter]:
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon on the groups marked ``muon=True``, AdamW on the others."""
+    """Muon (``torch.optim.Muon``) on the groups marked ``muon=True``, AdamW
+    (``torch.optim.AdamW``) on the others."""
 
     def __init__(
         self,
@@ -90,64 +81,50 @@ class MuonAdamW(torch.optim.Optimizer):
         for g in self.param_groups:
             if g["muon"] and any(p.dim() != 2 for p in g["params"]):
                 raise ValueError("Muon takes matrices only (2-D parameters)")
+        muon = [p for g in self.param_groups if g["muon"] for p in g["params"]]
+        adamw = [p for g in self.param_groups if not g["muon"] for p in g["params"]]
+        self._muon = _torch_muon(muon, lr) if muon else None
+        self._adamw = torch.optim.AdamW(adamw, lr=lr) if adamw else None
+        self._fill_groups()
+
+    def _fill_groups(self) -> None:
+        """Give every group the keys its torch optimizer reads (Muon's ``eps`` is its
+        Newton-Schulz guard, not AdamW's)."""
+        for g in self.param_groups:
+            opt = self._muon if g["muon"] else self._adamw
+            for k, v in opt.defaults.items():
+                if k not in _OURS and (k != "eps" or g["muon"]):
+                    g[k] = v
+            if g["muon"]:
+                g["muon_momentum"] = MOMENTUM_KIND
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # noqa: D102 (torch's signature)
         assert closure is None, "MuonAdamW takes no closure"
-        for g in self.param_groups:
-            if g["muon"]:
-                self._muon(g)
-            else:
-                self._adamw(g)
+        # the torch optimizers step over this optimizer's own group dicts and state, which
+        # the schedule and load_state_dict may have replaced since the last step
+        for opt, muon in ((self._muon, True), (self._adamw, False)):
+            if opt is not None:
+                opt.param_groups = [g for g in self.param_groups if g["muon"] is muon]
+                opt.state = self.state
+                opt.step()
 
-    def _muon(self, g: dict[str, Any]) -> None:
-        """Nesterov momentum, then one batched Newton-Schulz per shape (the layers of a
-        model share a few shapes: a handful of iterations for all of its matrices)."""
-        lr, mu, wd = g["lr"], g["momentum"], g["weight_decay"]
-        params = [p for p in g["params"] if p.grad is not None]
-        if not params:
-            return
-        for p in params:
-            if not self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        bufs = [self.state[p]["momentum_buffer"] for p in params]
-        torch._foreach_mul_(bufs, mu)
-        torch._foreach_add_(bufs, grads)
-        nesterov = torch._foreach_add(grads, bufs, alpha=mu)
-        if wd:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        by_shape: dict[tuple[int, ...], list[int]] = {}
-        for i, p in enumerate(params):
-            by_shape.setdefault(tuple(p.shape), []).append(i)
-        for shape, idx in by_shape.items():
-            steps = orthogonalize(torch.stack([nesterov[i] for i in idx])).unbind(0)
-            scale = lr * 0.2 * math.sqrt(max(shape))  # AdamW's RMS (see the module notes)
-            torch._foreach_add_([params[i] for i in idx], list(steps), alpha=-scale)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict, this version's or an earlier one (see the module notes)."""
+        super().load_state_dict(state_dict)
+        old = [g for g in self.param_groups if g["muon"] and g.get("muon_momentum") is None]
+        self._fill_groups()
+        for g in old:  # a summed momentum: torch's buffer is its (1 - mu) average
+            for p in g["params"]:
+                buf = self.state.get(p, {}).get("momentum_buffer")
+                if buf is not None:
+                    buf.mul_(1 - g["momentum"])
 
-    def _adamw(self, g: dict[str, Any]) -> None:
-        """AdamW over the group with ``torch._foreach`` ops (a few kernels for all of it)."""
-        lr, (b1, b2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
-        params = [p for p in g["params"] if p.grad is not None]
-        if not params:
-            return
-        for p in params:
-            st = self.state[p]
-            if not st:
-                st["step"] = torch.zeros((), dtype=torch.float32)  # on the CPU: no sync
-                st["exp_avg"] = torch.zeros_like(p)
-                st["exp_avg_sq"] = torch.zeros_like(p)
-            st["step"] += 1
-        t = float(self.state[params[0]]["step"])
-        grads = [p.grad for p in params]
-        m = [self.state[p]["exp_avg"] for p in params]
-        v = [self.state[p]["exp_avg_sq"] for p in params]
-        torch._foreach_lerp_(m, grads, 1 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-        if wd:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, math.sqrt(1 - b2**t))
-        torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(params, m, denom, value=-lr / (1 - b1**t))
+
+def _torch_muon(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    if not hasattr(torch.optim, "Muon"):
+        raise ConfigError(
+            f"train.optimizer=muon needs torch.optim.Muon (torch 2.9 or later; this is "
+            f"{torch.__version__}); upgrade torch or use train.optimizer=adamw"
+        )
+    return torch.optim.Muon(params, lr=lr, adjust_lr_fn="match_rms_adamw")
