@@ -306,6 +306,44 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
         {},
         _write("dup.yaml", b"train: {steps: 3}\nmodel: {d_model: 64, d_model: 32}\n"),
     ),
+    # issue 24: sizes refused before the allocator sees them, numbers at their edges
+    "train-step-too-large": ([*TRAIN, "train.batch_size=100000000", NEW], {}, None),
+    "model-too-wide": ([*TRAIN, "model.d_model=1000000", NEW], {}, None),
+    "model-too-deep": ([*TRAIN, "model.n_layer=10000000", NEW], {}, None),
+    "eval-orders-too-many": (["eval", "run", "--orders", "1000000000"], {}, None),
+    "eval-ensemble-too-large": (["eval", "run", "--ensemble", "1000000"], {}, None),
+    "train-seed-out-of-range": ([*TRAIN, f"train.seed={2**70}", NEW], {}, None),
+    "train-beta2-one": ([*TRAIN, "train.beta2=1", NEW], {}, None),
+    "order-streams-zero": ([*TRAIN, "order.kind=strided", "order.streams=0", NEW], {}, None),
+    "order-sbp-streams-zero": (
+        [*TRAIN, "order.kind=sbp", "order.sbp_streams=[0]", NEW],
+        {},
+        None,
+    ),
+    "temperature-subnormal": (["sample", "run", "--temperature", "5e-324"], {}, None),
+    "cache-dir-empty": ([*TRAIN, NEW, "data.cache_dir="], {}, None),
+    # issue 24: lenient inputs made strict
+    "infill-hole-non-ascii-digit": (["sample", "run", "--infill", "a[MASK:\u0663]b"], {}, None),
+    "data-not-utf8": (
+        [*TRAIN, "data.source=corpus/latin1.txt", *FRESH],
+        {},
+        _write("corpus/latin1.txt", "caf\xe9 au lait\n".encode("latin-1") * 20),
+    ),
+    "data-utf16": (
+        [*TRAIN, "data.source=corpus/utf16.txt", *FRESH],
+        {},
+        _write("corpus/utf16.txt", ("some text\n" * 20).encode("utf-16")),
+    ),
+    "data-binary": (
+        [*TRAIN, "data.source=corpus/random.txt", *FRESH],
+        {},
+        _write("corpus/random.txt", bytes(range(256)) * 800),
+    ),
+    "data-nul-bytes": (
+        [*TRAIN, "data.source=corpus/nul.txt", *FRESH],
+        {},
+        _write("corpus/nul.txt", b"hello\x00world " * 20),
+    ),
 }
 
 

@@ -133,3 +133,114 @@ def test_an_error_quotes_a_short_preview_of_a_huge_value(tmp_path) -> None:
         "anyorder train: error: config key 'train.steps' expects int, got ['v0', 'v1', "
         "'v2', 'v3', ...] (list); fix the value in the file or on the command line"
     )
+
+
+# ----------------------------------------------------------------------------- the data cache
+
+
+def test_training_writes_no_data_cache_into_the_working_folder(tmp_path) -> None:
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    (work / "config.yaml").write_text(CONFIG.replace(", cache_dir: cache", ""))
+    env = {**_env(), "ANYORDER_CACHE": str(home)}
+    out = subprocess.run(
+        [sys.executable, "-m", "anyorder.cli", "train", "config.yaml", "--no-progress",
+         f"train.out_dir={tmp_path / 'run'}"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in work.iterdir()) == ["config.yaml"]
+    (key,) = (home / "data").iterdir()
+    assert (key / "manifest.json").is_file()
+    assert f"data: preparing builtin:pydoc into {key} (data.cache_dir)" in out.stdout
+    assert f"({key})" in out.stdout  # and where it reads from
+
+
+# ----------------------------------------------------------------------------- closed pipes
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["info", "--config-keys"], ["sample", "RUN", "--num-samples", "2", "--length", "8"]],
+)
+def test_a_closed_pipe_ends_quietly(tmp_path, args) -> None:
+    if "RUN" in args:
+        (tmp_path / "config.yaml").write_text(CONFIG)
+        trained = cli(tmp_path, "train", "config.yaml", "--no-progress", "train.out_dir=run")
+        assert trained.returncode == 0, trained.stderr
+        args = [a.replace("RUN", "run") for a in args]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "anyorder.cli", *args],
+        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    proc.stdout.close()  # the reader is gone before the first write (as `| head` soon is)
+    _, err = proc.communicate(timeout=600)
+    assert err.decode() == ""  # no traceback, no "Exception ignored"
+    assert proc.returncode == 141  # 128 + SIGPIPE, as a Unix tool
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_an_ensemble_beyond_the_memory_is_refused_with_both_figures(tmp_path, monkeypatch, capsys):
+    """The ensemble's draws against the machine's memory (here said to be 1 MB, so that a
+    tiny model shows the check)."""
+    from anyorder import memory
+    from anyorder.cli import main
+
+    (tmp_path / "config.yaml").write_text(CONFIG)
+    assert (
+        cli(tmp_path, "train", "config.yaml", "--no-progress", "train.out_dir=run").returncode == 0
+    )
+    monkeypatch.setattr(memory, "machine_memory", lambda device="cpu": 10**6)
+    monkeypatch.chdir(tmp_path)
+    before = _snapshot(tmp_path)
+    assert main(["eval", "run", "--ensemble", "1000", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "anyorder eval: error: --ensemble 1000 needs at least 4.1 MB for the orders of 8 "
+        "block(s) of 32 tokens at once, more than this machine's 1.0 MB; use e.g. --ensemble 8 "
+        "(or lower --batch-size)"
+    ]
+    assert _snapshot(tmp_path) == before
+
+
+# ----------------------------------------------------------------------------- a long .txt
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe:300"])
+def test_a_long_text_file_read_in_pieces_makes_the_same_shards(tmp_path, monkeypatch, tokenizer):
+    """The same corpus prepared whole and in pieces of about 2,000 characters: the same
+    shards, byte for byte, and the same statistics."""
+    from pydoc_data.topics import topics
+
+    from anyorder.config import load_config
+    from anyorder.data import prepare, sources
+
+    text = " ".join(topics.values())[:120_000]  # one document, many cut points
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "book.txt").write_text(text)
+    (corpus / "small.txt").write_text("a short second document\n")
+    made = {}
+    for name, limit in (("whole", 10**9), ("pieces", 2_000)):
+        monkeypatch.setattr(sources, "LONG_TEXT_BYTES", limit)
+        values = {"source": corpus, "tokenizer": tokenizer, "cache_dir": tmp_path / name}
+        cfg = load_config(None, [f"data.{k}={v}" for k, v in values.items()])
+        made[name] = prepare(cfg.data, 64, progress=False).path
+    for shard in ("train.bin", "val.bin"):
+        assert (made["whole"] / shard).read_bytes() == (made["pieces"] / shard).read_bytes()
+    whole, pieces = ((made[k] / "manifest.json").read_text() for k in ("whole", "pieces"))
+    assert whole == pieces
+    assert not list(made["pieces"].glob(".long-document*"))  # the spill file is gone
+
+
+def test_pieces_are_cut_only_between_words(tmp_path) -> None:
+    from anyorder.data.sources import LongText
+
+    text = "ab  cd ef\n gh " + "x" * 20 + " ij kl"  # 20 < 4 pieces: the word stays whole
+    (tmp_path / "t.txt").write_text(text)
+    pieces = list(LongText(tmp_path / "t.txt", piece_chars=8).pieces())
+    assert "".join(pieces) == text and len(pieces) > 2
+    for a, b in zip(pieces, pieces[1:]):
+        assert not a[-1].isspace() and b[0] == " " and not b[1].isspace()

@@ -33,6 +33,7 @@ from typing import Any
 from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig, to_dict
 from anyorder.errors import ConfigError
+from anyorder.memory import check_training_memory
 from anyorder.runlock import RUN_MARKER, RunLock, check_run_folder, check_writable_dir
 from anyorder.training.bookkeeping import (
     LoopState,
@@ -103,7 +104,9 @@ def train(
 
     cfg = init_model_config(cfg)
     check_config(cfg, env.world_size)
-    check_writable_dir(cfg.data.cache_dir, "data.cache_dir")
+    # before anything is built; a dry run's step takes at most 2 rows
+    check_training_memory(cfg, env.world_size, str(env.device), 2 if dry_run else None)
+    check_writable_dir(cfg.data.cache_path(), "data.cache_dir")
     if not dry_run:
         check_run_folder(cfg.train.out_dir)
         check_writable_dir(cfg.train.out_dir, "train.out_dir")
