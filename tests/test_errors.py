@@ -322,6 +322,8 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     ),
     "temperature-subnormal": (["sample", "run", "--temperature", "5e-324"], {}, None),
     "cache-dir-empty": ([*TRAIN, NEW, "data.cache_dir="], {}, None),
+    "config-number-too-long": ([*TRAIN, "train.steps=" + "9" * 5000], {}, None),
+    "config-value-too-long": ([*TRAIN, "model.kind=" + "x" * 5000, NEW], {}, None),
     # issue 24: lenient inputs made strict
     "infill-hole-non-ascii-digit": (["sample", "run", "--infill", "a[MASK:\u0663]b"], {}, None),
     "data-not-utf8": (

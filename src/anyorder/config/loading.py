@@ -128,6 +128,10 @@ def read_yaml(text: str, what: str) -> Any:
             f"{what} is nested more than {MAX_DEPTH} levels deep; a run config is sections "
             "of keys: fix the nesting"
         ) from None
+    except ValueError as e:  # a number of more than 4,300 digits, a date out of range, ...
+        raise ConfigError(
+            f"{what} holds a value YAML cannot read ({str(e).split(';')[0][:100]}); fix it"
+        ) from None
     return _bounded(loaded, what)
 
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig
-from anyorder.errors import ConfigError
+from anyorder.errors import ConfigError, preview
 from anyorder.orders import OrderSampler
 from anyorder.training.distributed import DistEnv, barrier, is_fsdp, print0, wrap_model
 from anyorder.training.muon import MuonAdamW, muon_matrices
@@ -77,7 +77,7 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
     if not 0.0 < t.lr <= 1e30:  # beyond, AdamW's fp32 step size overflows
         raise ConfigError(f"train.lr={t.lr} must be a positive number (at most 1e30), e.g. 1e-3")
     if t.optimizer not in ("adamw", "muon"):
-        raise ConfigError(f"train.optimizer={t.optimizer!r}: use adamw or muon")
+        raise ConfigError(f"train.optimizer={preview(t.optimizer)}: use adamw or muon")
     if not 0.0 <= t.muon_momentum < 1.0:
         raise ConfigError(f"train.muon_momentum={t.muon_momentum} must be in [0, 1), e.g. 0.95")
     if t.optimizer == "muon" and t.fsdp:
@@ -96,14 +96,14 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
             f"{t.grad_accum} accumulation step(s); use a multiple of {per}"
         )
     if t.dtype not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"train.dtype={t.dtype!r}: use auto, bf16 or fp32")
+        raise ConfigError(f"train.dtype={preview(t.dtype)}: use auto, bf16 or fp32")
     if not 0.0 < cfg.data.val_fraction < 1.0:  # validation runs at the end of every run
         raise ConfigError(
             f"data.val_fraction={cfg.data.val_fraction} must lie in (0, 1) for training "
             "(validation runs at the end); use e.g. 0.05"
         )
     if isinstance(t.compile, str) and t.compile != "auto":
-        raise ConfigError(f"train.compile={t.compile!r}: use true, false or auto")
+        raise ConfigError(f"train.compile={preview(t.compile)}: use true, false or auto")
     block_orders = o.kind == "sbp" or (o.kind == "strided" and o.streams > 1)
     if block_orders and m.kind in ("gpt", "aogpt"):
         raise ConfigError(
@@ -264,7 +264,7 @@ def autocast_context(cfg: RunConfig, device: torch.device) -> contextlib.Abstrac
     """bf16 autocast on CUDA (``auto``) or when asked for; fp32 otherwise."""
     dtype = cfg.train.dtype
     if dtype not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"train.dtype={dtype!r}: use auto, bf16 or fp32")
+        raise ConfigError(f"train.dtype={preview(dtype)}: use auto, bf16 or fp32")
     use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
     if not use_bf16:
         return contextlib.nullcontext()
