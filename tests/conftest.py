@@ -30,6 +30,17 @@ def has_gpt2_tokenizer() -> bool:
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
+if not os.environ.get("ANYORDER_CACHE"):
+    # data.cache_dir=auto (the default) writes under the cache home: a folder of this
+    # session's, not the user's ~/.cache (subprocesses of the CLI inherit it)
+    import atexit
+    import shutil
+    import tempfile
+
+    _CACHE_HOME = tempfile.mkdtemp(prefix="anyorder-test-cache-")
+    os.environ["ANYORDER_CACHE"] = _CACHE_HOME
+    atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
+
 
 def tiny_model(kind: str, seed: int = 0, **overrides) -> AnyOrderLM:
     """A small real model in fp32 (2 layers, width 64 unless overridden)."""

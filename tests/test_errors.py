@@ -158,6 +158,28 @@ def _ref_sigma(folder: Path) -> None:
     shutil.copy(REF / "sigmagpt" / "ckpt_1234.pt", folder / "ckpt_1234.pt")
 
 
+def _write(name: str, data: bytes):
+    """A setup that writes ``name`` into the row's folder."""
+
+    def setup(folder: Path) -> None:
+        (folder / name).write_bytes(data)
+
+    return setup
+
+
+# a billion laughs: 6 levels of 9 aliases each, 9**6 values from 250 bytes
+_LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcde", "bcdef")
+)
+
+
+def _user_folder(folder: Path) -> None:
+    """A folder of the user's own, holding files of the names a run writes."""
+    (folder / "mine").mkdir()
+    (folder / "mine" / "config.yaml").write_text("# my notes\nmodel: {kind: gpt}\n")
+    (folder / "mine" / "summary.json").write_text("{}\n")
+
+
 TRAIN = ["train", "cfg.yaml", "--no-progress"]
 CONVERT_REF = ["convert", "ckpt_1234.pt", "--from", "aogpt-ref", "--out", "ao"]
 NEW = "train.out_dir=new"  # a run folder that must not appear
@@ -261,6 +283,76 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
         None,
     ),
     "export-config-does-not-fit": (["sample", "exp"], {}, _huge_export_config),
+    # issue 24: run folders that are not a run's; configs that expand, nest or decode badly
+    "out-dir-empty": ([*TRAIN, "train.out_dir="], {}, None),
+    "out-dir-current-folder": ([*TRAIN, "train.out_dir=."], {}, None),
+    "out-dir-not-a-run": ([*TRAIN, "train.out_dir=mine"], {}, _user_folder),
+    "config-aliases-expand": (
+        ["train", "laughs.yaml"],
+        {},
+        _write("laughs.yaml", (_LAUGHS + "train: {steps: *f}\n").encode()),
+    ),
+    "config-alias-loop": (["train", "loop.yaml"], {}, _write("loop.yaml", b"train: &a [*a]\n")),
+    "config-nested-deep": (
+        ["train", "deep.yaml"],
+        {},
+        _write("deep.yaml", b"train: {steps: " + b"[" * 5000 + b"]" * 5000 + b"}\n"),
+    ),
+    "config-not-utf8": (
+        ["train", "latin1.yaml"],
+        {},
+        _write("latin1.yaml", "train: {steps: 3}  # caf\xe9\n".encode("latin-1")),
+    ),
+    "config-utf16": (
+        ["train", "utf16.yaml"],
+        {},
+        _write("utf16.yaml", "train: {steps: 3}\n".encode("utf-16")),
+    ),
+    "config-duplicate-key": (
+        ["train", "dup.yaml"],
+        {},
+        _write("dup.yaml", b"train: {steps: 3}\nmodel: {d_model: 64, d_model: 32}\n"),
+    ),
+    # issue 24: sizes refused before the allocator sees them, numbers at their edges
+    "train-step-too-large": ([*TRAIN, "train.batch_size=100000000", NEW], {}, None),
+    "model-too-wide": ([*TRAIN, "model.d_model=1000000", NEW], {}, None),
+    "model-too-deep": ([*TRAIN, "model.n_layer=10000000", NEW], {}, None),
+    "eval-orders-too-many": (["eval", "run", "--orders", "1000000000"], {}, None),
+    "eval-ensemble-too-large": (["eval", "run", "--ensemble", "1000000"], {}, None),
+    "train-seed-out-of-range": ([*TRAIN, f"train.seed={2**70}", NEW], {}, None),
+    "train-beta2-one": ([*TRAIN, "train.beta2=1", NEW], {}, None),
+    "order-streams-zero": ([*TRAIN, "order.kind=strided", "order.streams=0", NEW], {}, None),
+    "order-sbp-streams-zero": (
+        [*TRAIN, "order.kind=sbp", "order.sbp_streams=[0]", NEW],
+        {},
+        None,
+    ),
+    "temperature-subnormal": (["sample", "run", "--temperature", "5e-324"], {}, None),
+    "cache-dir-empty": ([*TRAIN, NEW, "data.cache_dir="], {}, None),
+    "config-number-too-long": ([*TRAIN, "train.steps=" + "9" * 5000], {}, None),
+    "config-value-too-long": ([*TRAIN, "model.kind=" + "x" * 5000, NEW], {}, None),
+    # issue 24: lenient inputs made strict
+    "infill-hole-non-ascii-digit": (["sample", "run", "--infill", "a[MASK:\u0663]b"], {}, None),
+    "data-not-utf8": (
+        [*TRAIN, "data.source=corpus/latin1.txt", *FRESH],
+        {},
+        _write("corpus/latin1.txt", "caf\xe9 au lait\n".encode("latin-1") * 20),
+    ),
+    "data-utf16": (
+        [*TRAIN, "data.source=corpus/utf16.txt", *FRESH],
+        {},
+        _write("corpus/utf16.txt", ("some text\n" * 20).encode("utf-16")),
+    ),
+    "data-binary": (
+        [*TRAIN, "data.source=corpus/random.txt", *FRESH],
+        {},
+        _write("corpus/random.txt", bytes(range(256)) * 800),
+    ),
+    "data-nul-bytes": (
+        [*TRAIN, "data.source=corpus/nul.txt", *FRESH],
+        {},
+        _write("corpus/nul.txt", b"hello\x00world " * 20),
+    ),
 }
 
 

@@ -35,9 +35,12 @@ from anyorder.errors import SamplingError
 
 MAX_SEED = 2**63 - 1
 """Largest seed (the int64 range every generator takes)."""
+MIN_TEMPERATURE = 1e-6
+"""Smallest temperature: logits divided by less overflow (a subnormal such as 5e-324 is 0 in
+fp32), and anything below 0.01 samples greedily already."""
 MAX_NUM_SAMPLES = 1024
 """Most samples in one batch on the CLI and in the API."""
-_HOLE_DIGITS = re.compile(r"\[MASK:(\d+)\]")
+_HOLE_DIGITS = re.compile(r"\[MASK:([0-9]+)\]")  # ASCII digits only
 
 
 def _is_int(value: object) -> bool:
@@ -89,6 +92,11 @@ def check_controls(
     if not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
         raise SamplingError(
             f"temperature={temperature} must be > 0 (use e.g. 0.01 for near-greedy)"
+        )
+    if temperature < MIN_TEMPERATURE:
+        raise SamplingError(
+            f"temperature={temperature} is below {MIN_TEMPERATURE:g}, where the scaled logits "
+            "overflow; use e.g. 0.01 for near-greedy"
         )
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise SamplingError(f"top-p={top_p} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut")

@@ -38,3 +38,27 @@ class TrainingError(AnyorderError):
     """
 
     exit_code = 3
+
+
+PREVIEW_CHARS = 60
+"""At most this many characters of a user's value are quoted in an error message."""
+
+
+def preview(value: object, limit: int = PREVIEW_CHARS) -> str:
+    """``repr(value)`` cut to a short preview, for quoting a user's value in an error.
+
+    A value from a config can be huge once YAML aliases are expanded (a few hundred bytes of
+    nested ``*alias`` lists reach gigabytes), nested thousands of levels deep, or even hold
+    itself; :mod:`reprlib` walks only the first few items of the first few levels, so the
+    cost and the length stay small whatever the value. Short values read as ``repr`` does.
+    """
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 4, 4, 4, 4
+    r.maxstring = r.maxother = r.maxlong = limit
+    try:
+        text = r.repr(value)
+    except Exception:  # a repr that fails must not replace the message it is part of
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from anyorder.config import OrderConfig
-from anyorder.errors import ConfigError
+from anyorder.errors import ConfigError, preview
 
 ORDER_KINDS = ("l2r", "uniform", "mix", "fixed", "progressive", "strided", "sbp")
 
@@ -195,11 +195,13 @@ def schedule_step(value: int | str, total_steps: int | None, key: str) -> int:
     m = _SHARE.fullmatch(text)
     if m is None or float(m.group(1)) > 100:
         raise ConfigError(
-            f"order.{key}={value!r} must be a training step (an integer) or a share of "
+            f"order.{key}={preview(value)} must be a training step (an integer) or a share of "
             "train.steps from '0%' to '100%', such as '10%'"
         )
     if total_steps is None:
-        raise ConfigError(f"order.{key}={value!r} is a share of train.steps; give train.steps")
+        raise ConfigError(
+            f"order.{key}={preview(value)} is a share of train.steps; give train.steps"
+        )
     return round(float(m.group(1)) / 100 * total_steps)
 
 
@@ -213,7 +215,7 @@ class OrderSampler:
     def __init__(self, cfg: OrderConfig, total_steps: int | None = None) -> None:
         if cfg.kind not in ORDER_KINDS:
             raise ConfigError(
-                f"order.kind={cfg.kind!r} is unknown; use one of {', '.join(ORDER_KINDS)}"
+                f"order.kind={preview(cfg.kind)} is unknown; use one of {', '.join(ORDER_KINDS)}"
             )
         self.i_ar = self.i_perm = 0
         if cfg.kind == "progressive":

@@ -30,6 +30,51 @@ from anyorder.errors import ConfigError
 
 LOCK_FILE = ".lock"
 """The lock file inside a run folder."""
+RUN_MARKER = ".anyorder-run"
+"""Written first into a run folder that training creates: the folder is a run's, and a later
+training may write into it."""
+_RUN_SIGNS = (RUN_MARKER, ".anyorder-demo")
+"""Files that make a folder a run's (the demo marks its folder before it trains into it)."""
+
+
+def check_run_folder(path: str | Path, key: str = "train.out_dir") -> None:
+    """A run folder must be new, empty, or one anyorder made: a training writes config.yaml,
+    metrics.jsonl and summary.json into it, replacing files of those names.
+
+    An empty value (an unset shell variable: ``train.out_dir=$OUT``) and the current folder
+    are refused outright. A run from before the marker existed is recognised by its
+    checkpoints (``checkpoints/step_*``); a lock file left by a killed run counts as nothing.
+
+    Raises:
+        ConfigError: naming ``key``, what the folder holds and the fix.
+    """
+    if not str(path).strip():
+        raise ConfigError(
+            f"{key} is empty (an unset shell variable?); name the run folder, e.g. {key}=runs/NAME"
+        )
+    p = Path(path).expanduser()
+    try:
+        here = p.resolve() == Path.cwd().resolve()
+    except OSError:  # the current folder was removed: nothing of the user's to protect here
+        here = False
+    if here:
+        raise ConfigError(
+            f"{_named(key, path)} is the current folder; a run needs a folder of its own "
+            f"(new, empty, or an earlier run's), e.g. {key}=runs/NAME"
+        )
+    if not p.is_dir():
+        return  # new (or a file, which check_writable_dir names)
+    try:
+        names = sorted(e.name for e in os.scandir(p) if e.name != LOCK_FILE)
+    except OSError:
+        return  # unreadable: the lock or the first write names it
+    if not names or any(n in names for n in _RUN_SIGNS) or any(p.glob("checkpoints/step_*")):
+        return
+    shown = ", ".join(n[:40] for n in names[:4]) + (", ..." if len(names) > 4 else "")
+    raise ConfigError(
+        f"{_named(key, path)} holds files that are not a run's ({shown}); a run folder must be "
+        f"new, empty or one anyorder made: pick another {key}"
+    )
 
 
 def _nearest_existing(path: Path) -> Path:

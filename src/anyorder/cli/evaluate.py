@@ -125,6 +125,30 @@ def _numbers(text: str | None, kind: type, name: str) -> list:
         raise ConfigError(f"--{name} {text!r}: give comma-separated numbers") from None
 
 
+MAX_ORDERS = 10_000
+"""The most random orders per block ``--orders`` takes, and the largest ``--ensemble`` (the
+any-order NLL's error bar shrinks as 1/sqrt(K): 16 to 64 are the useful range)."""
+
+
+def _check_ensemble_memory(args: argparse.Namespace, n: int, device) -> None:
+    """An ensemble draws ``M`` orders of ``n`` positions (float64 keys, int64 orders) for a
+    call of rows at once: refuse one that cannot fit, with the estimate and the memory."""
+    from anyorder.errors import ConfigError
+    from anyorder.evaluation.corpus import rows_per_call
+    from anyorder.memory import format_bytes, machine_memory
+
+    rows = rows_per_call(n, args.batch_size, args.max_tokens)
+    need = rows * args.ensemble * n * 16
+    have = machine_memory(str(device))
+    where = "this GPU" if device.type == "cuda" else "this machine"
+    if args.ensemble > 1 and have is not None and need > have:
+        raise ConfigError(
+            f"--ensemble {args.ensemble} needs at least {format_bytes(need)} for the orders of "
+            f"{rows} block(s) of {n} tokens at once, more than {where}'s {format_bytes(have)}; "
+            "use e.g. --ensemble 8 (or lower --batch-size)"
+        )
+
+
 def _check_eval_args(args: argparse.Namespace) -> None:
     """Counts and controls of ``anyorder eval``, before a model is loaded."""
     from anyorder import bounds
@@ -142,6 +166,16 @@ def _check_eval_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.orders > MAX_ORDERS:  # each order is a pass over every block: weeks, not minutes
+        raise ConfigError(
+            f"--orders {args.orders} must be at most {MAX_ORDERS:,} (each order is one pass "
+            "over every block); use e.g. 16"
+        )
+    if args.ensemble > MAX_ORDERS:  # each member is about one pass per block and order
+        raise ConfigError(
+            f"--ensemble {args.ensemble} must be at most {MAX_ORDERS:,} (each member costs "
+            "about one pass per block and order); use e.g. 8"
+        )
     if args.batch_size > bounds.MAX_NUM_SAMPLES:
         raise ConfigError(f"--batch-size must be at most {bounds.MAX_NUM_SAMPLES}")
     bounds.check_seed(args.seed, "--seed")
@@ -212,6 +246,7 @@ def run_eval(args: argparse.Namespace) -> int:
             f"{args.checkpoint} holds no tokenizer, so eval cannot tokenize text for it; "
             "convert or export it again with --tokenizer"
         )
+    _check_ensemble_memory(args, ckpt.model.cfg.seq_len, device)
     run_dir = ckpt.path.parent.parent if ckpt.path.parent.name == "checkpoints" else ckpt.path
     out = Path(args.out) if args.out else run_dir / "eval"
     check_writable_dir(out, "--out")

@@ -71,6 +71,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SIGPIPE_EXIT = 128 + 13
+"""Exit code when the reader of our output went away (``| head``): a Unix tool killed by
+SIGPIPE exits so, and says nothing."""
+
+
+def _closed_pipe() -> int:
+    """Stop quietly when stdout's reader closed the pipe (``anyorder ... | head -1``): no
+    traceback, and nothing more written (stdout now points at /dev/null, so the flush at
+    interpreter exit cannot fail again)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return SIGPIPE_EXIT
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -88,7 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _closed_pipe()
     except AnyorderError as e:
         print(f"anyorder {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -9,6 +9,10 @@ Design choices:
   the default.
 * YAML 1.1 reads ``1e-3`` (no dot) as a string; a float field takes it as the number it
   plainly is.
+* YAML is read strictly too (:func:`read_yaml`): UTF-8 only, no key twice in a mapping,
+  aliases allowed but a file may expand to at most :data:`MAX_NODES` values nested at most
+  :data:`MAX_DEPTH` deep (a few hundred bytes of nested aliases expand to gigabytes). Errors
+  quote values through :func:`~anyorder.errors.preview`, never whole.
 """
 
 from __future__ import annotations
@@ -26,10 +30,129 @@ from typing import Any
 
 from anyorder.config.model import PRESETS, ModelConfig, expand_model_values
 from anyorder.config.run import RunConfig
-from anyorder.errors import ConfigError
+from anyorder.errors import ConfigError, preview
 
 _EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 """A float in exponent notation without a dot (``1e-3``), which YAML 1.1 leaves a string."""
+
+
+MAX_NODES = 10_000
+"""The most values (aliases expanded) a config file or an override may hold; a whole run
+config is about a hundred."""
+MAX_DEPTH = 32
+"""The deepest nesting a config may have; a run config is three levels deep."""
+
+
+def _strict_loader() -> type:
+    """PyYAML's safe loader that refuses a key given twice in one mapping (PyYAML keeps the
+    last silently; a careful user means one of them, and only they know which)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):  # type: ignore[no-untyped-def]
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                    continue
+                key = self.construct_object(key_node)
+                if not isinstance(key, typing.Hashable):
+                    continue
+                if key in seen:
+                    first = seen[key].start_mark.line + 1
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {preview(key)} given twice (first on line {first})",
+                        key_node.start_mark,
+                    )  # fmt: skip
+                seen[key] = key_node
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
+
+
+def _bounded(value: Any, what: str) -> Any:
+    """``value`` unchanged when it expands (aliases repeated) to at most :data:`MAX_NODES`
+    values nested at most :data:`MAX_DEPTH` deep; counted once per distinct object, without
+    recursion, so a billion laughs costs as little as its file.
+
+    Raises:
+        ConfigError: naming ``what`` (the file or the override) and the fix.
+    """
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    open_: set[int] = set()
+    while stack:
+        node, done = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        kids = list(node.values()) if isinstance(node, dict) else node
+        if done:
+            open_.discard(id(node))
+            size[id(node)] = 1 + sum(size.get(id(k), 1) for k in kids)
+            depth[id(node)] = 1 + max((depth.get(id(k), 0) for k in kids), default=0)
+            if size[id(node)] > MAX_NODES:
+                raise ConfigError(
+                    f"{what} expands to more than {MAX_NODES:,} values (YAML aliases repeat "
+                    "what they name); a run config holds about a hundred: write the values out"
+                )
+            if depth[id(node)] > MAX_DEPTH:
+                raise ConfigError(
+                    f"{what} is nested more than {MAX_DEPTH} levels deep; a run config is "
+                    "sections of keys: fix the nesting"
+                )
+            continue
+        if id(node) in size:
+            continue
+        if id(node) in open_:
+            raise ConfigError(f"{what} holds a value that contains itself (a YAML alias "
+                              "inside its own anchor); write the values out")  # fmt: skip
+        open_.add(id(node))
+        stack.append((node, True))
+        stack.extend((k, False) for k in kids if id(k) not in size)
+    return value
+
+
+def read_yaml(text: str, what: str) -> Any:
+    """Parse ``text`` strictly (see the module notes) and bound what it expands to.
+
+    Raises:
+        yaml.YAMLError: not YAML, or a key given twice.
+        ConfigError: nested too deep, expanding too far, or holding itself.
+    """
+    import yaml
+
+    try:
+        loaded = yaml.load(text, Loader=_strict_loader())  # noqa: S506 - a SafeLoader
+    except RecursionError:
+        raise ConfigError(
+            f"{what} is nested more than {MAX_DEPTH} levels deep; a run config is sections "
+            "of keys: fix the nesting"
+        ) from None
+    except ValueError as e:  # a number of more than 4,300 digits, a date out of range, ...
+        raise ConfigError(
+            f"{what} holds a value YAML cannot read ({str(e).split(';')[0][:100]}); fix it"
+        ) from None
+    return _bounded(loaded, what)
+
+
+def _decode(data: bytes, path: Path) -> str:
+    """The text of a config file, which must be UTF-8 (a UTF-8 byte-order mark is allowed).
+
+    Raises:
+        ConfigError: naming the first bad byte, or the UTF-16/32 byte-order mark.
+    """
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff") or data[:4] == b"\x00\x00\xfe\xff":
+        raise ConfigError(
+            f"config file {str(path)!r} is UTF-16 or UTF-32 text (it starts with a "
+            "byte-order mark); save it as UTF-8"
+        )
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte 0x{data[e.start]:02x} "
+            f"at offset {e.start}); save it as UTF-8"
+        ) from None
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:
@@ -111,7 +234,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     else:  # pragma: no cover - every field type is listed above
         return value
     raise ConfigError(
-        f"config key {key!r} expects {_type_name(tp)}, got {value!r} ({type(value).__name__}); "
+        f"config key {preview(key)} expects {_type_name(tp)}, got {preview(value)} "
+        f"({type(value).__name__}); "
         f"fix the value in the file or on the command line"
     )
 
@@ -119,7 +243,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     """Construct dataclass ``cls`` from a dict, strictly (unknown keys are errors)."""
     if not isinstance(values, dict):
-        raise ConfigError(f"config section {prefix!r} must be a mapping, got {values!r}")
+        raise ConfigError(
+            f"config section {preview(prefix)} must be a mapping, got {preview(values)}"
+        )
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs: dict[str, Any] = {}
@@ -127,7 +253,8 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
             raise ConfigError(
-                f"unknown config key {full!r}; known keys{' in ' + prefix if prefix else ''}: "
+                f"unknown config key {preview(full)}; known keys"
+                f"{' in ' + prefix if prefix else ''}: "
                 f"{', '.join(names)}"
             )
         tp = hints[key]
@@ -149,14 +276,14 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     import yaml
 
     if "=" not in item:
-        raise ConfigError(f"override {item!r} is not key=value; write e.g. train.steps=100")
+        raise ConfigError(f"override {preview(item)} is not key=value; write e.g. train.steps=100")
     key, _, raw = item.partition("=")
     key = key.strip()
     parts = key.split(".")
     if not key or any(not p.isidentifier() for p in parts):
-        raise ConfigError(f"override key {key!r} is not a dotted name like train.steps")
+        raise ConfigError(f"override key {preview(key)} is not a dotted name like train.steps")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = read_yaml(raw, f"override {preview(item)}") if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return parts, value
@@ -182,11 +309,11 @@ def load_config(
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; give a YAML file path")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = read_yaml(_decode(path.read_bytes(), path), f"config file {str(path)!r}")
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = " ".join(str(getattr(e, "problem", None) or e).split())
+            problem = " ".join(str(getattr(e, "problem", None) or e).split())[:200]
             raise ConfigError(
                 f"config file {str(path)!r} is not valid YAML ({problem}{where}); fix the file"
             ) from None
@@ -206,7 +333,7 @@ def load_config(
             if child is None:
                 child = node[p] = {}
             elif not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+                raise ConfigError(f"override {preview(item)}: {preview(p)} is not a section")
             node = child
         node[parts[-1]] = value
     return config_from_dict(values)
@@ -228,7 +355,9 @@ def _build_run(values: dict[str, Any]) -> RunConfig:
     names = [f.name for f in dataclasses.fields(RunConfig)]
     for key in values:
         if key not in names:
-            raise ConfigError(f"unknown config key {key!r}; known sections: {', '.join(names)}")
+            raise ConfigError(
+                f"unknown config key {preview(key)}; known sections: {', '.join(names)}"
+            )
     hints = typing.get_type_hints(RunConfig)
     return RunConfig(**{k: _build_section(hints[k], v, k) for k, v in values.items()})
 

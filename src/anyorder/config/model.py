@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from anyorder.errors import ConfigError
+from anyorder.errors import ConfigError, preview
 
 MODEL_KINDS = ("gpt", "aogpt", "armd", "mdm")
 
@@ -108,7 +108,8 @@ class ModelConfig:
             raise ConfigError(f"model.init_std={self.init_std} must be >= 0")
         if self.kind not in MODEL_KINDS:
             raise ConfigError(
-                f"model.kind={self.kind!r} is not a model; use one of {', '.join(MODEL_KINDS)}"
+                f"model.kind={preview(self.kind)} is not a model; use one of "
+                f"{', '.join(MODEL_KINDS)}"
             )
         if self.d_model % self.n_head:
             raise ConfigError(
@@ -116,15 +117,17 @@ class ModelConfig:
                 "pick a d_model that is a multiple of n_head"
             )
         if self.pos_emb not in ("auto", "learned", "rope"):
-            raise ConfigError(f"model.pos_emb={self.pos_emb!r}: use learned, rope or auto")
+            raise ConfigError(f"model.pos_emb={preview(self.pos_emb)}: use learned, rope or auto")
         if self.norm not in ("rmsnorm", "layernorm"):
-            raise ConfigError(f"model.norm={self.norm!r}: use rmsnorm or layernorm")
+            raise ConfigError(f"model.norm={preview(self.norm)}: use rmsnorm or layernorm")
         if self.mlp not in ("gelu", "swiglu"):
-            raise ConfigError(f"model.mlp={self.mlp!r}: use gelu or swiglu")
+            raise ConfigError(f"model.mlp={preview(self.mlp)}: use gelu or swiglu")
         if self.target_injection not in ("adaln", "add"):
-            raise ConfigError(f"model.target_injection={self.target_injection!r}: use adaln or add")
+            raise ConfigError(
+                f"model.target_injection={preview(self.target_injection)}: use adaln or add"
+            )
         if self.rope_query not in ("input", "target"):
-            raise ConfigError(f"model.rope_query={self.rope_query!r}: use input or target")
+            raise ConfigError(f"model.rope_query={preview(self.rope_query)}: use input or target")
         if self.rope_query == "target" and (self.kind != "aogpt" or self.positional != "rope"):
             raise ConfigError(
                 "model.rope_query=target rotates aogpt's queries: it needs model.kind=aogpt "
@@ -133,9 +136,9 @@ class ModelConfig:
         if self.positional == "rope" and self.head_dim % 2:
             raise ConfigError("rope needs an even head dimension (d_model / n_head)")
         if self.gelu not in ("tanh", "exact"):
-            raise ConfigError(f"model.gelu={self.gelu!r}: use tanh or exact")
+            raise ConfigError(f"model.gelu={preview(self.gelu)}: use tanh or exact")
         if self.adaln_init not in ("zero", "normal"):
-            raise ConfigError(f"model.adaln_init={self.adaln_init!r}: use zero or normal")
+            raise ConfigError(f"model.adaln_init={preview(self.adaln_init)}: use zero or normal")
         if self.padded_vocab is not None and self.padded_vocab < self.vocab_size:
             raise ConfigError(
                 f"model.padded_vocab={self.padded_vocab} is below model.vocab_size="

@@ -9,10 +9,13 @@ docs/configs.md).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from anyorder.config.model import ModelConfig
+from anyorder.errors import ConfigError
 
 
 def to_dict(obj: Any) -> Any:
@@ -38,12 +41,38 @@ class DataConfig:
     """Field that holds the text in .jsonl/.parquet/datasets records."""
     val_fraction: float = 0.05
     """Share of documents held out for validation (chosen by a hash of the document)."""
-    cache_dir: str = "data_cache"
-    """Folder for the packed token shards (reused when source and tokenizer match)."""
+    cache_dir: str = "auto"
+    """Folder for the packed token shards (reused when source and tokenizer match); auto:
+    $ANYORDER_CACHE/data, else $XDG_CACHE_HOME/anyorder/data, else ~/.cache/anyorder/data
+    (never the current folder)."""
     streaming: bool = False
     """Stream a Hugging Face dataset instead of downloading it whole."""
     max_documents: int | None = None
     """Stop after this many documents (quick runs on a large corpus)."""
+
+    def cache_path(self) -> Path:
+        """The folder ``cache_dir`` names (``auto``: the cache home, see the field's help).
+
+        Raises:
+            ConfigError: an empty value (an unset shell variable).
+        """
+        if not self.cache_dir.strip():
+            raise ConfigError(
+                "data.cache_dir is empty (an unset shell variable?); leave it out for the "
+                "cache home (~/.cache/anyorder/data), or name a folder"
+            )
+        if self.cache_dir != "auto":
+            return Path(self.cache_dir).expanduser()
+        return cache_home() / "data"
+
+
+def cache_home() -> Path:
+    """Where anyorder keeps what it can rebuild: ``$ANYORDER_CACHE``, else
+    ``$XDG_CACHE_HOME/anyorder``, else ``~/.cache/anyorder``."""
+    if os.environ.get("ANYORDER_CACHE"):
+        return Path(os.environ["ANYORDER_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "anyorder"
 
 
 @dataclass

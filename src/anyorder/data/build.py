@@ -25,6 +25,7 @@ import secrets
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -122,9 +123,10 @@ def _bpe_texts(cfg: DataConfig) -> Iterator[str]:
             return
 
 
-def _documents(cfg: DataConfig) -> Iterator[str]:
+def _documents(cfg: DataConfig, pieces: bool = False) -> Iterator[Any]:
     return iter_documents(
         cfg.source,
+        pieces=pieces,
         text_field=cfg.text_field,
         streaming=cfg.streaming,
         max_documents=cfg.max_documents,
@@ -133,7 +135,9 @@ def _documents(cfg: DataConfig) -> Iterator[str]:
 
 def _build(cfg: DataConfig, seq_len: int, key: str, folder: Path, progress: bool) -> None:
     """Write shards, tokenizer and manifest of ``cfg`` into ``folder``."""
-    docs = _documents(cfg)  # resolves the source first: a bad path fails before training
+    # resolves the source first (a bad path fails before training); a large .txt file comes
+    # in pieces (sources.LongText), so packing holds a piece of it at a time
+    docs = _documents(cfg, pieces=True)
     if cfg.tokenizer.strip().startswith("bpe:"):
         vocab = _parse_bpe(cfg.tokenizer.strip())
         tok: Tokenizer = BPETokenizer.train(_bpe_texts(cfg), vocab, progress=progress)
@@ -184,7 +188,7 @@ def prepare(cfg: DataConfig, seq_len: int, *, progress: bool = True) -> TokenDat
     """
     key = cache_key(cfg, seq_len)
     seq_len = int(seq_len)
-    root = Path(cfg.cache_dir).expanduser()
+    root = cfg.cache_path()  # "auto": the cache home, never the current folder
     final = root / key
     if (final / "manifest.json").is_file():
         return TokenData.load(final, reused=True)

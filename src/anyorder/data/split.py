@@ -23,7 +23,6 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 import os
 import time
@@ -35,7 +34,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from anyorder.data.shards import SPLITS, sha256_file, token_dtype
-from anyorder.data.sources import source_bytes
+from anyorder.data.sources import LongText, source_bytes
 from anyorder.data.tokenizers import Tokenizer, _text_ids
 from anyorder.errors import DataError
 
@@ -49,7 +48,11 @@ _ENCODE_CHUNK = 256  # documents per batched tokenizer call
 def is_val_document(text: str, val_fraction: float) -> bool:
     """Whether ``text`` is held out: ``int(sha1(text)[:8], 16) / 2**32 < val_fraction``."""
     digest = hashlib.sha1(text.encode("utf-8", errors="replace")).hexdigest()
-    return int(digest[:8], 16) / 2**32 < val_fraction
+    return _held_out(digest, val_fraction)
+
+
+def _held_out(sha1_hex: str, val_fraction: float) -> bool:
+    return int(sha1_hex[:8], 16) / 2**32 < val_fraction
 
 
 class _SplitWriter:
@@ -73,6 +76,18 @@ class _SplitWriter:
         self.bytes += nbytes
         if len(self.pending) >= _FLUSH_TOKENS:
             self.flush()
+
+    def add_file(self, spill: Path, ntokens: int, eos: int, nbytes: int) -> None:
+        """Append a document whose ids were written to ``spill`` (this split's dtype, checked)
+        in blocks, then its EOS: memory for a block, not the document."""
+        self.flush()
+        with open(spill, "rb") as src:
+            while block := src.read(1 << 22):
+                self.file.write(block)
+        self.pending.append(eos)
+        self.documents += 1
+        self.tokens += ntokens + 1
+        self.bytes += nbytes
 
     def flush(self) -> None:
         if self.pending:
@@ -99,14 +114,64 @@ def _encode_many(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
     return batch(texts) if batch is not None else [tok.encode(t) for t in texts]
 
 
-def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    it = iter(items)
-    while chunk := list(itertools.islice(it, size)):
+def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """Lists of up to ``size`` documents; a :class:`LongText` comes alone, in its place."""
+    chunk: list[Any] = []
+    for item in items:
+        if isinstance(item, LongText):
+            if chunk:
+                yield chunk
+            yield [item]
+            chunk = []
+            continue
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
         yield chunk
 
 
+def _spill_long(
+    doc: LongText, tok: Tokenizer, spill: Path, dtype: np.dtype
+) -> tuple[str, int, int]:
+    """Tokenize a long document piece by piece into ``spill``; returns the SHA-1 of its
+    UTF-8 text (what :func:`is_val_document` hashes), its tokens and its bytes."""
+    digest, ntokens, nbytes = hashlib.sha1(), 0, 0
+    with open(spill, "wb") as f:
+        for piece in doc.pieces():
+            raw = piece.encode("utf-8", errors="replace")
+            digest.update(raw)
+            nbytes += len(raw)
+            ids = np.asarray(tok.encode(piece), dtype=np.int64)
+            if len(ids) and (ids.max() >= tok.vocab_size or ids.min() < 0):
+                raise DataError(
+                    f"tokenizer {tok.spec!r} produced an id outside 0..{tok.vocab_size - 1}; "
+                    "its vocab_size is wrong, use another tokenizer"
+                )
+            f.write(ids.astype(dtype).tobytes())
+            ntokens += len(ids)
+    return digest.hexdigest(), ntokens, nbytes
+
+
+def _encoded(
+    chunk: list[Any], tok: Tokenizer, folder: Path, dtype: np.dtype
+) -> list[tuple[str, int, int, Any]]:
+    """``(sha1 of the text, tokens, UTF-8 bytes, ids)`` of each document of a chunk; a
+    :class:`LongText` comes alone and its ids are the file they were spilled to."""
+    if isinstance(chunk[0], LongText):
+        spill = folder / ".long-document.tmp"
+        sha, ntok, nbytes = _spill_long(chunk[0], tok, spill, dtype)
+        return [(sha, ntok, nbytes, spill)]
+    items = []
+    for text, ids in zip(chunk, _encode_many(tok, chunk)):
+        raw = text.encode("utf-8", errors="replace")
+        items.append((hashlib.sha1(raw).hexdigest(), len(ids), len(raw), ids))
+    return items
+
+
 def _pack(
-    docs: Iterable[str],
+    docs: Iterable[Any],
     tok: Tokenizer,
     seq_len: int,
     val_fraction: float,
@@ -131,18 +196,21 @@ def _pack(
         t0, done = time.perf_counter(), 0
         with bar:
             for chunk in _chunks(docs, _ENCODE_CHUNK):
-                encoded = _encode_many(tok, chunk)
-                for text, ids in zip(chunk, encoded):
-                    raw = text.encode("utf-8", errors="replace")
-                    done += len(raw)
-                    split = "val" if is_val_document(text, val_fraction) else "train"
+                items = _encoded(chunk, tok, folder, dtype)
+                for sha, ntok, nbytes, ids in items:
+                    done += nbytes
+                    split = "val" if _held_out(sha, val_fraction) else "train"
                     w = writers[split]
                     if split == "train":
-                        tail.append((w.tokens, len(ids) + 1, len(raw)))
-                        tail_tokens += len(ids) + 1
+                        tail.append((w.tokens, ntok + 1, nbytes))
+                        tail_tokens += ntok + 1
                         while tail_tokens - tail[0][1] >= seq_len:
                             tail_tokens -= tail.popleft()[1]
-                    w.add(ids, eos, len(raw))
+                    if isinstance(ids, Path):
+                        w.add_file(ids, ntok, eos, nbytes)
+                        ids.unlink()
+                    else:
+                        w.add(ids, eos, nbytes)
                 if total is not None and done:  # after the first chunk: the measured rate
                     per_mb = (time.perf_counter() - t0) / done * 1e6
                     if total / 1e6 * per_mb > ESTIMATE_OVER_S:

@@ -27,7 +27,7 @@ HOLE_GRAMMAR = (
     "a template is literal text with holes; a hole is [MASK:n] with n a whole number >= 1 "
     "(n tokens to fill); the text '[MASK' always opens a hole"
 )
-_HOLE = re.compile(r"\[MASK:(\d+)\]")
+_HOLE = re.compile(r"\[MASK:([0-9]+)\]")  # ASCII digits only: int("٣") is 3
 
 
 def parse_template(

@@ -33,7 +33,8 @@ from typing import Any
 from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig, to_dict
 from anyorder.errors import ConfigError
-from anyorder.runlock import RunLock, check_writable_dir
+from anyorder.memory import check_training_memory
+from anyorder.runlock import RUN_MARKER, RunLock, check_run_folder, check_writable_dir
 from anyorder.training.bookkeeping import (
     LoopState,
     check_finite,
@@ -103,8 +104,11 @@ def train(
 
     cfg = init_model_config(cfg)
     check_config(cfg, env.world_size)
-    check_writable_dir(cfg.data.cache_dir, "data.cache_dir")
+    # before anything is built; a dry run's step takes at most 2 rows
+    check_training_memory(cfg, env.world_size, str(env.device), 2 if dry_run else None)
+    check_writable_dir(cfg.data.cache_path(), "data.cache_dir")
     if not dry_run:
+        check_run_folder(cfg.train.out_dir)
         check_writable_dir(cfg.train.out_dir, "train.out_dir")
         check_resume_early(cfg, resume)
     with contextlib.ExitStack() as stack:
@@ -250,6 +254,8 @@ def _open_run(
     env, cfg = parts.env, parts.cfg
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        # first: from here on a later training may write into this folder (check_run_folder)
+        (run_dir / RUN_MARKER).write_text("written by anyorder train: this folder is a run's\n")
         write_atomic(run_dir / "config.yaml", config_yaml(cfg))
     log = MetricsLog(
         run_dir, env.is_main, step if resume_from is not None else None, cfg.train.seed

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 
 from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig
-from anyorder.errors import ConfigError
+from anyorder.errors import ConfigError, preview
 from anyorder.orders import OrderSampler
 from anyorder.training.distributed import DistEnv, barrier, is_fsdp, print0, wrap_model
 from anyorder.training.muon import MuonAdamW, muon_matrices
@@ -63,6 +64,7 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
             intervals or dtype.
     """
     t, o, m = cfg.train, cfg.order, cfg.model
+    _check_numbers(cfg)
     OrderSampler(o, t.steps)  # unknown order kinds and bad progressive settings
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(t, name) < 1:
@@ -75,7 +77,7 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
     if not 0.0 < t.lr <= 1e30:  # beyond, AdamW's fp32 step size overflows
         raise ConfigError(f"train.lr={t.lr} must be a positive number (at most 1e30), e.g. 1e-3")
     if t.optimizer not in ("adamw", "muon"):
-        raise ConfigError(f"train.optimizer={t.optimizer!r}: use adamw or muon")
+        raise ConfigError(f"train.optimizer={preview(t.optimizer)}: use adamw or muon")
     if not 0.0 <= t.muon_momentum < 1.0:
         raise ConfigError(f"train.muon_momentum={t.muon_momentum} must be in [0, 1), e.g. 0.95")
     if t.optimizer == "muon" and t.fsdp:
@@ -94,14 +96,14 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
             f"{t.grad_accum} accumulation step(s); use a multiple of {per}"
         )
     if t.dtype not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"train.dtype={t.dtype!r}: use auto, bf16 or fp32")
+        raise ConfigError(f"train.dtype={preview(t.dtype)}: use auto, bf16 or fp32")
     if not 0.0 < cfg.data.val_fraction < 1.0:  # validation runs at the end of every run
         raise ConfigError(
             f"data.val_fraction={cfg.data.val_fraction} must lie in (0, 1) for training "
             "(validation runs at the end); use e.g. 0.05"
         )
     if isinstance(t.compile, str) and t.compile != "auto":
-        raise ConfigError(f"train.compile={t.compile!r}: use true, false or auto")
+        raise ConfigError(f"train.compile={preview(t.compile)}: use true, false or auto")
     block_orders = o.kind == "sbp" or (o.kind == "strided" and o.streams > 1)
     if block_orders and m.kind in ("gpt", "aogpt"):
         raise ConfigError(
@@ -115,6 +117,36 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
     if o.kind == "sbp" and any(m.seq_len % s for s in o.sbp_streams):
         raise ConfigError(
             f"order.sbp_streams={list(o.sbp_streams)} must all divide model.seq_len={m.seq_len}"
+        )
+
+
+def _check_numbers(cfg: RunConfig) -> None:
+    """Seeds, AdamW's coefficients and stream counts at their edges (each used to reach
+    torch, or a modulo, as a traceback).
+
+    Raises:
+        ConfigError: naming the key, its range and an example.
+    """
+    from anyorder.bounds import MAX_SEED
+
+    t, o = cfg.train, cfg.order
+    for name, seed in (("train.seed", t.seed), ("order.seed", o.seed)):
+        if not 0 <= seed <= MAX_SEED:
+            shown = str(seed) if len(str(seed)) <= 30 else f"{str(seed)[:20]}... "
+            raise ConfigError(
+                f"{name}={shown} must be a whole number in 0..{MAX_SEED} (2**63 - 1), e.g. 0"
+            )
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(t, name) < 1.0:  # at 1 the moment never forgets: no step
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be in [0, 1), e.g. 0.95")
+    for name in ("weight_decay", "grad_clip"):
+        if not 0.0 <= getattr(t, name) < math.inf:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be a finite number >= 0")
+    if o.streams < 1:
+        raise ConfigError(f"order.streams={o.streams} must be at least 1 (1: token by token)")
+    if any(s < 1 for s in o.sbp_streams):
+        raise ConfigError(
+            f"order.sbp_streams={list(o.sbp_streams)} must all be at least 1, e.g. [1, 2, 4]"
         )
 
 
@@ -142,14 +174,16 @@ def prepare_data(
     from anyorder.data import cache_key, prepare
 
     data_cfg = cfg.data
-    if dry_run:
-        ready = Path(data_cfg.cache_dir).expanduser() / cache_key(data_cfg, cfg.model.seq_len)
-        if not (ready / "manifest.json").is_file():
-            assert tmp is not None
-            cap = DRY_RUN_DOCUMENTS
-            if data_cfg.max_documents is not None:
-                cap = min(cap, data_cfg.max_documents)
-            data_cfg = dataclasses.replace(data_cfg, cache_dir=str(tmp), max_documents=cap)
+    ready = data_cfg.cache_path() / cache_key(data_cfg, cfg.model.seq_len)
+    prepared = (ready / "manifest.json").is_file()
+    if not dry_run and not prepared:  # say where it goes
+        print0(f"data: preparing {data_cfg.source} into {ready} (data.cache_dir)")
+    if dry_run and not prepared:
+        assert tmp is not None
+        cap = DRY_RUN_DOCUMENTS
+        if data_cfg.max_documents is not None:
+            cap = min(cap, data_cfg.max_documents)
+        data_cfg = dataclasses.replace(data_cfg, cache_dir=str(tmp), max_documents=cap)
     show = progress and env.is_main
     # Rank 0 tokenizes; the others wait and then read its folder.
     if env.is_main:
@@ -230,7 +264,7 @@ def autocast_context(cfg: RunConfig, device: torch.device) -> contextlib.Abstrac
     """bf16 autocast on CUDA (``auto``) or when asked for; fp32 otherwise."""
     dtype = cfg.train.dtype
     if dtype not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"train.dtype={dtype!r}: use auto, bf16 or fp32")
+        raise ConfigError(f"train.dtype={preview(dtype)}: use auto, bf16 or fp32")
     use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
     if not use_bf16:
         return contextlib.nullcontext()
