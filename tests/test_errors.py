@@ -394,6 +394,16 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "export-config-infinity": (["sample", "good"], {}, _export_config_infinity),
     "export-config-seq-len-float": (["sample", "good"], {}, _export_config_seq_len),
     "export-no-checksum": (["sample", "good"], {}, _export_no_checksum),
+    "convert-hub-offline": (
+        ["convert", "hf:owner/repo/ckpt_1.pt", "--from", "aogpt-ref", "--out", "ao"],
+        {"HF_ENDPOINT": "http://127.0.0.1:CLOSED_PORT"},
+        None,
+    ),
+    "convert-gpt2-hub-offline": (
+        ["convert", "owner/gpt2-copy", "--to", "gpt", "--out", "g"],
+        {"HF_ENDPOINT": "http://127.0.0.1:CLOSED_PORT"},
+        None,
+    ),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -122,7 +123,8 @@ def test_corrupt_weights_are_named(tmp_path) -> None:
         from_pretrained(folder)
     weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
     config = json.loads((folder / "config.json").read_text())
-    config["weights_sha256"] = None  # a file without a recorded checksum: the header fails
+    # the checksum recorded for the garbage (an attacker's edit): the header check fails
+    config["weights_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
     (folder / "config.json").write_text(json.dumps(config))
     # its header is read before the model is built (tests/test_errors.py, issue 17)
     with pytest.raises(CheckpointError, match="model.safetensors is corrupt \\(its safetensors h"):
@@ -133,9 +135,17 @@ def test_weights_of_another_shape_are_refused(tmp_path) -> None:
     folder = save_pretrained(tiny_model("gpt", d_model=64), tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())
     config["d_model"] = 32
-    config["weights_sha256"] = None
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="does not fit the model config.json describes"):
+        from_pretrained(folder)
+
+
+def test_an_export_without_a_checksum_is_refused(tmp_path) -> None:
+    folder = save_pretrained(tiny_model("gpt"), tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    del config["weights_sha256"]  # the weights could then be swapped unnoticed
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="records no weights_sha256"):
         from_pretrained(folder)
 
 

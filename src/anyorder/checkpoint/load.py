@@ -145,14 +145,11 @@ def load_plain(path: Path, fix: str) -> Any:
                 "reads checkpoints with torch.load(weights_only=True) and never unpickles code: "
                 "re-save it as plain tensors and dicts"
             ) from None
-        lines = text.strip().splitlines()
-        why = (
-            "WeightsUnpickler error"
-            if "Weights only load failed" in text
-            else f"{type(e).__name__}: {lines[0][:200]}"
-            if lines
-            else type(e).__name__
-        )
+        first = " ".join(text.split()).split(". ")[0].rstrip(".")  # torch writes paragraphs
+        if "Weights only load failed" in text:
+            why = "WeightsUnpickler error"
+        else:
+            why = f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__
         raise CheckpointError(
             f"{where} cannot be read as a torch checkpoint ({why}); the file is damaged, "
             f"incomplete or not a .pt: {fix}"

@@ -108,12 +108,21 @@ def resolve_source(spec: str | Path, cache_dir: str | Path | None = None) -> Pat
                 f"fetching {text!r} needs huggingface_hub; pip install 'anyorder[hf]' or give "
                 "the downloaded file"
             ) from None
-        try:
-            local = hf_hub_download(
+        from anyorder.interop.hub import _cached_or_reachable
+
+        def download(local_files_only: bool) -> str:
+            return hf_hub_download(
                 repo_id="/".join(parts[:2]),
                 filename="/".join(parts[2:]),
                 cache_dir=None if cache_dir is None else str(cache_dir),
+                local_files_only=local_files_only,
             )
+
+        try:
+            fix = "connect to the network, or give the downloaded file"
+            local = _cached_or_reachable(download, text, fix)
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(
                 f"{text!r} cannot be fetched from the hub ({_first_line(e)}); check the repository "
