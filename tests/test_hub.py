@@ -140,6 +140,20 @@ def test_weights_of_another_shape_are_refused(tmp_path) -> None:
         from_pretrained(folder)
 
 
+def test_integer_weights_are_refused_not_cast(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = save_pretrained(tiny_model("gpt"), tmp_path / "m")
+    weights = folder / "model.safetensors"
+    state = {k: v.to(torch.int32) for k, v in load_file(str(weights)).items()}
+    save_file(state, str(weights), metadata={"format": "pt", "tied": "{}"})
+    config = json.loads((folder / "config.json").read_text())
+    config["weights_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="does not fit .*not floating point: "):
+        from_pretrained(folder)
+
+
 def test_an_export_without_a_checksum_is_refused(tmp_path) -> None:
     folder = save_pretrained(tiny_model("gpt"), tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())

@@ -166,8 +166,20 @@ def fit_state(model: nn.Module, state: dict[str, Tensor]) -> str:
     missing = sorted(set(want) - set(state))
     unexpected = sorted(set(state) - set(want))
     wrong = sorted(k for k in set(want) & set(state) if want[k].shape != state[k].shape)
+    # integer or bool tensors where the model has floats would be cast silently into a
+    # model that computes nonsense
+    kind = sorted(
+        k
+        for k in set(want) & set(state)
+        if want[k].is_floating_point() and not state[k].is_floating_point()
+    )
     return "; ".join(
         f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
-        for what, names in (("missing", missing), ("unexpected", unexpected), ("shape", wrong))
+        for what, names in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("shape", wrong),
+            ("not floating point", kind),
+        )
         if names
     )
