@@ -226,3 +226,21 @@ def test_a_killed_data_builds_temporary_folder_is_removed_by_the_next_build(w) -
     assert out.returncode == 0, out.stderr
     assert not dead.exists()
     assert _temps(w / "cache") == []
+
+
+def test_an_export_killed_between_its_two_renames_is_put_back(w) -> None:
+    """Killed after moving the old export aside and before moving the new one in: the next
+    export into the same folder puts the old one back first (here that export then fails on
+    a full disk, and the old export is what remains, byte-identical)."""
+    before = _files(w / "exp")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], **_capture())
+    pid = int(gone.stdout)  # a PID that has ended
+    os.replace(w / "exp", w / f".exp.tmp-old-{pid}")
+    out = cli(w, "export", "run", "--out", "exp", limit=50_000)
+    assert "cannot write 'exp' (File too large)" in one_line(out)
+    assert _files(w / "exp") == before
+    assert _temps(w) == []
+
+
+def _capture() -> dict:
+    return {"env": _env(), "capture_output": True, "text": True, "timeout": 60}
