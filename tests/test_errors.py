@@ -211,6 +211,15 @@ def _state_empty(folder: Path) -> None:
     _relist(folder, "state.pt")
 
 
+def _state_rng_text(folder: Path) -> None:
+    import torch
+
+    state = torch.load(folder / CKPT / "state.pt", weights_only=True)
+    state["rng"] = "abc"  # of length 3: it was taken for 3 processes' RNGs and reseeded
+    torch.save(state, folder / CKPT / "state.pt")
+    _relist(folder, "state.pt")
+
+
 class _Payload:
     """A pickle that would run a command when unpickled (it must never run)."""
 
@@ -386,6 +395,7 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "checkpoint-weights-not-finite": (["sample", "run"], {}, _nan_checkpoint),
     "init-from-not-finite": ([*TRAIN, "train.init_from=good", NEW], {}, _nan_export),
     "state-wrong-content": ([*TRAIN, "train.steps=4"], {}, _state_empty),
+    "state-wrong-types": ([*TRAIN, "train.steps=4"], {}, _state_rng_text),
     "state-python-objects": ([*TRAIN, "train.steps=4"], {}, _state_code),
     "convert-ref-python-objects": (CONVERT_REF, {}, _ref_code),
     "convert-ref-claims-layers": (CONVERT_REF, {}, _ref_claims_layers),

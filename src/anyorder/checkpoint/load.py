@@ -107,10 +107,20 @@ def read_state(ckpt: str | Path) -> dict[str, Any]:
             "use an earlier checkpoint"
         )
     missing = [k for k in STATE_KEYS if k not in state]
-    if missing:
+    step = state.get("step")
+    wrong = [
+        what
+        for what, bad in (
+            ("step is not a whole number", not isinstance(step, int) or isinstance(step, bool)),
+            ("optimizer is not a dict", not isinstance(state.get("optimizer"), dict)),
+            ("rng is not a list", not isinstance(state.get("rng"), (list, tuple))),
+        )
+        if bad
+    ]
+    if missing or wrong:
+        problem = f"no {', '.join(missing)}" if missing else "; ".join(wrong)
         raise CheckpointError(
-            f"{path} is damaged (no {', '.join(missing)}); delete {ckpt} and use an earlier "
-            "checkpoint"
+            f"{path} is damaged ({problem}); delete {ckpt} and use an earlier checkpoint"
         )
     return state
 
