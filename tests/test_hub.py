@@ -154,6 +154,17 @@ def test_integer_weights_are_refused_not_cast(tmp_path) -> None:
         from_pretrained(folder)
 
 
+def test_weights_that_are_not_finite_are_not_written(tmp_path) -> None:
+    model = tiny_model("aogpt")
+    with torch.no_grad():
+        model.tok_emb.weight[3, 1] = float("inf")
+    with pytest.raises(
+        CheckpointError, match=r"tok_emb.weight holds 0 NaN and 1 Inf of \d+ values"
+    ):
+        save_pretrained(model, tmp_path / "m")
+    assert not (tmp_path / "m").exists() and list(tmp_path.iterdir()) == []
+
+
 def test_an_export_without_a_checksum_is_refused(tmp_path) -> None:
     folder = save_pretrained(tiny_model("gpt"), tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())
