@@ -180,6 +180,135 @@ def _user_folder(folder: Path) -> None:
     (folder / "mine" / "summary.json").write_text("{}\n")
 
 
+# issue 24: a user's own files (write errors, weights that are not finite, damaged files)
+
+
+def _good_export(folder: Path) -> Path:
+    from anyorder.checkpoint.exporting import export
+
+    return export(folder / "run", folder / "good")
+
+
+def _sha(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _nan_into(path: Path) -> None:
+    """One NaN in the first float tensor of a safetensors file (header and size unchanged)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path))
+    with open(path, "rb") as f:
+        meta = json.loads(f.read(int.from_bytes(f.read(8), "little"))).get("__metadata__")
+    name = sorted(state)[0]
+    state[name].view(-1)[0] = float("nan")
+    save_file(state, str(path), metadata=meta)
+
+
+def _nan_export(folder: Path) -> None:
+    good = _good_export(folder)
+    _nan_into(good / "model.safetensors")
+    sha = _sha(good / "model.safetensors")
+    _edit_json(good / "config.json", lambda c: {**c, "weights_sha256": sha})
+
+
+def _relist(folder: Path, name: str) -> None:
+    """Update the manifest entry of ``name`` in the world's checkpoint after editing it."""
+    path = folder / CKPT / name
+    entry = {"bytes": path.stat().st_size, "sha256": _sha(path)}
+    _edit_json(_manifest(folder), lambda m: {**m, "files": {**m["files"], name: entry}})
+
+
+def _nan_checkpoint(folder: Path) -> None:
+    _nan_into(folder / CKPT / "model.safetensors")
+    _relist(folder, "model.safetensors")
+
+
+def _state_empty(folder: Path) -> None:
+    import torch
+
+    torch.save({}, folder / CKPT / "state.pt")
+    _relist(folder, "state.pt")
+
+
+def _state_rng_text(folder: Path) -> None:
+    import torch
+
+    state = torch.load(folder / CKPT / "state.pt", weights_only=True)
+    state["rng"] = "abc"  # of length 3: it was taken for 3 processes' RNGs and reseeded
+    torch.save(state, folder / CKPT / "state.pt")
+    _relist(folder, "state.pt")
+
+
+class _Payload:
+    """A pickle that would run a command when unpickled (it must never run)."""
+
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def _state_code(folder: Path) -> None:
+    import torch
+
+    torch.save({"optimizer": _Payload()}, folder / CKPT / "state.pt")
+    _relist(folder, "state.pt")
+
+
+def _ref_code(folder: Path) -> None:
+    import torch
+
+    torch.save({"model": _Payload(), "model_args": {}}, folder / "ckpt_1234.pt")
+
+
+def _ref_claims_layers(folder: Path) -> None:
+    import torch
+
+    ckpt = torch.load(REF / "aogpt" / "ckpt_1234.pt", weights_only=True)
+    ckpt["model_args"]["n_layer"] = 10**6
+    torch.save(ckpt, folder / "ckpt_1234.pt")
+
+
+def _ref_claims_context(folder: Path) -> None:
+    import torch
+
+    ckpt = torch.load(REF / "aogpt" / "ckpt_1234.pt", weights_only=True)
+    ckpt["model_args"]["block_size"] = 10**12
+    torch.save(ckpt, folder / "ckpt_1234.pt")
+
+
+def _export_config_nested(folder: Path) -> None:
+    _good_export(folder)
+    (folder / "good" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _export_config_infinity(folder: Path) -> None:
+    _good_export(folder)
+    path = folder / "good" / "config.json"
+    config = json.loads(path.read_text())
+    config["norm_eps"] = float("inf")
+    path.write_text(json.dumps(config))  # Python's json writes Infinity, which JSON has not
+    assert '"norm_eps": Infinity' in path.read_text()
+
+
+def _export_config_seq_len(folder: Path) -> None:
+    _good_export(folder)
+    _edit_json(folder / "good" / "config.json", lambda c: {**c, "seq_len": 1e9})
+
+
+def _export_no_checksum(folder: Path) -> None:
+    _good_export(folder)
+    _edit_json(
+        folder / "good" / "config.json",
+        lambda c: {k: v for k, v in c.items() if k != "weights_sha256"},
+    )
+
+
+def _ref_copy(folder: Path) -> None:
+    shutil.copy(REF / "aogpt" / "ckpt_1234.pt", folder / "ckpt_1234.pt")
+
+
 TRAIN = ["train", "cfg.yaml", "--no-progress"]
 CONVERT_REF = ["convert", "ckpt_1234.pt", "--from", "aogpt-ref", "--out", "ao"]
 NEW = "train.out_dir=new"  # a run folder that must not appear
@@ -352,6 +481,37 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
         [*TRAIN, "data.source=corpus/nul.txt", *FRESH],
         {},
         _write("corpus/nul.txt", b"hello\x00world " * 20),
+    ),
+    # issue 24: write errors, weights that are not finite, damaged files, paths
+    "export-out-unwritable": (["export", "run", "--out", "/proc/anyorder-export"], {}, None),
+    "export-out-under-file": (["export", "run", "--out", "cfg.yaml/exp"], {}, None),
+    "export-out-name-too-long": (["export", "run", "--out", "e" * 300], {}, None),
+    "convert-out-unwritable": ([*CONVERT_REF[:-1], "/proc/anyorder-ao"], {}, _ref_copy),
+    "eval-out-unwritable": (["eval", "run", "--out", "/proc/anyorder-eval/x"], {}, None),
+    "path-too-long": (["sample", "r" * 5000], {}, None),
+    "run-folder-not-utf8": ([*TRAIN, "train.out_dir=run\udcff"], {}, None),
+    "export-weights-not-finite": (["sample", "good"], {}, _nan_export),
+    "checkpoint-weights-not-finite": (["sample", "run"], {}, _nan_checkpoint),
+    "init-from-not-finite": ([*TRAIN, "train.init_from=good", NEW], {}, _nan_export),
+    "state-wrong-content": ([*TRAIN, "train.steps=4"], {}, _state_empty),
+    "state-wrong-types": ([*TRAIN, "train.steps=4"], {}, _state_rng_text),
+    "state-python-objects": ([*TRAIN, "train.steps=4"], {}, _state_code),
+    "convert-ref-python-objects": (CONVERT_REF, {}, _ref_code),
+    "convert-ref-claims-layers": (CONVERT_REF, {}, _ref_claims_layers),
+    "convert-ref-claims-context": (CONVERT_REF, {}, _ref_claims_context),
+    "export-config-nested": (["sample", "good"], {}, _export_config_nested),
+    "export-config-infinity": (["sample", "good"], {}, _export_config_infinity),
+    "export-config-seq-len-float": (["sample", "good"], {}, _export_config_seq_len),
+    "export-no-checksum": (["sample", "good"], {}, _export_no_checksum),
+    "convert-hub-offline": (
+        ["convert", "hf:owner/repo/ckpt_1.pt", "--from", "aogpt-ref", "--out", "ao"],
+        {"HF_ENDPOINT": "http://127.0.0.1:CLOSED_PORT"},
+        None,
+    ),
+    "convert-gpt2-hub-offline": (
+        ["convert", "owner/gpt2-copy", "--to", "gpt", "--out", "g"],
+        {"HF_ENDPOINT": "http://127.0.0.1:CLOSED_PORT"},
+        None,
     ),
 }
 

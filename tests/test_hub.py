@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 
@@ -123,7 +124,8 @@ def test_corrupt_weights_are_named(tmp_path) -> None:
         from_pretrained(folder)
     weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
     config = json.loads((folder / "config.json").read_text())
-    config["weights_sha256"] = None  # a file without a recorded checksum: the header fails
+    # the checksum recorded for the garbage (an attacker's edit): the header check fails
+    config["weights_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
     (folder / "config.json").write_text(json.dumps(config))
     # its header is read before the model is built (tests/test_errors.py, issue 17)
     with pytest.raises(CheckpointError, match="model.safetensors is corrupt \\(its safetensors h"):
@@ -134,9 +136,42 @@ def test_weights_of_another_shape_are_refused(tmp_path) -> None:
     folder = save_pretrained(tiny_model("gpt", d_model=64), tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())
     config["d_model"] = 32
-    config["weights_sha256"] = None
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="does not fit the model config.json describes"):
+        from_pretrained(folder)
+
+
+def test_integer_weights_are_refused_not_cast(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = save_pretrained(tiny_model("gpt"), tmp_path / "m")
+    weights = folder / "model.safetensors"
+    state = {k: v.to(torch.int32) for k, v in load_file(str(weights)).items()}
+    save_file(state, str(weights), metadata={"format": "pt", "tied": "{}"})
+    config = json.loads((folder / "config.json").read_text())
+    config["weights_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="does not fit .*not floating point: "):
+        from_pretrained(folder)
+
+
+def test_weights_that_are_not_finite_are_not_written(tmp_path) -> None:
+    model = tiny_model("aogpt")
+    with torch.no_grad():
+        model.tok_emb.weight[3, 1] = float("inf")
+    with pytest.raises(
+        CheckpointError, match=r"tok_emb.weight holds 0 NaN and 1 Inf of \d+ values"
+    ):
+        save_pretrained(model, tmp_path / "m")
+    assert not (tmp_path / "m").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_export_without_a_checksum_is_refused(tmp_path) -> None:
+    folder = save_pretrained(tiny_model("gpt"), tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    del config["weights_sha256"]  # the weights could then be swapped unnoticed
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="records no weights_sha256"):
         from_pretrained(folder)
 
 

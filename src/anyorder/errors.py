@@ -26,6 +26,11 @@ class CheckpointError(AnyorderError):
     """A missing, corrupt or mismatched checkpoint."""
 
 
+class WriteError(AnyorderError):
+    """A file or folder that cannot be written: a full disk, a file size limit, a read-only
+    or unwritable folder, a file where a folder should be, a name too long."""
+
+
 class SamplingError(AnyorderError):
     """Bad sampling or infilling arguments."""
 

@@ -13,10 +13,12 @@ Error bars are one standard error over blocks (the text sample; delta method for
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from anyorder.atomic import write_errors
 from anyorder.errors import ConfigError
 
 
@@ -33,13 +35,15 @@ def _pyplot() -> Any:
 
 def _save(fig: Any, path: str | Path) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # no half-written PNG on error
     try:
-        fig.savefig(tmp, dpi=150, bbox_inches="tight")
-        tmp.replace(path)
+        with write_errors(path, "another --out folder"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(tmp, dpi=150, bbox_inches="tight")
+            tmp.replace(path)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
     return path
 
 

@@ -42,7 +42,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from anyorder.checkpoint.loaded import Loaded, check_tokenizer_fits
-from anyorder.checkpoint.weights import fit_state, header_problem, read_header_shapes
+from anyorder.checkpoint.weights import (
+    check_finite,
+    fit_state,
+    header_problem,
+    read_header_shapes,
+)
 from anyorder.config import MODEL_KINDS, ModelConfig, RunConfig
 from anyorder.data import sha256_file
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
@@ -68,7 +73,7 @@ def is_exported(path: str | Path) -> bool:
         return False
     try:
         return json.loads(cfg.read_text()).get("model_type") == MODEL_TYPE
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return False
 
 
@@ -78,6 +83,11 @@ def _first_line(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- reading
+
+
+def _no_constant(name: str) -> Any:
+    """JSON has no NaN or Infinity: a config.json that says so was not written by us."""
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def read_export_config(folder: str | Path) -> dict[str, Any]:
@@ -99,9 +109,10 @@ def read_export_config(folder: str | Path) -> dict[str, Any]:
             "write one with anyorder export or anyorder convert"
         )
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is unreadable ({_first_line(e)}); export again") from None
+        config = json.loads(path.read_text(), parse_constant=_no_constant)
+    except (OSError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else _first_line(e)[:200]
+        raise CheckpointError(f"{path} is unreadable ({why}); export again") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} does not hold a JSON object; export again")
     model_type = config.get("model_type")
@@ -156,6 +167,7 @@ def load_state(model: AnyOrderLM, path: Path, expected_sha256: str | None = None
     detail = fit_state(model, state)
     if detail:
         raise CheckpointError(f"{path} does not fit the model config.json describes ({detail})")
+    check_finite(state, path, "export or convert it again from finite weights")
     model.load_state_dict(state, strict=True)
 
 
@@ -224,8 +236,14 @@ def load_exported(
                 f"{weights} does not fit the model {CONFIG_NAME} describes ({problem}); "
                 "export or download it again"
             )
+    sha = config.get("weights_sha256")
+    if not isinstance(sha, str) or len(sha) != 64:
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME} records no weights_sha256 (the checksum of "
+            f"{WEIGHTS_NAME}), so its weights cannot be checked; export or download it again"
+        )
     model = build_model(model_cfg)
-    load_state(model, weights, config.get("weights_sha256"))
+    load_state(model, weights, sha)
     tokenizer = _read_tokenizer(folder)
     check_tokenizer_fits(tokenizer, model_cfg.vocab_size, repr(str(spec)))
     run_config = _read_run_config(folder, model_cfg)

@@ -16,14 +16,13 @@ Design choices:
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from anyorder.atomic import atomic_folder, short_path, write_errors
 from anyorder.checkpoint.exported import (
     CARD_NAME,
     CONFIG_NAME,
@@ -36,8 +35,7 @@ from anyorder.checkpoint.exported import (
 )
 from anyorder.checkpoint.layout import resolve_checkpoint
 from anyorder.checkpoint.load import load_model
-from anyorder.checkpoint.save import apply_umask, make_temp_dir
-from anyorder.checkpoint.weights import tied_aliases
+from anyorder.checkpoint.weights import check_finite, tied_aliases
 from anyorder.config import RunConfig, method_name, to_dict
 from anyorder.data import sha256_file
 from anyorder.errors import CheckpointError, ConfigError
@@ -114,28 +112,23 @@ anyorder`: this is not a `transformers` model) and `tokenizer/` the tokenizer.
 """
 
 
+_EXPORT_WHERE = "another --out folder"
+
+
 def _prepare_target(folder: Path) -> None:
-    if folder.exists():
-        if not folder.is_dir():
-            raise CheckpointError(
-                f"export target {str(folder)!r} is a file; give a folder path for --out"
-            )
-        if any(folder.iterdir()) and not is_exported(folder):
-            raise CheckpointError(
-                f"export target {str(folder)!r} exists and is not an exported anyorder model; "
-                "choose a new folder or delete it"
-            )
-    folder.parent.mkdir(parents=True, exist_ok=True)
-
-
-def _move_into_place(tmp: Path, folder: Path) -> None:
-    old = None
-    if folder.exists():
-        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    with write_errors(folder, _EXPORT_WHERE):
+        exists, is_dir = folder.exists(), folder.is_dir()
+        if exists and is_dir:
+            empty = not any(folder.iterdir())
+    if exists and not is_dir:
+        raise CheckpointError(
+            f"export target {short_path(folder)} is a file; give a folder path for --out"
+        )
+    if exists and not empty and not is_exported(folder):
+        raise CheckpointError(
+            f"export target {short_path(folder)} exists and is not an exported anyorder model; "
+            "choose a new folder or delete it"
+        )
 
 
 MODELING_NAME = "modeling_anyorder.py"
@@ -196,8 +189,7 @@ def save_pretrained(
         raise ConfigError(f"dtype={dtype!r}: use one of {', '.join(_DTYPES)}")
     folder = Path(folder).expanduser()
     _prepare_target(folder)
-    tmp = make_temp_dir(folder.parent, f".{folder.name}.tmp-")
-    try:
+    with atomic_folder(folder, _EXPORT_WHERE) as tmp:
         aliases = tied_aliases(model)
         tensors = {}
         for k, v in model.state_dict().items():
@@ -207,6 +199,9 @@ def save_pretrained(
             if dtype is not None and v.is_floating_point():
                 v = v.to(_DTYPES[dtype])
             tensors[k] = v.contiguous()
+        check_finite(
+            tensors, source or "the model", "there is nothing to export: use finite weights"
+        )
         save_file(
             tensors,
             str(tmp / WEIGHTS_NAME),
@@ -237,11 +232,6 @@ def save_pretrained(
         }
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / CARD_NAME).write_text(_model_card(config, model.num_params(), tokenizer))
-        apply_umask(tmp)
-        _move_into_place(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 

@@ -78,6 +78,15 @@ def read_tokenizer(ckpt: str | Path) -> Tokenizer:
         raise CheckpointError(f"the tokenizer in {ckpt} cannot be loaded: {e}") from None
 
 
+def _looks_exported(path: Path) -> bool:
+    """A folder with an export's ``config.json`` and no checkpoints: an export, even when
+    its config.json cannot be read."""
+    try:
+        return (path / "config.json").is_file() and not (path / "checkpoints").exists()
+    except OSError:
+        return False
+
+
 def read_state(ckpt: str | Path) -> dict[str, Any]:
     """The training state (``state.pt``) of a checkpoint, for resuming.
 
@@ -90,7 +99,71 @@ def read_state(ckpt: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{ckpt} holds weights only (no {STATE_FILE}); it cannot be resumed, only loaded"
         )
-    return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+    path = ckpt / STATE_FILE
+    state = load_plain(path, f"delete {ckpt} and use an earlier checkpoint")
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{path} holds a {type(state).__name__}, not a training state; delete {ckpt} and "
+            "use an earlier checkpoint"
+        )
+    missing = [k for k in STATE_KEYS if k not in state]
+    step = state.get("step")
+    wrong = [
+        what
+        for what, bad in (
+            ("step is not a whole number", not isinstance(step, int) or isinstance(step, bool)),
+            ("optimizer is not a dict", not isinstance(state.get("optimizer"), dict)),
+            ("rng is not a list", not isinstance(state.get("rng"), (list, tuple))),
+        )
+        if bad
+    ]
+    if missing or wrong:
+        problem = f"no {', '.join(missing)}" if missing else "; ".join(wrong)
+        raise CheckpointError(
+            f"{path} is damaged ({problem}); delete {ckpt} and use an earlier checkpoint"
+        )
+    return state
+
+
+STATE_KEYS = ("optimizer", "step", "sampler", "order_generator", "rng")
+"""What every ``state.pt`` holds (:func:`anyorder.training.state.restore_state` reads them)."""
+
+
+def load_plain(path: Path, fix: str) -> Any:
+    """``torch.load(weights_only=True)`` (memory-mapped when the file allows it), with one
+    :class:`CheckpointError` for every way the file can be wrong. Nothing in the file runs:
+    a pickle that would call code or build objects is refused as "holds Python objects".
+
+    Args:
+        path: the ``.pt`` file.
+        fix: what to do, said at the end of a message about a damaged file.
+    """
+    where = repr(str(path))
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            # torch.save's legacy (pre-zip) format cannot be memory-mapped: read it whole
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        text = str(e)
+        if "Weights only load failed" in text and ("global" in text.lower() or "reduce" in text):
+            raise CheckpointError(
+                f"{where} holds Python objects besides tensors and plain values; anyorder "
+                "reads checkpoints with torch.load(weights_only=True) and never unpickles code: "
+                "re-save it as plain tensors and dicts"
+            ) from None
+        first = " ".join(text.split()).split(". ")[0].rstrip(".")  # torch writes paragraphs
+        if "Weights only load failed" in text:
+            why = "WeightsUnpickler error"
+        else:
+            why = f"{type(e).__name__}: {first[:160]}" if first else type(e).__name__
+        raise CheckpointError(
+            f"{where} cannot be read as a torch checkpoint ({why}); the file is damaged, "
+            f"incomplete or not a .pt: {fix}"
+        ) from None
 
 
 def weights_file(ckpt: str | Path, weights: str = "ema") -> Path:
@@ -131,7 +204,9 @@ def load_model(
     Raises:
         CheckpointError: a missing path, a folder without checkpoints, or a damaged file.
     """
-    if is_exported(path):  # an exported model (anyorder export/convert): one set of weights
+    if is_exported(path) or _looks_exported(Path(path)):
+        # an exported model (anyorder export/convert): one set of weights; a damaged
+        # config.json is named by load_exported, not taken for a folder without checkpoints
         return load_exported(path, device=device)
     for attempt in (1, 2):  # a training may prune the latest checkpoint while it is read
         ckpt = resolve_checkpoint(path)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
-import secrets
 import shutil
 import time
 from collections.abc import Iterator, Mapping
@@ -31,6 +29,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from anyorder.atomic import (
+    apply_umask,
+    make_temp_dir,
+    os_cause,
+    remove_stale_temps,
+)
+from anyorder.atomic import (
+    fsync_dir as _fsync_dir,
+)
 from anyorder.checkpoint.layout import (
     CHECKPOINTS,
     CONFIG_FILE,
@@ -40,7 +47,6 @@ from anyorder.checkpoint.layout import (
     MODEL_FILE,
     STATE_FILE,
     TOKENIZER_DIR,
-    _first_line,
     checkpoint_name,
     latest_checkpoint,
     list_checkpoints,
@@ -52,49 +58,6 @@ from anyorder.errors import CheckpointError
 
 if TYPE_CHECKING:
     from anyorder.data import Tokenizer
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def make_temp_dir(parent: Path, prefix: str) -> Path:
-    """A new folder ``parent/PREFIX<random>`` with the mode a plain ``mkdir`` gives.
-
-    (Not ``tempfile.mkdtemp``: its 0700 would survive the rename into place and hide a
-    checkpoint or an export from everyone but its owner.)
-    """
-    for _ in range(100):
-        path = parent / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
-        try:
-            path.mkdir()
-        except FileExistsError:
-            continue
-        return path
-    raise FileExistsError(f"could not create a temporary folder in {parent}")
-
-
-def apply_umask(folder: Path) -> None:
-    """Give the files and folders under ``folder`` the modes the umask gives new ones.
-
-    Some writers make private files (safetensors writes weights 0600); a checkpoint or an
-    export is for reading like any file the user makes.
-    """
-    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
-    os.umask(mask)
-    for path in [folder, *folder.rglob("*")]:
-        if path.is_symlink():
-            continue
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _finalize(folder: Path) -> dict[str, dict[str, Any]]:
@@ -110,27 +73,10 @@ def _finalize(folder: Path) -> dict[str, dict[str, Any]]:
     return files
 
 
-_TEMP_PID = re.compile(r"\.tmp-(?:del-|old-)?(\d+)(?:-|$)")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return pid > 0  # someone else's process: alive
-    return True
-
-
 def _remove_stale_temps(root: Path) -> None:
-    """Remove temporary folders of this process or of dead ones: a folder named with a live
-    PID belongs to a writer still at work (names without a PID come from older versions)."""
-    for p in root.glob(".step_*.tmp-*"):
-        m = _TEMP_PID.search(p.name)
-        pid = int(m.group(1)) if m else None
-        if pid is None or pid == os.getpid() or not _pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
+    """Remove temporary checkpoint folders of this process or of dead ones (a folder named
+    with a live PID belongs to a writer still at work)."""
+    remove_stale_temps(root, ".step_*.tmp-*")
 
 
 def _lock_manifest(ckpt: Path, exclusive: bool) -> int | None:
@@ -307,7 +253,7 @@ def save_checkpoint(
         before = latest_checkpoint(run_dir)
         kept = f"; {before} is intact" if before is not None else ""
         raise CheckpointError(
-            f"cannot write checkpoint {final} ({type(e).__name__}: {_first_line(e)}){kept}; "
+            f"cannot write checkpoint {final} ({os_cause(e)}){kept}; "
             "free disk space or fix the folder's permissions, then resume"
         ) from None
     except BaseException:

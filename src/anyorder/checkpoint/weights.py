@@ -72,7 +72,30 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
             f"weights in {path} do not fit the model its config.yaml describes ({detail}); "
             "the checkpoint was altered or written by another version"
         )
+    check_finite(state, path, "the run diverged before this save: use an earlier checkpoint")
     model.load_state_dict(state, strict=True)
+
+
+def nonfinite_problem(state: Mapping[str, Tensor]) -> str:
+    """The first floating-point tensor of ``state`` holding NaN or Inf, described ("" when
+    every value is finite): such weights would only fail later, deep inside sampling."""
+    for name, t in state.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            nan = int(torch.isnan(t).sum())
+            inf = int(torch.isinf(t).sum())
+            return f"{name} holds {nan} NaN and {inf} Inf of {t.numel()} values"
+    return ""
+
+
+def check_finite(state: Mapping[str, Tensor], path: str | Path, fix: str) -> None:
+    """Refuse weights that are not finite, naming the file and the tensor.
+
+    Raises:
+        CheckpointError: some weight is NaN or Inf.
+    """
+    problem = nonfinite_problem(state)
+    if problem:
+        raise CheckpointError(f"{path} holds weights that are not finite ({problem}); {fix}")
 
 
 _MAX_HEADER = 100 * 2**20  # a safetensors header larger than this is not one of ours
@@ -143,8 +166,20 @@ def fit_state(model: nn.Module, state: dict[str, Tensor]) -> str:
     missing = sorted(set(want) - set(state))
     unexpected = sorted(set(state) - set(want))
     wrong = sorted(k for k in set(want) & set(state) if want[k].shape != state[k].shape)
+    # integer or bool tensors where the model has floats would be cast silently into a
+    # model that computes nonsense
+    kind = sorted(
+        k
+        for k in set(want) & set(state)
+        if want[k].is_floating_point() and not state[k].is_floating_point()
+    )
     return "; ".join(
         f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
-        for what, names in (("missing", missing), ("unexpected", unexpected), ("shape", wrong))
+        for what, names in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("shape", wrong),
+            ("not floating point", kind),
+        )
         if names
     )

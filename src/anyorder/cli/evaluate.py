@@ -224,6 +224,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     import torch
 
+    from anyorder.atomic import missing_folders, remove_folders, write_errors
     from anyorder.checkpoint import load_model
     from anyorder.errors import ConfigError
     from anyorder.runlock import check_writable_dir
@@ -268,13 +269,20 @@ def run_eval(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         left_to_right=not args.no_l2r,
     )
-    with ctx:
-        if args.suite == "likelihood":
-            written = _eval_likelihood(args, ckpt, suite, out)
-        elif args.suite == "zero-shot":
-            written = _eval_zero_shot(args, ckpt, suite, out)
-        else:
-            written = _eval_gen(args, ckpt, device, out)
+    made = missing_folders(out)  # a failed eval leaves no empty --out folder behind
+    try:
+        with write_errors(out, "another --out folder"):  # before the work, not after it
+            out.mkdir(parents=True, exist_ok=True)
+        with ctx:
+            if args.suite == "likelihood":
+                written = _eval_likelihood(args, ckpt, suite, out)
+            elif args.suite == "zero-shot":
+                written = _eval_zero_shot(args, ckpt, suite, out)
+            else:
+                written = _eval_gen(args, ckpt, device, out)
+    except BaseException:
+        remove_folders(made)
+        raise
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

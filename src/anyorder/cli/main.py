@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from anyorder.atomic import os_error_line
 from anyorder.cli.evaluate import add_eval, add_experiment, run_eval, run_experiment
 from anyorder.cli.interop import add_convert, add_export, run_convert, run_export
 from anyorder.cli.sample import add_sample, add_serve, run_sample, run_serve
@@ -115,6 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AnyorderError as e:
         print(f"anyorder {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:
+        # A backstop for paths the checks before it did not foresee (a name too long, a
+        # path under /proc): one line naming the path and the system's cause, never a
+        # traceback. Writers say more (anyorder.atomic); a closed pipe is not ours to report.
+        if isinstance(e, BrokenPipeError):
+            raise
+        print(f"anyorder {args.command}: error: {os_error_line(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"anyorder {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -7,9 +7,10 @@ Design choices:
   second :func:`prepare` with the same inputs only reads the manifest.
 * Writes are atomic: the folder is built under a temporary name beside its final place and
   moved there with :func:`os.replace`, so an interrupted run never leaves a half-written
-  shard where :func:`prepare` looks. (A killed process can leave a ``.KEY.tmp-*`` folder;
-  nothing reads it and it is safe to delete.) Ranks preparing the same key at once each
-  build their own folder; the first rename wins and the others use it.
+  shard where :func:`prepare` looks. (A killed process leaves a ``.KEY.tmp-PID-*`` folder;
+  nothing reads it, and the next build in the cache removes it once that PID is gone.)
+  Ranks preparing the same key at once each build their own folder; the first rename wins
+  and the others use it.
 * A ``bpe:VOCAB`` tokenizer is trained on the first train documents of the corpus (never
   on validation), up to :data:`BPE_TRAIN_CHARS` characters.
 """
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from anyorder.atomic import remove_stale_temps
 from anyorder.config import DataConfig
 from anyorder.data.shards import FORMAT_VERSION, STAMP, TokenData, _write_stamp, token_dtype
 from anyorder.data.sources import (
@@ -200,6 +202,7 @@ def prepare(cfg: DataConfig, seq_len: int, *, progress: bool = True) -> TokenDat
     try:
         try:
             root.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(root, ".*.tmp-*")  # builds killed (SIGKILL) before they ended
             tmp.mkdir()
         except OSError as e:
             raise DataError(

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from anyorder.atomic import write_text
 from anyorder.evaluation.zeroshot import DATASETS, PROTOCOLS, load_corpus, resolve_splits
 
 
@@ -154,17 +153,12 @@ def table_markdown(table: dict[str, Any]) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; results are for reading
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``text`` to ``path`` through a temporary file: never a half-written file.
+
+    Raises:
+        WriteError: the file cannot be written (named, with the cause).
+    """
+    write_text(path, text, "another --out folder")
 
 
 def write_table(table: dict[str, Any], out_dir: str | Path, stem: str = "zero_shot") -> list[Path]:

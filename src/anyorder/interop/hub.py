@@ -55,6 +55,43 @@ def _first_line(e: BaseException) -> str:
 
 
 # A hub id is "name" or "owner/name"; anything else that does not exist is a missing path.
+def hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why the hub cannot be reached (one TCP connection to ``HF_ENDPOINT``), or None.
+
+    The hub client retries a failed request five times with back-off (about 25 s or more,
+    and a line per retry) before it gives up; one quick connection tells an offline machine
+    at once. ``HF_HUB_OFFLINE=1`` is the user's own word that there is no network.
+    """
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        why = e.strerror or str(e) or type(e).__name__
+        return f"{host}:{port} cannot be reached: {why}"
+    return None
+
+
+def _cached_or_reachable(download, text: str, fix: str):
+    """``download(local_files_only=True)`` (the hub cache, no network); else, when the hub
+    is reachable, ``download(local_files_only=False)``; else one clear error at once."""
+    try:
+        return download(local_files_only=True)
+    except Exception:
+        pass
+    why = hub_unreachable()
+    if why is not None:
+        raise CheckpointError(f"{text!r} is not in the hub cache and {why}; {fix}")
+    return download(local_files_only=False)
+
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
@@ -91,14 +128,24 @@ def resolve_folder(
             f"{text!r} is not a local folder and loading hub ids needs huggingface_hub; "
             "pip install 'anyorder[hf]' or give a local folder"
         ) from None
-    try:
-        local = snapshot_download(
+
+    def download(local_files_only: bool) -> str:
+        return snapshot_download(
             repo_id=text,
             revision=revision,
             cache_dir=None if cache_dir is None else str(cache_dir),
             allow_patterns=allow_patterns or _HUB_PATTERNS,
             local_files_only=local_files_only,
         )
+
+    try:
+        if local_files_only:
+            local = download(True)
+        else:
+            fix = "connect to the network, or give a local folder"
+            local = _cached_or_reachable(download, text, fix)
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(
             f"model {text!r} is neither a local folder nor downloadable from the hub "

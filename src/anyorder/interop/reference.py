@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from anyorder.checkpoint.exporting import save_pretrained
+from anyorder.checkpoint.load import load_plain
 from anyorder.config import VARIANTS, ModelConfig, expand_model_values
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
 from anyorder.interop.convert import Converted
@@ -107,12 +108,21 @@ def resolve_source(spec: str | Path, cache_dir: str | Path | None = None) -> Pat
                 f"fetching {text!r} needs huggingface_hub; pip install 'anyorder[hf]' or give "
                 "the downloaded file"
             ) from None
-        try:
-            local = hf_hub_download(
+        from anyorder.interop.hub import _cached_or_reachable
+
+        def download(local_files_only: bool) -> str:
+            return hf_hub_download(
                 repo_id="/".join(parts[:2]),
                 filename="/".join(parts[2:]),
                 cache_dir=None if cache_dir is None else str(cache_dir),
+                local_files_only=local_files_only,
             )
+
+        try:
+            fix = "connect to the network, or give the downloaded file"
+            local = _cached_or_reachable(download, text, fix)
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(
                 f"{text!r} cannot be fetched from the hub ({_first_line(e)}); check the repository "
@@ -131,29 +141,8 @@ def resolve_source(spec: str | Path, cache_dir: str | Path | None = None) -> Pat
 
 
 def _load_pt(path: Path) -> Any:
-    """``torch.load(weights_only=True)``, memory-mapped when the file allows it; one clear
-    :class:`CheckpointError` for every way a file can be wrong."""
-    where = repr(str(path))
-    try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            # torch.save's legacy (pre-zip) format cannot be memory-mapped: read it whole
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        if "Unsupported global" in str(e):
-            raise CheckpointError(
-                f"{where} holds Python objects besides tensors and plain values; anyorder "
-                "reads checkpoints with torch.load(weights_only=True) and never unpickles code: "
-                "re-save it as plain tensors and dicts"
-            ) from None
-        why = "WeightsUnpickler error" if "Weights only load failed" in str(e) else _first_line(e)
-        raise CheckpointError(
-            f"{where} cannot be read as a torch checkpoint ({why}); the file is damaged, "
-            "incomplete or not a .pt: download it again"
-        ) from None
+    """The file, read as plain tensors and values (:func:`load_plain`)."""
+    return load_plain(path, "download it again")
 
 
 def detect_format(state: dict[str, Tensor]) -> str | None:
@@ -181,6 +170,32 @@ def _model_args(raw: Any, where: str) -> dict[str, Any]:
             f"n_head={raw['n_head']}; the checkpoint's model_args are damaged"
         )
     return dict(raw)
+
+
+def _check_claims(args: dict[str, Any], state: dict[str, Tensor], where: str) -> None:
+    """The sizes ``model_args`` claim, against the tensors the file holds, before anything
+    is built: a file claiming ``n_layer=10**6`` must not make us build a million layers."""
+    layers = {k.split(".")[2] for k in state if k.startswith("transformer.h.") and k.count(".") > 2}
+    wte = state.get("transformer.wte.weight")
+    wpe = state.get("transformer.wpe.weight")
+    claims = [
+        ("n_layer", args["n_layer"], len(layers), "layers"),
+        ("vocab_size", args["vocab_size"], None if wte is None else wte.shape[0], "wte rows"),
+        (
+            "n_embd",
+            args["n_embd"],
+            None if wte is None or wte.dim() < 2 else wte.shape[1],
+            "wte columns",
+        ),
+        ("block_size", args["block_size"] + 1, None if wpe is None else wpe.shape[0], "wpe rows"),
+    ]
+    for key, claimed, held, what in claims:
+        if held is not None and held != claimed:
+            claimed = claimed - 1 if key == "block_size" else claimed  # wpe has a BOS row
+            raise CheckpointError(
+                f"{where}: model_args claim {key}={claimed}, but the weights hold {held} "
+                f"{what}; the checkpoint's model_args are damaged"
+            )
 
 
 def read_reference(source: str | Path, fmt: str | None = None) -> ReferenceCheckpoint:
@@ -234,9 +249,11 @@ def read_reference(source: str | Path, fmt: str | None = None) -> ReferenceCheck
             )
         ema = list(shadow)
     iter_num, rate = obj.get("iter_num"), obj.get("ema_rate")
+    args = _model_args(obj["model_args"], where)
+    _check_claims(args, state, where)
     return ReferenceCheckpoint(
         format=found,
-        model_args=_model_args(obj["model_args"], where),
+        model_args=args,
         state=state,
         ema=ema,
         iter_num=int(iter_num) if isinstance(iter_num, int) else None,

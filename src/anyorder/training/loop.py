@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from anyorder import checkpoint as ckpt_mod
+from anyorder.atomic import check_utf8_path
 from anyorder.config import RunConfig, to_dict
 from anyorder.errors import ConfigError
 from anyorder.memory import check_training_memory
@@ -102,6 +103,8 @@ def train(
     env = setup_distributed(cfg.train.device)
     from anyorder.interop.hub import init_model_config  # train.init_from: the model comes from it
 
+    for key, path in (("train.out_dir", cfg.train.out_dir), ("data.cache_dir", cfg.data.cache_dir)):
+        check_utf8_path(path, key)  # a run others cannot read back is refused at the start
     cfg = init_model_config(cfg)
     check_config(cfg, env.world_size)
     # before anything is built; a dry run's step takes at most 2 rows
@@ -367,5 +370,6 @@ def _summarize(parts: RunParts, loop: LoopState) -> dict[str, Any]:
         "config": to_dict(cfg),
     }
     if env.is_main:
-        write_atomic(loop.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        kept = f"; {loop.last_ckpt} is intact" if loop.last_ckpt else ""
+        write_atomic(loop.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n", kept)
     return summary

@@ -12,11 +12,13 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
+from anyorder.atomic import write_failed, write_text
 from anyorder.config import RunConfig, to_dict
 
 
@@ -43,7 +45,7 @@ class MetricsLog:
                 for line in self.path.read_text(errors="replace").splitlines()
                 if _step_of_row(line) is not None and _step_of_row(line) <= resume_step
             ]
-            write_atomic(self.path, "".join(k + "\n" for k in keep))
+            write_atomic(self.path, "".join(k + "\n" for k in keep), self._resumable())
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         try:
@@ -57,16 +59,45 @@ class MetricsLog:
         if self.path is None:
             return
         row = {"step": row.get("step"), "seed": self.seed, **row}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        line = (json.dumps(row) + "\n").encode()
+        try:
+            _append(self.path, line)
+        except OSError as e:
+            raise write_failed(self.path, e, "another train.out_dir", self._resumable()) from None
         if self.tb is not None:
             for k, v in row.items():
                 if k not in ("step", "seed") and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, row["step"])
 
+    def _resumable(self) -> str:
+        from anyorder.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(self.path.parent) if self.path is not None else None
+        if last is None:
+            return "; no checkpoint was saved yet"
+        return f"; {last} is intact: the same command resumes from it"
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _append(path: Path, data: bytes) -> None:
+    """Append ``data`` with unbuffered writes; on a write error (a full disk mid-row) cut the
+    partial row off again before raising (a resume drops a partial last row anyway)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
 
 
 def _step_of_row(line: str) -> int | None:
@@ -94,8 +125,10 @@ def config_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path`` and rename it into place."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def write_atomic(path: Path, text: str, then: str = "") -> None:
+    """Write ``text`` to a temporary file beside ``path`` and rename it into place.
+
+    Raises:
+        WriteError: naming ``path`` and the cause (``then`` is said after the fix).
+    """
+    write_text(path, text, "another train.out_dir", then)

@@ -248,15 +248,22 @@ def restore_state(parts: RunParts, resume_from: Path) -> tuple[int, int]:
         load_weights_into(model, resume_from / ckpt_mod.EMA_FILE, fsdp)
         ema.load_from_params()
     load_weights_into(model, resume_from / ckpt_mod.MODEL_FILE, fsdp)
-    load_optimizer_state(model, parts.opt, state["optimizer"], fsdp)
-    step = int(state["step"])
-    tokens_seen = int(state.get("tokens_seen", 0))
-    parts.sampler.load_state_dict(state["sampler"])
-    parts.order_gen.set_state(state["order_generator"])
-    rngs = state["rng"]
-    if len(rngs) == env.world_size:
-        set_rng_state(rngs[env.rank], parts.loss_gen, env.device)
-    else:  # another number of processes: exact only for the shared generators
-        print0(f"resuming {len(rngs)} process(es) as {env.world_size}: per-rank RNGs reseeded")
+    try:
+        load_optimizer_state(model, parts.opt, state["optimizer"], fsdp)
+        step = int(state["step"])
+        tokens_seen = int(state.get("tokens_seen", 0))
+        parts.sampler.load_state_dict(state["sampler"])
+        parts.order_gen.set_state(state["order_generator"])
+        rngs = state["rng"]
+        if len(rngs) == env.world_size:
+            set_rng_state(rngs[env.rank], parts.loss_gen, env.device)
+        else:  # another number of processes: exact only for the shared generators
+            print0(f"resuming {len(rngs)} process(es) as {env.world_size}: per-rank RNGs reseeded")
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        # keys of the right names holding the wrong content: an edited or foreign state.pt
+        raise CheckpointError(
+            f"{resume_from / ckpt_mod.STATE_FILE} is damaged ({type(e).__name__}: "
+            f"{str(e).strip()[:120]}); delete {resume_from} and use an earlier checkpoint"
+        ) from None
     print0(f"resuming from {resume_from} at step {step}")
     return step, tokens_seen
