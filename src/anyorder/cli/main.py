@@ -119,9 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         # A backstop for paths the checks before it did not foresee (a name too long, a
         # path under /proc): one line naming the path and the system's cause, never a
-        # traceback. Writers say more (anyorder.atomic); a closed pipe is not ours to report.
-        if isinstance(e, BrokenPipeError):
-            raise
+        # traceback. Writers say more (anyorder.atomic); a closed pipe is handled above.
         print(f"anyorder {args.command}: error: {os_error_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
