@@ -43,7 +43,8 @@ class ModelConfig:
     """Hidden width of the gelu MLP over d_model (swiglu uses 2/3 of it)."""
     pos_emb: str = "auto"
     """Positions: learned (absolute table), rope, or auto (rope for armd as in the paper,
-    learned for the others: an encoder given only [MASK]s needs absolute positions)."""
+    learned for the others: an encoder given only [MASK]s needs absolute positions; but the
+    mdm learns far faster with rope, which configs/tiny-mdm.yaml uses: docs/results.md)."""
     rope_base: float = 10000.0
     """RoPE frequency base."""
     qk_norm: bool = True
