@@ -41,8 +41,11 @@ def render_configs() -> str:
         "model section from a preset (`tiny`, `small`, `medium`); `model: {variant: aogpt-ref}`",
         "(or `sigmagpt-ref`) sets the fields that make the trunk compute exactly what the AO-GPT",
         "authors' AO-GPT (or sigma-GPT) computes, and keys given beside it win (see",
-        "`anyorder.config.VARIANTS` and docs/checkpoints.md). `anyorder info --config-keys`",
-        "prints the same table.",
+        "`anyorder.config.VARIANTS` and docs/checkpoints.md). A variant given on the command",
+        "line sets every key it defines over the file's (`model.variant=aogpt-ref` on top of",
+        "`configs/tiny-aogpt.yaml` trains learned positions, not the file's RoPE); there only",
+        "keys given on the command line beside it win. The training start-up line names the",
+        "positional scheme. `anyorder info --config-keys` prints the same table.",
     ]
     section = None
     for key, default, help_text in rows:

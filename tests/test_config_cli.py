@@ -76,3 +76,37 @@ def test_info_prints_parameter_counts() -> None:
     out = run_cli("info", "--preset", "tiny")
     assert out.returncode == 0, out.stderr
     assert "tiny" in out.stdout and "M" in out.stdout
+
+
+def test_a_variant_on_the_command_line_replaces_the_files_variant_keys(tmp_path, capsys) -> None:
+    """tiny-aogpt.yaml sets pos_emb: rope and rope_query: target; model.variant=aogpt-ref on
+    top of it used to keep both (a hybrid trained under the published model's name)."""
+    from anyorder.cli import main
+    from anyorder.config import VARIANTS, ModelConfig
+
+    from conftest import REPO
+
+    cfg_file = str(REPO / "configs" / "tiny-aogpt.yaml")
+    cfg = load_config(cfg_file, ["model.variant=aogpt-ref"])
+    for key, value in VARIANTS["aogpt-ref"].items():
+        assert getattr(cfg.model, key) == value, key
+    assert cfg.model.n_layer == 4 and cfg.model.seq_len == 256  # sizes stay the file's
+    # keys given beside the variant on the command line still win, before it or after it
+    for argv in (["model.pos_emb=rope", "model.variant=aogpt-ref"],
+                 ["model.variant=aogpt-ref", "model.pos_emb=rope"]):  # fmt: skip
+        ours = load_config(cfg_file, argv).model
+        assert (ours.pos_emb, ours.rope_query, ours.adaln_init) == ("rope", "input", "normal")
+    base = ModelConfig(kind="aogpt", pos_emb="rope", rope_query="target", adaln_init="zero")
+    assert base.positions == "rope (queries at their targets), target by adaln"
+    # the start-up line says which positional scheme is trained
+    for extra, positions in (
+        ([], "learned positions, BOS at row 0, target by adaln"),
+        (["model.pos_emb=rope"], "rope (queries at their inputs), target by adaln"),
+    ):
+        argv = ["train", cfg_file, "--dry-run", "model.variant=aogpt-ref", *extra,
+                "model.n_layer=1", "model.d_model=64", "model.seq_len=32",
+                f"train.out_dir={tmp_path / 'run'}", "data.source=builtin:synthetic",
+                f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+        assert main(argv) == 0
+        head = capsys.readouterr().out.splitlines()[0]
+        assert f"1 layers x 64, seq_len 32, {positions}; order" in head, head

@@ -375,6 +375,8 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     # issue 17: one writer per run folder, bounds, verified data, manifests, tracebacks
     "run-folder-busy": ([*TRAIN], {}, _hold_run_lock),
     "sample-steps-too-many": (["sample", "run", "--steps", "100000000"], {}, None),
+    # issue 25: a flag that would be ignored is refused, naming what works
+    "sample-step-flags-without-steps": (["sample", "run", "--reveal", "reference"], {}, None),
     "data-shard-corrupted": (["eval", "run"], {}, _flip_shard_byte),
     "data-token-out-of-range": (["eval", "run"], {}, _token_beyond_vocab),
     "data-manifest-damaged": (["eval", "run"], {}, _shard_dtype),

@@ -663,7 +663,10 @@ def test_cli_eval_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
     assert r.returncode == 0, r.stderr
     # after the data preparation's own lines (the corpus is tokenized on first use)
     err = [line for line in r.stderr.splitlines() if not line.startswith("tokenizing ")]
-    assert err[0].startswith("aogpt likelihoods: about ") and "passes of 16 tokens x" in err[0]
+    assert (
+        err[0].startswith("aogpt likelihoods of 3 blocks: about ")
+        and "passes of 16 tokens x" in err[0]
+    )
     assert any(line.startswith("ensemble x2: ") and "passes of 16 tokens (100%)" in line
                for line in err)  # fmt: skip
     assert any(line.startswith("left to right: 3/3 blocks (100%)") for line in err)
@@ -748,3 +751,24 @@ def test_cli_eval_end_to_end(tmp_path: Path, capsys, monkeypatch) -> None:
         assert main(["eval", str(tmp_path / "run"), *flags, *common]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
+
+
+def test_cli_eval_prints_its_estimate_even_without_progress(tmp_path, capsys, monkeypatch) -> None:
+    """--no-progress drops the bars, not the estimate: a long MDM evaluation never runs
+    silent, and the estimate says what dominates it."""
+    from anyorder.cli import main
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "some text to model. " * 6)
+    save_tiny_run(tmp_path / "run", "mdm", corpus)
+    monkeypatch.chdir(tmp_path)
+    argv = ["eval", "run", "--orders", "2", "--max-blocks", "3", "--no-progress"]
+    assert main(argv) == 0
+    err = [e for e in capsys.readouterr().err.splitlines() if not e.startswith("tokenizing ")]
+    assert len(err) == 1, err  # the estimate, and no progress line
+    head = "mdm likelihoods of 3 blocks (left to right: 16 encoder passes a block, the ELBO 2): "
+    assert err[0].startswith(head + "about ") and "54 passes of 16 tokens x" in err[0], err
+    res = json.loads((tmp_path / "run" / "eval" / "likelihood.json").read_text())
+    assert res["any_order"]["kind"] == "elbo" and res["blocks"] == 3

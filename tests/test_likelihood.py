@@ -89,3 +89,92 @@ def test_left_to_right_nll_is_the_sum_of_slot_nll(gen: torch.Generator) -> None:
 def test_bits_per_byte() -> None:
     assert bits_per_byte(math.log(2), 1.0) == pytest.approx(1.0)
     assert bits_per_byte(2 * math.log(2), 4.0) == pytest.approx(0.5)
+
+
+def _per_slot_nll(model, tokens: torch.Tensor, order: torch.Tensor, blocks) -> torch.Tensor:
+    """The old path, written out: one encoder pass per slot on a copy with that slot's block
+    and later ones masked, cross-entropy at the slot's target position."""
+    B, T = order.shape
+    n = tokens.shape[1]
+    block = torch.arange(T).expand(B, T) if blocks is None else blocks
+    out = torch.zeros(B, T)
+    for b in range(B):
+        rank = torch.full((n,), 1 << 30)  # positions outside the order: always masked
+        rank[order[b]] = block[b]
+        for t in range(T):
+            copy = torch.where(rank < block[b, t], tokens[b], model.mask_id)
+            logits = model.denoise(copy[None])[0, order[b, t]].float()
+            out[b, t] = torch.nn.functional.cross_entropy(logits, tokens[b, order[b, t]])
+    return out
+
+
+def test_mdm_one_encoder_pass_per_masked_set_equals_one_per_slot(gen) -> None:
+    """The fast path groups the slots that share a masked set (a block) into one pass; its
+    NLLs equal the per-slot computation's, for single-slot blocks, strided blocks and a
+    prefix of an order, across chunk boundaries (max_tokens)."""
+    model = tiny_model("mdm", vocab_size=7, seq_len=12)
+    tokens = torch.randint(0, 7, (3, 12), generator=gen)
+    calls = []
+    model.denoise_features = (lambda f: lambda x: calls.append(len(x)) or f(x))(
+        model.denoise_features
+    )
+    uniform = orders.uniform(3, 12, gen).order
+    strided = orders.strided(3, 12, 4)  # 4 heads one at a time, then 2 blocks of 4
+    cases = [(uniform, None), (strided.order, strided.model_blocks), (uniform[:, :5], None)]
+    for order, blocks in cases:
+        for max_tokens in (12 * 2, 8192):  # 2 copies per call, or all at once
+            calls.clear()
+            fast = model.token_nll(tokens, order, blocks, max_tokens=max_tokens)
+            sets = 3 * (order.shape[1] if blocks is None else int(blocks.max()) + 1)
+            assert sum(calls) == sets  # one copy per (row, block)
+            assert_close(fast, _per_slot_nll(model, tokens, order, blocks), atol=1e-5, rtol=1e-5)
+
+
+def _mdlm_token_nll(model, tokens: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """-log p(x0_i | x_t) at every position (B, n), x_t = tokens with ``masked`` replaced."""
+    logits = model.denoise(torch.where(masked, model.mask_id, tokens)).float()
+    return torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
+
+
+def test_mdm_loss_is_mdlms_continuous_time_elbo_on_the_same_mask_draw(gen) -> None:
+    """MDLM's estimator, (1/t) * sum over masked tokens of -log p(x0 | x_t) per sequence,
+    divided by n, at the mask draw the training loss made (its m masked slots of the
+    order; t = m/n, where the two forms coincide) equals our training loss exactly."""
+    model = tiny_model("mdm", vocab_size=7, seq_len=10)
+    tokens = torch.randint(0, 7, (6, 10), generator=gen)
+    order = orders.uniform(6, 10, gen).order
+    ours = model.loss(tokens, order, generator=torch.Generator().manual_seed(3))
+    m = torch.randint(1, 11, (6,), generator=torch.Generator().manual_seed(3))  # the same draw
+    slot = torch.empty_like(order).scatter_(1, order, torch.arange(10).expand(6, 10))
+    masked = slot >= 10 - m[:, None]
+    t = m.double() / 10
+    nll = _mdlm_token_nll(model, tokens, masked).double()
+    mdlm = ((nll * masked).sum(dim=1) / t / 10).mean()
+    assert_close(ours.double(), mdlm, atol=1e-6, rtol=1e-6)
+
+
+def test_mdm_loss_expectation_is_mdlms_integral_over_t(gen) -> None:
+    """In expectation: MDLM's continuous-time ELBO, the integral over t of (1/t) E[sum of
+    the masked NLL] with every token masked independently with probability t (by 64-point
+    Gauss-Legendre quadrature in t, exact for these polynomials, over all 2^n mask sets),
+    equals n times the expectation of our estimator (m ~ U{1..n}, a uniform set of m)."""
+    import itertools
+
+    import numpy as np
+
+    n = 5
+    model = tiny_model("mdm", vocab_size=4, seq_len=n)
+    tokens = torch.randint(0, 4, (2, n), generator=gen)
+    nodes, weights = np.polynomial.legendre.leggauss(64)
+    ts, ws = (nodes + 1) / 2, weights / 2  # on [0, 1]
+    mdlm = torch.zeros(2, dtype=torch.float64)
+    ours = torch.zeros(2, dtype=torch.float64)
+    for bits in itertools.product([False, True], repeat=n):
+        m = sum(bits)
+        if m == 0:
+            continue
+        masked = torch.tensor(bits).expand(2, n)
+        total = (_mdlm_token_nll(model, tokens, masked).double() * masked).sum(dim=1)
+        mdlm += float(np.sum(ws / ts * ts**m * (1 - ts) ** (n - m))) * total
+        ours += total / m / n / math.comb(n, m)  # P(m) P(set | m) (1/m) sum
+    assert_close(mdlm, n * ours, atol=1e-9, rtol=1e-9)

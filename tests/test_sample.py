@@ -744,7 +744,52 @@ def test_cli_sample(tmp_path, capsys) -> None:
     code, _, err = run(str(tmp_path / "armd"), "--order", "strided")
     assert code == 2 and err == "anyorder sample: error: --order strided needs --streams S\n"
     code, _, err = run(str(tmp_path / "gpt"), "--steps", "4")
-    assert code == 2 and "gpt cannot predict several positions per pass" in err
+    assert code == 2 and "a gpt run samples left to right, one token per pass" in err
+
+
+def test_cli_sample_refusals_name_what_works(tmp_path, capsys) -> None:
+    from anyorder.cli import main
+
+    for kind in ("gpt", "aogpt"):
+        _save_run(tmp_path / kind, kind)
+
+    def err(*argv: str) -> str:
+        code = main(["sample", *argv, "--length", "8"])
+        out = capsys.readouterr()
+        assert code == 2 and out.out == "", (code, out)
+        return out.err
+
+    gpt = (
+        "a gpt run samples left to right, one token per pass: leave out {} (--prompt gives a "
+        "prefix); parallel decoding needs an aogpt, armd or mdm run (--steps T), strided "
+        "decoding an armd run (--streams S)"
+    )
+    head = "anyorder sample: error: "
+    # no circle: each refusal names flags that work, and none of them is refused in turn
+    run = str(tmp_path / "gpt")
+    assert err(run, "--order", "strided") == head + gpt.format("--order strided") + "\n"
+    assert err(run, "--steps", "4") == head + gpt.format("--steps") + "\n"
+    assert (
+        err(run, "--streams", "2", "--steps", "2") == head + gpt.format("--streams, --steps") + "\n"
+    )
+    assert main(["sample", run, "--length", "8", "--prompt", "ab"]) == 0
+    capsys.readouterr()
+    assert err(str(tmp_path / "aogpt"), "--streams", "2") == head + (
+        "strided decoding is ARMD's and this is a aogpt run; for parallel decoding use "
+        "--steps T (or sample one token per pass: leave out --order strided/--streams)\n"
+    )
+    # step-shaping flags without --steps were silently ignored: refused, naming --steps
+    run = str(tmp_path / "aogpt")
+    assert err(run, "--reveal", "reference") == head + (
+        "--reveal shapes --steps sampling, which was not asked for; add --steps T, or leave it "
+        "out\n"
+    )
+    assert err(run, "--schedule", "cosine", "--shared-counts") == head + (
+        "--schedule and --shared-counts shape --steps sampling, which was not asked for; add "
+        "--steps T, or leave them out\n"
+    )
+    code = main(["sample", run, "--length", "8", "--steps", "3", "--reveal", "reference"])
+    assert code == 0
 
 
 # ----------------------------------------------------------------------------- draws

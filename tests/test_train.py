@@ -379,14 +379,31 @@ def test_learning_rate_schedule():
 def test_ema_warmup_and_swap():
     p = torch.nn.Parameter(torch.zeros(3))
     ema = EMA([p], decay=0.99, warmup=True)
-    assert ema.decay_at(0) == pytest.approx(0.1) and ema.decay_at(10_000) == 0.99
+    assert ema.decay_at(0) == pytest.approx(2 / 11) and ema.decay_at(10_000) == 0.99
     with torch.no_grad():
         p.fill_(1.0)
-    ema.update(0)  # 0.1 * 0 + 0.9 * 1
-    torch.testing.assert_close(ema.shadow[0], torch.full((3,), 0.9))
+    ema.update(0)  # 2/11 * 0 + 9/11 * 1
+    torch.testing.assert_close(ema.shadow[0], torch.full((3,), 9 / 11))
     with ema.swapped():
-        torch.testing.assert_close(p.detach(), torch.full((3,), 0.9))
+        torch.testing.assert_close(p.detach(), torch.full((3,), 9 / 11))
     assert torch.equal(p.detach(), torch.ones(3))
+
+
+def test_ema_follows_the_reference_formula_step_by_step():
+    """The AO-GPT reference's ema.py, written out in float64: a counter of updates ``u``
+    raised before each one, decay ``min(d, (1 + u) / (10 + u))``, ``s -= (1 - decay)(s - p)``."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5, generator=g))
+    ema = EMA([p], decay=0.8, warmup=True)
+    shadow = p.detach().double().clone()
+    for updates in range(1, 41):  # their counter, raised before each update
+        with torch.no_grad():
+            p.add_(torch.randn(5, generator=g))
+        ema.update(updates - 1)  # ours takes the 0-based step
+        decay = min(0.8, (1 + updates) / (10 + updates))
+        shadow -= (1 - decay) * (shadow - p.detach().double())
+        torch.testing.assert_close(ema.shadow[0].double(), shadow, atol=1e-6, rtol=1e-6)
+    assert decay == 0.8  # the cap was reached (from the 35th update on)
 
 
 # ----------------------------------------------------------------------------- configs

@@ -42,7 +42,9 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of every random draw")
     p.add_argument("--batch-size", type=int, default=8, help="blocks or samples per batch")
     p.add_argument(
-        "--no-progress", action="store_true", help="no cost estimate and no progress bars/lines"
+        "--no-progress",
+        action="store_true",
+        help="no progress bars/lines (the likelihood suite's cost estimate is still printed)",
     )
     p.add_argument(
         "--protocol",
@@ -300,7 +302,7 @@ def _eval_likelihood(args: argparse.Namespace, ckpt, suite: dict, out) -> list:
     blocks = data.split(args.split)[: args.max_blocks]
     res = likelihood_suite(
         ckpt.model, blocks, bytes_per_token=data.bytes_per_token(args.split),
-        progress=progress, **suite,
+        progress=progress, estimate=True, **suite,
     )  # fmt: skip
     res.update(split=args.split, source=ckpt.config.data.source, step=ckpt.step)
     res["weights"] = ckpt.weights

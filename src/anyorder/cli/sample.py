@@ -50,15 +50,16 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schedule",
         choices=("linear", "cosine"),
-        default="linear",
-        help="--steps: the masking schedule m(t) (cosine: cos((1 - t) pi / 2), few tokens first)",
+        default=None,
+        help="--steps: the masking schedule m(t): linear (default) or cosine (cos((1 - t) pi / 2), "
+        "few tokens first)",
     )
     p.add_argument(
         "--reveal",
         choices=("binomial", "reference"),
-        default="binomial",
-        help="--steps: tokens per step: binomial (the exact reverse process) or reference (the "
-        "AO-GPT code's deterministic counts, never an empty step)",
+        default=None,
+        help="--steps: tokens per step: binomial (default; the exact reverse process) or reference "
+        "(the AO-GPT code's deterministic counts, never an empty step)",
     )
     p.add_argument(
         "--shared-counts",
@@ -118,10 +119,48 @@ class _Streamer:
             self.shown = text
 
 
+_STEP_FLAGS = (
+    ("schedule", "--schedule"),
+    ("reveal", "--reveal"),
+    ("shared_counts", "--shared-counts"),
+)
+"""The flags that shape ``--steps`` sampling and nothing else."""
+
+
+def _check_mode_flags(args: argparse.Namespace, kind: str) -> None:
+    """Refuse flags that the model or the mode would ignore, naming what does work."""
+    from anyorder.errors import SamplingError
+
+    if args.steps is None:
+        given = [flag for name, flag in _STEP_FLAGS if getattr(args, name) not in (None, False)]
+        if given:
+            raise SamplingError(
+                f"{' and '.join(given)} shape{'s' if len(given) == 1 else ''} --steps sampling, "
+                "which was not asked for; add --steps T, or leave "
+                f"{'it' if len(given) == 1 else 'them'} out"
+            )
+    if kind == "gpt":
+        wrong = [f"--order {args.order}"] if args.order not in (None, "l2r") else []
+        wrong += ["--streams"] if args.streams is not None else []
+        wrong += ["--steps"] if args.steps is not None else []
+        if wrong:
+            raise SamplingError(
+                f"a gpt run samples left to right, one token per pass: leave out "
+                f"{', '.join(wrong)} (--prompt gives a prefix); parallel decoding needs an aogpt, "
+                "armd or mdm run (--steps T), strided decoding an armd run (--streams S)"
+            )
+    elif kind != "armd" and (args.streams is not None or args.order == "strided"):
+        raise SamplingError(
+            f"strided decoding is ARMD's and this is a {kind} run; for parallel decoding use "
+            "--steps T (or sample one token per pass: leave out --order strided/--streams)"
+        )
+
+
 def _sample_order(args: argparse.Namespace, kind: str) -> tuple[str, int | None]:
     """The generation order and ``S`` from ``--order`` and ``--streams`` (strided when given)."""
     from anyorder.errors import SamplingError
 
+    _check_mode_flags(args, kind)
     order = args.order or ("l2r" if kind == "gpt" else "random")
     if order == "strided" and args.streams is None:
         raise SamplingError("--order strided needs --streams S")
@@ -248,8 +287,8 @@ def run_sample(args: argparse.Namespace) -> int:
     with ctx, bounds.out_of_memory_as_error(f"--num-samples {args.num_samples} x {n} tokens"):
         result = sample(
             model, n, order=None if order == "strided" else order, streams=streams,
-            steps=args.steps, schedule=args.schedule, shared_counts=args.shared_counts,
-            reveal=args.reveal, graphs=args.cuda_graphs, batch=args.num_samples,
+            steps=args.steps, schedule=args.schedule or "linear", shared_counts=args.shared_counts,
+            reveal=args.reveal or "binomial", graphs=args.cuda_graphs, batch=args.num_samples,
             prompt=prompt, known=known, temperature=args.temperature, top_k=args.top_k,
             top_p=args.top_p, generator=gen, stop_at_eos=stop, on_step=stream,
         )  # fmt: skip

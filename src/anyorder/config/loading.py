@@ -28,7 +28,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from anyorder.config.model import PRESETS, ModelConfig, expand_model_values
+from anyorder.config.model import PRESETS, VARIANTS, ModelConfig, expand_model_values
 from anyorder.config.run import RunConfig
 from anyorder.errors import ConfigError, preview
 
@@ -325,8 +325,13 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
         values = loaded
+    given: set[str] = set()  # model keys set by the overrides so far
     for item in overrides:
         parts, value = parse_override(item)
+        if parts[0] == "model" and len(parts) == 2:
+            if parts[1] == "variant":
+                _drop_variant_keys(values, value, given)
+            given.add(parts[1])
         node = values
         for p in parts[:-1]:
             child = node.get(p)
@@ -337,6 +342,18 @@ def load_config(
             node = child
         node[parts[-1]] = value
     return config_from_dict(values)
+
+
+def _drop_variant_keys(values: dict[str, Any], variant: Any, given: set[str]) -> None:
+    """A variant given on the command line defines its keys over the file's: drop the file's
+    model keys it sets (``pos_emb: rope`` beside ``model.variant=aogpt-ref`` would otherwise
+    train a hybrid under the variant's name). Keys given on the command line still win."""
+    model = values.get("model")
+    if not isinstance(model, dict) or variant not in VARIANTS:
+        return  # an unknown variant is refused, naming the known ones, when the model is built
+    for key in VARIANTS[variant]:
+        if key not in given:
+            model.pop(key, None)
 
 
 def config_from_dict(values: dict[str, Any]) -> RunConfig:

@@ -5,7 +5,9 @@ Design choices:
 
 * Presets set sizes, variants set everything else a reference model differs in; a config
   names at most one of each (``model: {preset: tiny, variant: aogpt-ref}``), and keys given
-  beside them win (:func:`expand_model_values`).
+  beside them win (:func:`expand_model_values`); a variant given as an override sets its
+  keys over the file's (:func:`anyorder.config.loading.load_config`), so no file key makes a
+  hybrid under the variant's name.
 * A ``tiny`` preset that trains on a laptop CPU in seconds, and the papers' sizes.
 """
 
@@ -41,7 +43,8 @@ class ModelConfig:
     """Hidden width of the gelu MLP over d_model (swiglu uses 2/3 of it)."""
     pos_emb: str = "auto"
     """Positions: learned (absolute table), rope, or auto (rope for armd as in the paper,
-    learned for the others: an encoder given only [MASK]s needs absolute positions)."""
+    learned for the others: an encoder given only [MASK]s needs absolute positions; but the
+    mdm learns far faster with rope, which configs/tiny-mdm.yaml uses: docs/results.md)."""
     rope_base: float = 10000.0
     """RoPE frequency base."""
     qk_norm: bool = True
@@ -169,6 +172,20 @@ class ModelConfig:
         if self.pos_emb != "auto":
             return self.pos_emb
         return "rope" if self.kind == "armd" else "learned"
+
+    @property
+    def positions(self) -> str:
+        """The positional scheme in words, for the training start-up line."""
+        if self.positional == "learned":
+            where = ", BOS at row 0" if self.bos_pos_row and self.kind in ("gpt", "aogpt") else ""
+            text = f"learned positions{where}"
+        else:
+            text = "rope"
+            if self.kind == "aogpt":
+                text += f" (queries at their {self.rope_query}s)"
+        if self.kind == "aogpt":
+            text += f", target by {self.target_injection}"
+        return text
 
     @property
     def table_vocab(self) -> int:

@@ -133,7 +133,8 @@ class TrainConfig:
     ema: float = 0.0
     """EMA decay of the weights (0 disables; the paper presets use 0.9999)."""
     ema_warmup: bool = True
-    """Ramp the EMA decay as min(ema, (1 + step) / (10 + step))."""
+    """Ramp the EMA decay as the AO-GPT reference does: min(ema, (1 + u) / (10 + u)) at the
+    u-th update (u = 1, 2, ...; from 2/11)."""
     eval_every: int = 200
     """Validate every this many steps (0: only at the end)."""
     eval_batches: int = 8

@@ -14,7 +14,7 @@ Design choices:
   per-block values are in the result (``per_block``), so any other summary can be made.
 * Long work says what it costs: :func:`likelihood_suite` prints an estimate first (the
   forward passes it will run x the measured time of one, :func:`suite_passes` and
-  :func:`pass_seconds`).
+  :func:`pass_seconds`); the CLI prints it even without progress bars.
 * What does not apply is reported as such, not computed: a ``gpt`` has no any-order
   likelihood; an encoder's ensemble is its plain estimate (its conditionals depend on the
   context set only); its "any-order" figure is the ELBO, equal in expectation (Eq. 5).
@@ -161,6 +161,7 @@ def likelihood_suite(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     left_to_right: bool = True,
     progress: bool = True,
+    estimate: bool | None = None,
 ) -> dict[str, Any]:
     """Every likelihood of ``model`` on a corpus that applies to its kind.
 
@@ -177,7 +178,9 @@ def likelihood_suite(
             elements as ``max_tokens x d_model`` per head call.
         left_to_right: also compute the exact left-to-right NLL (n encoder passes per
             block for mdm).
-        progress: an estimate up front, and progress bars (lines when not on a terminal).
+        progress: progress bars (lines when not on a terminal).
+        estimate: print what the suite will cost before it starts (None: when ``progress``;
+            the CLI prints it always, so no long evaluation runs silent).
 
     Returns:
         A JSON-ready dict: ``l2r``, ``any_order`` and ``ensemble`` (each a :func:`metric`
@@ -206,10 +209,13 @@ def likelihood_suite(
         "notes": [],
     }
     notes, per_block = res["notes"], res["per_block"]
-    if progress:
+    if progress if estimate is None else estimate:
         passes = suite_passes(model, N, n, orders, ensemble, targets, left_to_right)
         sec = pass_seconds(model, blocks, batch_size, max_tokens)
-        print_estimate(f"{model.kind} likelihoods", round(passes), sec, f"passes of {n} tokens")
+        what = f"{model.kind} likelihoods of {N:,} blocks"
+        if isinstance(model, MDM) and left_to_right:  # by far the largest part: say so
+            what += f" (left to right: {n} encoder passes a block, the ELBO {orders})"
+        print_estimate(what, round(passes), sec, f"passes of {n} tokens")
     if left_to_right:
         l2r = corpus_left_to_right(model, blocks, **{k: kw[k] for k in kw if k != "seed"})
         res["l2r"] = metric(block_estimate(l2r), bytes_per_token)

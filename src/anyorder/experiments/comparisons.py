@@ -241,6 +241,9 @@ _FOUR = {
     f"{OURS_LABEL}, 10% l2r": ("aogpt", [*OURS, *_MIX]),
     "armd (progressive)": ("armd", []),  # filled in by _progressive()
     "mdm": ("mdm", ["order.kind=uniform"]),
+    # the encoder with RoPE (issue 25): its queries sit at the positions they predict, so
+    # attention sees target-to-context offsets; with learned positions it stays at unigram
+    "mdm + RoPE": ("mdm", ["order.kind=uniform", "model.pos_emb=rope"]),
     # our extension (model.rope_query): AO-GPT with RoPE, each query rotated to its target;
     # and its control, RoPE with the queries at their inputs (as the keys)
     "aogpt ours + RoPE queries at inputs, 10% l2r": (

@@ -12,9 +12,10 @@ The loss is the ELBO in the form of Eq. 5 (AO-GPT): draw ``m ~ U{1..n}``, mask t
 
 ``forward(tokens, order, blocks)`` keeps the common interface: for every slot it runs the
 encoder on a copy with the positions of that slot's block and later ones masked. That is
-one encoder pass per slot (the encoder's conditionals depend on the visible *set*); only
-the hidden state at the slot's target position is kept, so the head runs once per slot
-(``features``), not over every position of every copy.
+one encoder pass per masked set (the encoder's conditionals depend on the visible *set*, so
+the slots of one block share a pass); only the hidden states at the slots' target positions
+are kept, so the head runs once per slot (``features``), not over every position of every
+copy.
 """
 
 from __future__ import annotations
@@ -90,8 +91,10 @@ class MDM(AnyOrderLM):
         with that slot's block and later ones masked: (B, T, d) for an order of T slots (a
         prefix of a permutation is fine: the positions it leaves out stay masked).
 
-        ``max_tokens`` positions per encoder call (``max_tokens // n`` copies; default
-        :data:`copies_per_pass`); only one hidden state per copy is kept.
+        One encoder pass per distinct masked set, not per slot: the slots of one block see
+        the same context, so they share one copy (``n / S`` copies a row for strided blocks
+        of size ``S`` instead of ``n``). ``max_tokens`` positions per encoder call
+        (``max_tokens // n`` copies; default :data:`copies_per_pass`).
         """
         self.check_tokens(tokens)
         order = self.resolve_order(tokens, order)
@@ -100,22 +103,30 @@ class MDM(AnyOrderLM):
         slot_of = torch.full((B, n), T, dtype=order.dtype, device=order.device)
         slot_of.scatter_(1, order, torch.arange(T, device=order.device).expand(B, T))
         if blocks is None:
-            rank = slot_of  # (B, n) by position; T: never context
+            rank, own = slot_of, torch.arange(T, device=order.device).expand(B, T)
         else:
             after = blocks.max(dim=1, keepdim=True).values + 1
-            rank = torch.cat([blocks, after], dim=1).gather(1, slot_of)
+            rank, own = torch.cat([blocks, after], dim=1).gather(1, slot_of), blocks
+        # the masked sets: one per (row, block) pair; ``group`` of each slot, flat (B*T,)
+        span = int(own.max()) + 1
+        rows = torch.arange(B, device=order.device)[:, None]
+        keys, group = torch.unique((rows * span + own).reshape(-1), return_inverse=True)
+        by_group = torch.argsort(group, stable=True)  # the slots, grouped
+        starts = torch.searchsorted(
+            group[by_group], torch.arange(len(keys) + 1, device=keys.device)
+        )
         per = self.copies_per_pass if max_tokens is None else max(1, max_tokens // n)
+        flat_order = order.reshape(-1)
         out = None  # (B*T, d), allocated once: small tensors kept between the big ones
-        for i in range(0, B * T, per):  # copy r: row r // T, slot r % T
-            r = torch.arange(i, min(i + per, B * T), device=tokens.device)
-            b, t = r // T, r % T
-            # the context of slot t: positions of earlier slots (earlier blocks)
-            own = t if blocks is None else blocks[b, t]
-            copies = torch.where(rank[b] < own[:, None], tokens[b], self.mask_id)  # (per, n)
+        for g0 in range(0, len(keys), per):
+            g1 = min(g0 + per, len(keys))
+            b, level = keys[g0:g1] // span, keys[g0:g1] % span
+            copies = torch.where(rank[b] < level[:, None], tokens[b], self.mask_id)  # (per, n)
             h = self.denoise_features(copies)  # (per, n, d)
             if out is None:  # (fragment the heap, and the peak creeps up call after call)
                 out = h.new_empty(B * T, h.shape[-1])
-            out[i : i + len(r)] = h[torch.arange(len(r), device=r.device), order[b, t]]
+            slots = by_group[starts[g0] : starts[g1]]  # flat slot indices of these copies
+            out[slots] = h[group[slots] - g0, flat_order[slots]]
         return out.view(B, T, -1)
 
     def elbo_estimate(

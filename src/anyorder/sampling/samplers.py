@@ -271,7 +271,7 @@ def lemma1_sample(
     if model.kind == "gpt":
         raise SamplingError(
             "gpt cannot predict several positions per pass (it has no target position); "
-            "use sequential sampling, or aogpt/armd for --steps"
+            "sample it one token per pass (no steps), or use aogpt, armd or mdm for steps"
         )
     check_reveal(steps, schedule, reveal)
     tokens, _, order, k = _prepare(model, n, batch, prompt, known, order, generator)
@@ -317,7 +317,7 @@ def strided_sample(
     if not isinstance(model, ARMD):
         raise SamplingError(
             f"strided block-parallel decoding is ARMD's; {model.kind} was not trained on "
-            "blocks (use --steps for parallel decoding)"
+            "blocks (sample it one token per pass, without streams; aogpt also takes steps)"
         )
     k = 0
     if known is not None:

@@ -206,7 +206,7 @@ def _announce(parts: RunParts, dry_run: bool) -> float | None:
     B, n = t.batch_size, m.seq_len
     print0(
         f"{m.kind}: {parts.n_params / 1e6:.2f}M parameters, {m.n_layer} layers x "
-        f"{m.d_model}, seq_len {n}; order {parts.order_sampler.describe()}; "
+        f"{m.d_model}, seq_len {n}, {m.positions}; order {parts.order_sampler.describe()}; "
         f"{env.world_size} process(es) on {env.device}, dtype {t.dtype}; "
         f"{'Muon + AdamW' if t.optimizer == 'muon' else 'AdamW'} at lr {t.lr:g}, "
         f"batch {B} = {env.world_size} x {t.grad_accum} x {parts.micro}"

@@ -199,14 +199,19 @@ def prepare_data(
 
 def make_optimizer(model: nn.Module, cfg: RunConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices (>= 2-D) only; norms, biases, BOS undecayed. With
-    ``train.optimizer=muon``, the linear layers' matrices take Muon instead (the same lr)."""
+    ``train.optimizer=muon``, the linear layers' matrices take Muon instead (the same lr).
+
+    In the AO-GPT reference's layout (``model.bos_pos_row``) the BOS vector is decayed: there
+    it is a one-row embedding table (``wnonee``, 2-D), which their optimizer decays."""
     t = cfg.train
     muon = muon_matrices(model) if t.optimizer == "muon" else []
     taken = {id(p) for p in muon}
-    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
+    rest = [(name, p) for name, p in model.named_parameters()
+            if p.requires_grad and id(p) not in taken]  # fmt: skip
+    decayed = [p.dim() >= 2 or (name == "bos" and cfg.model.bos_pos_row) for name, p in rest]
     groups = [
-        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": t.weight_decay},
-        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for (_, p), d in zip(rest, decayed) if d], "weight_decay": t.weight_decay},
+        {"params": [p for (_, p), d in zip(rest, decayed) if not d], "weight_decay": 0.0},
     ]
     if muon:
         muon_group = {"params": muon, "weight_decay": t.weight_decay, "muon": True}

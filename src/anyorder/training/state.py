@@ -67,8 +67,13 @@ class EMA:
         self.shadow = [p.detach().clone().float() for p in params]
 
     def decay_at(self, step: int) -> float:
-        """Decay of the update after step ``step`` (0-based); warm-up ramps it from 0.1."""
-        return min(self.decay, (1 + step) / (10 + step)) if self.warmup else self.decay
+        """Decay of the update after step ``step`` (0-based). Warm-up ramps it as the AO-GPT
+        reference's EMA does (``ema.py``: the ``u``-th update, ``u = step + 1``, decays by
+        ``min(decay, (1 + u) / (10 + u))``), from 2/11."""
+        if not self.warmup:
+            return self.decay
+        u = step + 1
+        return min(self.decay, (1 + u) / (10 + u))
 
     @torch.no_grad()
     def update(self, step: int) -> None:
