@@ -200,3 +200,59 @@ def test_speculative_errors() -> None:
         speculative_sample(tiny_model("gpt"), 8, 2)
     with pytest.raises(SamplingError, match="must be an integer >= 1"):
         speculative_sample(tiny_model("aogpt"), 8, 0)
+
+
+# ----------------------------------------------------------------------------- CLI and API
+
+
+def test_cli_and_api_speculative(tmp_path, capsys) -> None:
+    import json
+
+    from anyorder import load
+    from anyorder.checkpoint import save_checkpoint
+    from anyorder.cli import main
+    from anyorder.config import RunConfig
+    from anyorder.data import ByteTokenizer
+
+    for kind in KINDS:
+        model = tiny_model(kind, vocab_size=257, seq_len=32)
+        config = RunConfig(model=model.cfg)
+        save_checkpoint(tmp_path / kind, 1, model=model, config=config, tokenizer=ByteTokenizer())
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(["sample", *argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    argv = ["--speculative", "3", "--length", "16", "--num-samples", "2", "--seed", "4"]
+    code, out, _ = run(str(tmp_path / "aogpt"), *argv, "--json", "--no-stop-at-eos")
+    res = json.loads(out)
+    counts = res["speculative"]
+    assert code == 0 and res["mode"] == "speculative" and counts["tokens"] == [16, 16]
+    assert res["forward_passes"] == max(counts["passes"])
+    assert all(p <= t for p, t in zip(counts["passes"], counts["tokens"]))
+    # the API draws the same texts from the same seed
+    texts = load(tmp_path / "aogpt").generate(
+        16, 2, speculative=3, seed=4, stop_at_eos=False
+    )  # fmt: skip
+    assert texts == [s["text"] for s in res["samples"]]
+    # --verbose prints the counts per sample
+    code, _, err = run(str(tmp_path / "armd"), *argv, "--verbose")
+    assert code == 0 and "speculative:" in err and "sample 2:" in err and " accepted" in err
+    # infilling keeps the template's text
+    code, out, _ = run(str(tmp_path / "armd"), "--infill", "a[MASK:6]b", "--speculative", "4",
+                       "--json")  # fmt: skip
+    tokens = json.loads(out)["samples"][0]["tokens"]
+    assert code == 0 and tokens[0] == ord("a") and tokens[7] == ord("b") and len(tokens) == 8
+    filled = load(tmp_path / "aogpt").infill("x[MASK:5]y", speculative=2)
+    assert filled.startswith("x") and filled.endswith("y")
+    # errors: one line, exit code 2
+    code, _, err = run(str(tmp_path / "aogpt"), "--speculative", "2", "--steps", "4")
+    assert code == 2 and err == (
+        "anyorder sample: error: --speculative drafts and verifies along one order, one exact "
+        "token at a time; leave out --steps/--streams\n"
+    )
+    code, _, err = run(str(tmp_path / "aogpt"), "--speculative", "0")
+    assert code == 2 and err == (
+        "anyorder sample: error: --speculative K=0 must be an integer >= 1 (tokens per pass)\n"
+    )

@@ -170,6 +170,7 @@ class Model:
         stop_at_eos: bool = True,
         reveal: str = "binomial",
         cuda_graphs: bool = False,
+        speculative: int | None = None,
     ) -> list[str]:
         """Generate ``num_samples`` texts of ``n`` tokens: ``anyorder sample`` in Python.
 
@@ -197,6 +198,9 @@ class Model:
                 code's deterministic counts, never an empty step).
             cuda_graphs: capture each forward-pass shape once as a CUDA graph and replay it
                 (a model on a CUDA device; the decoders).
+            speculative: aogpt/armd: any-order speculative sampling, at most ``K`` tokens
+                per forward pass, drafted and checked against the one-token-per-pass
+                conditionals: the same law as sequential decoding, in fewer passes.
 
         Returns:
             The decoded texts, prompt included.
@@ -220,6 +224,7 @@ class Model:
         return self._sample(
             n, num_samples, prompt_ids, known, order, streams, steps, schedule, shared_counts,
             temperature, top_p, top_k, seed, stop_at_eos, reveal=reveal, graphs=cuda_graphs,
+            speculative=speculative,
         )  # fmt: skip
 
     def infill(
@@ -233,6 +238,7 @@ class Model:
         top_p: float | None = None,
         top_k: int | None = None,
         seed: int = 0,
+        speculative: int | None = None,
     ) -> str:
         """Fill the holes of a template: ``anyorder sample --infill TEMPLATE`` in Python.
 
@@ -248,6 +254,8 @@ class Model:
             schedule: masking schedule of ``steps``: ``linear`` or ``cosine``.
             temperature, top_p, top_k: sampling controls.
             seed: seed of every random draw.
+            speculative: fill by speculative sampling, at most ``K`` tokens per pass (the
+                law of one token per pass).
 
         Returns:
             The filled text.
@@ -266,7 +274,7 @@ class Model:
         bounds.check_steps(steps, len(tokens))
         return self._sample(
             len(tokens), 1, tokens, known, order, None, steps, schedule, False,
-            temperature, top_p, top_k, seed, False,
+            temperature, top_p, top_k, seed, False, speculative=speculative,
         )[0]  # fmt: skip
 
     def _sample(
@@ -287,12 +295,15 @@ class Model:
         stop_at_eos: bool,
         reveal: str = "binomial",
         graphs: bool = False,
+        speculative: int | None = None,
     ) -> list[str]:
         """The sampling path of ``anyorder sample`` (cli/sample.py:run_sample), step for step."""
         from anyorder import bounds
         from anyorder.sample import decode_text, sample
+        from anyorder.sampling.speculative import check_request, speculative_sample
 
         model, tok = self.model, self._tok()
+        check_request(speculative, steps, streams, order)
         order = order or ("l2r" if model.kind == "gpt" else "random")
         if order == "strided" and streams is None:
             raise SamplingError("order='strided' needs streams=S")
@@ -305,26 +316,20 @@ class Model:
             else None
         )
         gen = torch.Generator(model.device).manual_seed(seed)
+        controls = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
         with bounds.out_of_memory_as_error(f"num_samples={num_samples} x {n} tokens"):
-            result = sample(
-                model,
-                n,
-                order=None if order == "strided" else order,
-                streams=streams,
-                steps=steps,
-                schedule=schedule,
-                shared_counts=shared_counts,
-                reveal=reveal,
-                graphs=graphs,
-                batch=num_samples,
-                prompt=prompt,
-                known=known,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                generator=gen,
-                stop_at_eos=stop,
-            )
+            if speculative is not None:
+                result = speculative_sample(
+                    model, n, speculative, batch=num_samples, order=order, prompt=prompt,
+                    known=known, **controls,
+                )  # fmt: skip
+            else:
+                result = sample(
+                    model, n, order=None if order == "strided" else order, streams=streams,
+                    steps=steps, schedule=schedule, shared_counts=shared_counts, reveal=reveal,
+                    graphs=graphs, batch=num_samples, prompt=prompt, known=known,
+                    stop_at_eos=stop, **controls,
+                )  # fmt: skip
         eos = tok.eos_id if stop_at_eos else None
         return [decode_text(tok, row, eos) for row in result.tokens.cpu()]
 

@@ -60,6 +60,20 @@ def add_sample(p: argparse.ArgumentParser) -> None:
         "their count trajectory)",
     )
     p.add_argument(
+        "--speculative",
+        type=int,
+        default=None,
+        metavar="K",
+        help="any-order speculative sampling (aogpt/armd): each pass checks the drafts of the "
+        "last one against the one-token-per-pass conditionals and drafts the next; up to K "
+        "tokens per pass, the same law as one token per pass (exact)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the passes, drafted and accepted tokens (--speculative) per sample",
+    )
+    p.add_argument(
         "--length", type=int, default=None, help="tokens per sample, prompt included (default n)"
     )
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
@@ -200,6 +214,7 @@ def run_sample(args: argparse.Namespace) -> int:
     from anyorder.checkpoint import load_model
     from anyorder.errors import SamplingError
     from anyorder.sample import decode_text, sample
+    from anyorder.sampling.speculative import check_request, speculative_sample
     from anyorder.training.distributed import resolve_device
 
     bounds.check_controls(
@@ -216,9 +231,10 @@ def run_sample(args: argparse.Namespace) -> int:
             f"{args.checkpoint} holds no tokenizer, so text cannot be encoded; sample without "
             "--prompt/--infill (token ids), or convert/export it again with --tokenizer"
         )
+    check_request(args.speculative, args.steps, args.streams, args.order)
     order, streams = _sample_order(args, model.kind)
     n, prompt, known = _sample_prompt(args, model, tok)
-    sequential = args.steps is None and streams is None
+    sequential = args.steps is None and streams is None and args.speculative is None
     cut = not args.no_stop_at_eos and args.infill is None
     eos = tok.eos_id if tok is not None else None
     stop = eos if cut and sequential and order == "l2r" and model.kind != "mdm" else None
@@ -232,14 +248,20 @@ def run_sample(args: argparse.Namespace) -> int:
     ctx = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
     gen = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
+    controls = dict(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen,
+        batch=args.num_samples, prompt=prompt, known=known,
+    )  # fmt: skip
     with ctx, bounds.out_of_memory_as_error(f"--num-samples {args.num_samples} x {n} tokens"):
-        result = sample(
-            model, n, order=None if order == "strided" else order, streams=streams,
-            steps=args.steps, schedule=args.schedule, shared_counts=args.shared_counts,
-            reveal=args.reveal, graphs=args.cuda_graphs, batch=args.num_samples,
-            prompt=prompt, known=known, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, generator=gen, stop_at_eos=stop, on_step=stream,
-        )  # fmt: skip
+        if args.speculative is not None:
+            result = speculative_sample(model, n, args.speculative, order=order, **controls)
+        else:
+            result = sample(
+                model, n, order=None if order == "strided" else order, streams=streams,
+                steps=args.steps, schedule=args.schedule, shared_counts=args.shared_counts,
+                reveal=args.reveal, graphs=args.cuda_graphs, stop_at_eos=stop,
+                on_step=stream, **controls,
+            )  # fmt: skip
     seconds = time.perf_counter() - start
     tokens = result.tokens.cpu()
     if tok is None:  # no tokenizer: the token ids themselves
@@ -249,11 +271,15 @@ def run_sample(args: argparse.Namespace) -> int:
     generated = int((result.step_of >= 0).sum())
     mode = "encoder" if model.kind == "mdm" else "strided" if streams else "lemma1"
     mode = "sequential" if sequential and model.kind != "mdm" else mode
+    spec = result.extra.get("speculative")
+    mode = "speculative" if spec is not None else mode
     if args.json:
         record = _sample_json(
             args, ckpt, result, texts, mode=mode, order=order, n=n, streams=streams,
             generated=generated, seconds=seconds,
         )  # fmt: skip
+        if spec is not None:
+            record["speculative"] = _spec_counts(spec)
         print(json.dumps(record))
         return 0
     if stream is not None:
@@ -269,7 +295,18 @@ def run_sample(args: argparse.Namespace) -> int:
         f"{generated / max(seconds, 1e-9):,.0f} tokens/s",
         file=sys.stderr,
     )
+    if args.verbose and spec is not None:
+        print(spec.summary(), file=sys.stderr)
+        for i, row in enumerate(zip(*_spec_counts(spec).values())):
+            print("  sample {}: {} passes, {} drafted, {} accepted, {} tokens".format(i + 1, *row),
+                  file=sys.stderr)  # fmt: skip
     return 0
+
+
+def _spec_counts(spec) -> dict[str, list[int]]:
+    """Per sample: passes, drafted and accepted drafts, generated tokens."""
+    keys = ("passes", "drafted", "accepted", "tokens")
+    return {k: getattr(spec, k).tolist() for k in keys}
 
 
 # ----------------------------------------------------------------------------- serve

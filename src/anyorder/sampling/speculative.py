@@ -369,3 +369,16 @@ def _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, live):
     pos = ext.gather(1, torch.where(real, c_new[:, None] + i, ext.shape[1] - 1))
     tok.scatter_(1, pos, torch.where(real, y, tok.gather(1, pos)))
     return law
+
+
+def check_request(draft: int | None, steps: int | None, streams: int | None, order) -> None:
+    """Refuse what speculative sampling cannot combine with (the CLI's and the API's check)."""
+    if draft is None:
+        return
+    if steps is not None or streams is not None:
+        raise SamplingError(
+            "--speculative drafts and verifies along one order, one exact token at a time; "
+            "leave out --steps/--streams"
+        )
+    if order == "strided":
+        raise SamplingError("--speculative follows a random or l2r order; leave out strided")
