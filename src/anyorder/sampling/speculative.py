@@ -34,37 +34,29 @@ Design choices:
   ``t``), so the entries after a rejection are overwritten by the next pass, and are
   masked at once: after the ratio tests every cache slot past a row's commit gets the rank
   ``BIG`` (seen by nobody). The tests show that later queries never see them.
-* **The tables are built on the host, per pass**, from the rows' commit counts: the one
-  host sync per pass reads the accepted counts (one small copy; on the CPU it costs
-  nothing). The passes run through the same engines as the planned samplers
-  (:class:`~anyorder.sampling.passes.GPTPasses`, :class:`~anyorder.sampling.passes.
-  ARMDPasses`): one model, one cache path.
-* **Bounded shapes on a GPU**: every pass there has the widths of the widest round and
-  reads a key count rounded up to an eighth of the cache, so a decode has at most nine
-  attention shapes per width (eight levels and the first pass); on the CPU a pass has the
-  widths and keys it needs (a CPU pays for every key read and nothing for a new shape).
+* **The tables are built on the host, per pass** (:mod:`anyorder.sampling.rounds`), from
+  the rows' commit counts: the one host sync per pass reads the accepted counts (one small
+  copy; on the CPU it costs nothing).
+* **Bounded shapes on a GPU**: every pass after the first has the widths of the widest
+  round and reads one of eight key levels: at most nine attention shapes (AO-GPT; ARMD
+  three per width and level) whatever ``n``; on the CPU a pass reads the keys it needs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from anyorder.cache import BIG
 from anyorder.errors import SamplingError
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.sampling.draws import SampleResult, check_controls
-from anyorder.sampling.passes import ARMDPasses, GPTPasses
-from anyorder.sampling.plan import Group
+from anyorder.sampling.rounds import Engine, Round
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.verify import accept, draw, probabilities
-
-_ALIGN = 16
 
 
 @dataclass
@@ -88,98 +80,6 @@ class SpeculativeStats:
             f"speculative: {p} passes for {t} tokens ({t / max(p, 1):.2f} tokens/pass), "
             f"{d} drafted, {a} accepted ({rate:.1%})"
         )
-
-
-@dataclass
-class _Rows:
-    """The host's view of every row: committed slots, kept cache entries, drafts."""
-
-    c: np.ndarray  # slots committed (the prompt included)
-    e: np.ndarray  # AO-GPT: kept entries; ARMD: kept query-stream entries
-    cc: np.ndarray  # ARMD: kept content entries
-    D: np.ndarray  # drafts held for slots c..c+D-1
-
-
-def _gpt_table(order: np.ndarray, r: _Rows, K: int, n: int, width: int | None):
-    """AO-GPT entries of one pass, (B, 6, T) int64 in positions (see plan.G_*): per row
-    [catch-up and chain: slots e..c+D | K-1 draft queries | padding], at cache slots from
-    ``e`` on. Returns the table and the column of the first chain output."""
-    B = len(r.c)
-    active = r.c < n
-    top = np.where(active, r.c + r.D, r.e - 1)  # the chain's last slot
-    L = np.where(active, top - r.e + 1, 0)
-    nq = np.where(active, np.clip(n - 1 - top, 0, K - 1), 0)
-    T = int((L + nq).max()) if width is None else width
-    j = np.arange(T)[None]
-    s = r.e[:, None] + j  # chain slot / cache slot
-    chain = j < L[:, None]
-    query = ~chain & (j < (L + nq)[:, None])
-    tgt_slot = np.where(chain, s, top[:, None] + 1 + (j - L[:, None]))
-    in_slot = np.where(chain, s - 1, top[:, None] - 1)
-    ext = np.concatenate([order, np.full((B, 1), n)], axis=1)  # column n: padding
-    real = chain | query
-    bos = real & (in_slot < 0)
-    col = np.where(
-        bos, n + 1, np.where(real, np.take_along_axis(ext, np.clip(in_slot, 0, n), 1), n)
-    )
-    pos = np.where(real & ~bos, col, 0)
-    target = np.where(real, np.take_along_axis(ext, np.clip(tgt_slot, 0, n), 1), 0)
-    limit = np.where(chain, s, np.where(query, top[:, None], BIG))
-    keep = np.where(chain, s, BIG)
-    tab = np.stack([col, pos, target, limit, s, keep], axis=1)
-    return tab.astype(np.int64), int((r.c - r.e)[active].max(initial=0))
-
-
-def _armd_table(order: np.ndarray, r: _Rows, K: int, n: int, widths: tuple | None):
-    """ARMD entries of one pass, (B, 8, C + G) int64 in positions (see plan.A_*): content
-    rows of slots cc..c+D-1 (the committed tokens not yet written, then the drafts); query
-    rows [catch-up and chain: slots e..c+D | K-1 draft queries | padding]."""
-    B = len(r.c)
-    active = r.c < n
-    top = np.where(active, r.c + r.D, r.e - 1)
-    Cn = np.where(active, top - r.cc, 0)
-    L = np.where(active, top - r.e + 1, 0)
-    nq = np.where(active, np.clip(n - 1 - top, 0, K - 1), 0)
-    C, G = (int(Cn.max()), int((L + nq).max())) if widths is None else widths
-    ext = np.concatenate([order, np.full((B, 1), n)], axis=1)
-    look = lambda slots: np.take_along_axis(ext, np.clip(slots, 0, n), 1)  # noqa: E731
-    # content rows
-    j = np.arange(C)[None]
-    s = r.cc[:, None] + j
-    creal = j < Cn[:, None]
-    cpos = np.where(creal, look(s), n)
-    crank = np.where(creal, s, BIG)
-    ones = np.ones_like(s)
-    content = [cpos, np.where(creal, cpos, 0), crank + 1, 0 * s, s, crank, BIG * ones, ones]
-    # query rows
-    j = np.arange(G)[None]
-    s = r.e[:, None] + j
-    chain = j < L[:, None]
-    query = ~chain & (j < (L + nq)[:, None])
-    real = chain | query
-    tgt = np.where(chain, s, top[:, None] + 1 + (j - L[:, None]))
-    lim = np.where(chain, s, np.where(query, top[:, None], BIG))
-    ones = np.ones_like(s)
-    rows = [
-        n * ones,
-        np.where(real, look(tgt), 0),
-        lim,
-        (real & (lim <= 0)).astype(np.int64),
-        s,
-        np.where(chain, s, BIG),
-        lim,
-        np.where(real, np.maximum(lim, 1), 1),
-    ]
-    tab = np.concatenate([np.stack(content, 1), np.stack(rows, 1)], axis=2)
-    return tab.astype(np.int64), int((r.c - r.e)[active].max(initial=0)), (C, G)
-
-
-def _level(keys: int, capacity: int, static: bool) -> int:
-    """Cache slots a pass reads: what it needs, aligned; on a GPU one of eight levels."""
-    if static:
-        step = -(-capacity // 8)
-        return min(capacity, -(-keys // step) * step)
-    return min(capacity, -(-keys // _ALIGN) * _ALIGN)
 
 
 @torch.no_grad()
@@ -240,117 +140,82 @@ def speculative_sample(
     return _run(model, tokens, order, k, draft, ctl, generator, keep_logits, on_step, on_round)
 
 
-class _Engine:
-    """The passes of one speculative decode over the static caches of one model."""
-
-    def __init__(self, model: AnyOrderLM, B: int, n: int, k: int, K: int) -> None:
-        self.armd = isinstance(model, ARMD)
-        self.n, self.K = n, K
-        self.capacity = -(-(n + k + 2 * K + 1) // _ALIGN) * _ALIGN
-        plan = SimpleNamespace(capacity=self.capacity, block_mode=False)
-        self.passes = ARMDPasses(model, plan, B) if self.armd else GPTPasses(model, plan, B)
-        self.static = model.device.type == "cuda"
-        # on a GPU every round after the first has the widths of the widest one
-        self.widths = (K, 2 * K - 1) if self.armd else 2 * K - 1
-        self.shapes: set[tuple] = set()
-
-    def run(self, order: np.ndarray, r: _Rows, tok: Tensor, first: bool) -> tuple[Tensor, int]:
-        """Logits (B, J, V) of the chain and draft queries (column ``j``: slot ``c + j``)."""
-        device = tok.device
-        widths = None if first or not self.static else self.widths
-        if self.armd:
-            tab, off, (C, G) = _armd_table(order, r, self.K, self.n, widths)
-            kc = _level(int((r.cc + C).max()), self.capacity, self.static)
-            kq = _level(int((r.e + G).max()), self.capacity, self.static)
-            group = Group((C, G), kc, kq)
-            group.has_empty = bool(tab[:, 3, C:].any())
-            self.shapes.add((C, G, kc, kq))
-            queries = slice(off, G)
-        else:
-            tab, off = _gpt_table(order, r, self.K, self.n, widths)
-            T = tab.shape[2]
-            kk = _level(int((r.e + T).max()), self.capacity, self.static)
-            group = Group((T,), kk)
-            self.shapes.add((T, kk))
-            queries = slice(off, T)
-        tab = torch.from_numpy(tab).to(device)
-        return self.passes.run(tab, tok, group, queries=queries), off
-
-    def forget(self, c: Tensor) -> None:
-        """Hide every cache entry past each row's commit ``c`` (B,): rejected drafts and
-        what was built on them (ARMD: content past ``c - 1``, the closing token not written
-        yet; the query stream and AO-GPT past ``c``)."""
-        if self.armd:
-            for cache, limit in ((self.passes.cache.content, c - 1), (self.passes.cache.query, c)):
-                cache.rank.masked_fill_(cache.slot_ids[None] >= limit[:, None], BIG)
-        else:
-            cache = self.passes.cache
-            cache.rank.masked_fill_(cache.slot_ids[None] >= c[:, None], BIG)
-
-
 def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_round):
     """The loop: one pass per round until every row has committed all ``n`` slots."""
     B, n = tokens.shape
     device = tokens.device
     V = model.cfg.vocab_size
-    eng = _Engine(model, B, n, k, K)
+    eng = Engine(model, B, n, k + 2 * K, (K, 2 * K - 1) if isinstance(model, ARMD) else 2 * K - 1)
     order_np = order.cpu().numpy()
     ext = torch.cat([order, torch.full((B, 1), n, device=device)], dim=1)  # slot n: padding
     tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], dim=1)
     zero = np.zeros(B, dtype=np.int64)
-    r = _Rows(np.full(B, k, dtype=np.int64), zero.copy(), zero.copy(), zero.copy())
+    c, e, cc, D = np.full(B, k, dtype=np.int64), zero.copy(), zero.copy(), zero.copy()
     stats = SpeculativeStats(zero.copy(), zero.copy(), zero.copy(), zero.copy())
     p = torch.zeros(B, max(K - 1, 0), V, dtype=torch.float64, device=device)  # drafts' law
     step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=device)
     logits_buf = torch.zeros(B, n + 1, V, device=device) if keep_logits else None
-    passes, first = 0, True
-    while bool((r.c < n).any()):
-        active = r.c < n
-        logits, _ = eng.run(order_np, r, tok, first)
-        first, passes = False, passes + 1
-        c = torch.from_numpy(r.c).to(device)
-        D = torch.from_numpy(r.D).to(device)
-        cols = torch.arange(max(K - 1, 0), device=device)
-        dslot = (c[:, None] + cols).clamp(max=n)
+    cols = torch.arange(max(K - 1, 0), device=device)
+    passes = 0
+    while bool((c < n).any()):
+        active = c < n
+        r = _round(order_np, c, e, cc, D, K, n)
+        logits = eng.run(order_np, r, tok, int((c - e)[active].min()), passes == 0)
+        passes += 1
+        c_t, D_t = torch.from_numpy(c).to(device), torch.from_numpy(D).to(device)
+        dslot = (c_t[:, None] + cols).clamp(max=n)
         drafts = tok.gather(1, ext.gather(1, dslot))  # (B, K-1) the drafts in the cache
         q = probabilities(logits, *ctl)  # (B, J, V)
-        m, closing = accept(q, p, drafts, D, generator)
+        m, closing = accept(q, p, drafts, D_t, generator)
         live = torch.from_numpy(active).to(device)
         m = torch.where(live, m, 0)
-        close_pos = ext.gather(1, torch.where(live, c + m, n)[:, None])[:, 0]
+        close_pos = ext.gather(1, torch.where(live, c_t + m, n)[:, None])[:, 0]
         tok.scatter_(1, close_pos[:, None], closing[:, None])
         jj = torch.arange(logits.shape[1], device=device)
         done = (jj[None] <= m[:, None]) & live[:, None]  # (B, J) columns committed now
-        slots = torch.where(done, c[:, None] + jj, n)
+        slots = torch.where(done, c_t[:, None] + jj, n)
         step_of.scatter_(1, ext.gather(1, slots), passes - 1)
         if logits_buf is not None:
             logits_buf.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
-        c_new = torch.where(live, c + m + 1, c)
-        eng.forget(c_new)
+        c_new = torch.where(live, c_t + m + 1, c_t)
+        # every entry up to the commit is kept: ARMD's content one short of it (the closing
+        # token is written by the next pass)
+        eng.forget(c_new, (c_new - 1).clamp(min=0))
         if on_round is not None:
-            verified = ext.gather(1, torch.where(cols < D[:, None], dslot, n))
+            verified = ext.gather(1, torch.where(cols < D_t[:, None], dslot, n))
             on_round(
                 dict(positions=verified, tokens=drafts, accepted=m, position=close_pos,
                      token=closing)
             )  # fmt: skip
         m_np = m.cpu().numpy()  # the one host sync of a round
-        c_np = r.c + np.where(active, m_np + 1, 0)
-        D_next = np.where(c_np < n, np.clip(n - 1 - c_np, 0, K - 1), 0)
+        c_next = c + np.where(active, m_np + 1, 0)
+        D_next = np.where(c_next < n, np.clip(n - 1 - c_next, 0, K - 1), 0)
         p = _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, live)
         if on_step is not None:
             decided = ext.gather(1, slots)[:, : int(m_np.max()) + 1]  # (B, Q), padding n
             on_step(decided, tok.gather(1, decided), passes - 1)
         stats.passes += active
-        stats.drafted += np.where(active, r.D, 0)
+        stats.drafted += np.where(active, D, 0)
         stats.accepted += np.where(active, m_np, 0)
         stats.tokens += np.where(active, m_np + 1, 0)
-        # every entry up to the commit is kept: ARMD's content one short of it (the closing
-        # token is written by the next pass)
-        r = _Rows(c_np, c_np.copy(), np.maximum(c_np - 1, 0) if eng.armd else c_np, D_next)
+        c, e, D = c_next, c_next.copy(), D_next
+        cc = np.maximum(c - 1, 0) if eng.armd else c
     out = SampleResult(tok[:, :n].clone(), order, forward_passes=passes, step_of=step_of[:, :n])
     out.logits = None if logits_buf is None else logits_buf[:, :n]
     out.extra["speculative"] = stats
     return out
+
+
+def _round(order, c, e, cc, D, K: int, n: int) -> Round:
+    """A pass of every row: the chain of slots ``e..c+D`` (catch-up, then the verified
+    drafts and the closing slot ``c+D``), and draft queries of the next ``K - 1`` slots."""
+    active = c < n
+    top = np.where(active, c + D, e - 1)
+    nq = np.where(active, np.clip(n - 1 - top, 0, K - 1), 0)
+    i = np.arange(max(K - 1, 0))[None]
+    ahead = np.take_along_axis(order, np.clip(top[:, None] + 1 + i, 0, n - 1), 1)
+    targets = np.where(i < nq[:, None], ahead, -1)
+    return Round(e, cc, top, np.where(active, top, cc), targets)
 
 
 def _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, live):
