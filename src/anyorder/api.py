@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from anyorder.data import Tokenizer
     from anyorder.models.base import AnyOrderLM
 
-GENERATE_ORDERS = ("random", "l2r", "strided")
+GENERATE_ORDERS = ("random", "l2r", "strided", "confidence")
 SCORE_ORDERS = ("l2r", "any")
 
 
@@ -171,6 +171,7 @@ class Model:
         reveal: str = "binomial",
         cuda_graphs: bool = False,
         speculative: int | None = None,
+        per_pass: int = 1,
     ) -> list[str]:
         """Generate ``num_samples`` texts of ``n`` tokens: ``anyorder sample`` in Python.
 
@@ -179,7 +180,9 @@ class Model:
                 ``seq_len``).
             num_samples: number of texts (``--num-samples``), drawn as one batch.
             order: ``random`` (any order; the default for aogpt, armd, mdm), ``l2r`` (the
-                default and only choice for gpt) or ``strided`` (armd, with ``streams``).
+                default and only choice for gpt), ``strided`` (armd, with ``streams``) or
+                ``confidence`` (aogpt/armd: the most confident positions first, ``per_pass``
+                per pass or checked by ``speculative``; a heuristic, not an exact sampler).
             streams: armd: strided block-parallel decoding with ``S`` streams (``S`` tokens
                 per forward pass after the stream heads; ``n`` must be a multiple of ``S``).
             steps: aogpt/armd/mdm: masked-diffusion sampling in ``steps`` reverse steps
@@ -201,6 +204,7 @@ class Model:
             speculative: aogpt/armd: any-order speculative sampling, at most ``K`` tokens
                 per forward pass, drafted and checked against the one-token-per-pass
                 conditionals: the same law as sequential decoding, in fewer passes.
+            per_pass: ``order="confidence"`` without ``speculative``: positions per pass.
 
         Returns:
             The decoded texts, prompt included.
@@ -224,7 +228,7 @@ class Model:
         return self._sample(
             n, num_samples, prompt_ids, known, order, streams, steps, schedule, shared_counts,
             temperature, top_p, top_k, seed, stop_at_eos, reveal=reveal, graphs=cuda_graphs,
-            speculative=speculative,
+            speculative=speculative, per_pass=per_pass,
         )  # fmt: skip
 
     def infill(
@@ -249,7 +253,8 @@ class Model:
 
         Args:
             template: literal text with holes ``[MASK:n]`` (``n`` >= 1 tokens each).
-            order: ``random`` or ``l2r`` over the holes (default: l2r for gpt, else random).
+            order: ``random``, ``l2r`` or ``confidence`` (a heuristic) over the holes
+                (default: l2r for gpt, else random).
             steps: fill in this many reverse steps (several tokens per pass).
             schedule: masking schedule of ``steps``: ``linear`` or ``cosine``.
             temperature, top_p, top_k: sampling controls.
@@ -266,8 +271,8 @@ class Model:
         from anyorder import bounds
         from anyorder.sample import parse_template
 
-        if order not in (None, "random", "l2r"):
-            raise SamplingError(f"order={order!r}: infilling takes random or l2r")
+        if order not in (None, "random", "l2r", "confidence"):
+            raise SamplingError(f"order={order!r}: infilling takes random, l2r or confidence")
         bounds.check_controls(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         bounds.check_holes(template, self.seq_len)
         tokens, known = parse_template(template, self._tok(), self.seq_len)
@@ -296,10 +301,12 @@ class Model:
         reveal: str = "binomial",
         graphs: bool = False,
         speculative: int | None = None,
+        per_pass: int = 1,
     ) -> list[str]:
         """The sampling path of ``anyorder sample`` (cli/sample.py:run_sample), step for step."""
         from anyorder import bounds
         from anyorder.sample import decode_text, sample
+        from anyorder.sampling.confidence import confidence_sample
         from anyorder.sampling.speculative import check_request, speculative_sample
 
         model, tok = self.model, self._tok()
@@ -318,7 +325,12 @@ class Model:
         gen = torch.Generator(model.device).manual_seed(seed)
         controls = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
         with bounds.out_of_memory_as_error(f"num_samples={num_samples} x {n} tokens"):
-            if speculative is not None:
+            if order == "confidence":
+                result = confidence_sample(
+                    model, n, per_pass, speculative=speculative, batch=num_samples,
+                    prompt=prompt, known=known, **controls,
+                )  # fmt: skip
+            elif speculative is not None:
                 result = speculative_sample(
                     model, n, speculative, batch=num_samples, order=order, prompt=prompt,
                     known=known, **controls,

@@ -28,9 +28,27 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--order",
-        choices=("l2r", "random", "strided"),
+        choices=("l2r", "random", "strided", "confidence"),
         default=None,
-        help="generation order (default: l2r for gpt, random otherwise; strided: armd)",
+        help="generation order (default: l2r for gpt, random otherwise; strided: armd; "
+        "confidence: aogpt/armd, each pass scores the remaining positions and commits the most "
+        "confident (largest top probability), --per-pass per pass or checked by --speculative: "
+        "a heuristic, not an exact sampler of the model)",
+    )
+    p.add_argument(
+        "--per-pass",
+        type=int,
+        default=1,
+        help="--order confidence without --speculative: positions committed per pass, drawn "
+        "at once from their parallel conditionals",
+    )
+    p.add_argument(
+        "--score-subset",
+        type=int,
+        default=None,
+        metavar="M",
+        help="--order confidence: score a random subset of M remaining positions per pass "
+        "(default: all)",
     )
     p.add_argument("--streams", type=int, default=None, help="strided: S streams (armd)")
     p.add_argument(
@@ -213,8 +231,8 @@ def run_sample(args: argparse.Namespace) -> int:
     from anyorder import bounds
     from anyorder.checkpoint import load_model
     from anyorder.errors import SamplingError
-    from anyorder.sample import decode_text, sample
-    from anyorder.sampling.speculative import check_request, speculative_sample
+    from anyorder.sample import decode_text
+    from anyorder.sampling.speculative import check_request
     from anyorder.training.distributed import resolve_device
 
     bounds.check_controls(
@@ -235,6 +253,7 @@ def run_sample(args: argparse.Namespace) -> int:
     order, streams = _sample_order(args, model.kind)
     n, prompt, known = _sample_prompt(args, model, tok)
     sequential = args.steps is None and streams is None and args.speculative is None
+    sequential = sequential and order != "confidence"
     cut = not args.no_stop_at_eos and args.infill is None
     eos = tok.eos_id if tok is not None else None
     stop = eos if cut and sequential and order == "l2r" and model.kind != "mdm" else None
@@ -248,20 +267,8 @@ def run_sample(args: argparse.Namespace) -> int:
     ctx = torch.autocast(device.type, torch.bfloat16) if bf16 else contextlib.nullcontext()
     gen = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
-    controls = dict(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen,
-        batch=args.num_samples, prompt=prompt, known=known,
-    )  # fmt: skip
     with ctx, bounds.out_of_memory_as_error(f"--num-samples {args.num_samples} x {n} tokens"):
-        if args.speculative is not None:
-            result = speculative_sample(model, n, args.speculative, order=order, **controls)
-        else:
-            result = sample(
-                model, n, order=None if order == "strided" else order, streams=streams,
-                steps=args.steps, schedule=args.schedule, shared_counts=args.shared_counts,
-                reveal=args.reveal, graphs=args.cuda_graphs, stop_at_eos=stop,
-                on_step=stream, **controls,
-            )  # fmt: skip
+        result = _run_sampler(args, model, n, order, streams, prompt, known, gen, stop, stream)
     seconds = time.perf_counter() - start
     tokens = result.tokens.cpu()
     if tok is None:  # no tokenizer: the token ids themselves
@@ -273,6 +280,7 @@ def run_sample(args: argparse.Namespace) -> int:
     mode = "sequential" if sequential and model.kind != "mdm" else mode
     spec = result.extra.get("speculative")
     mode = "speculative" if spec is not None else mode
+    mode = "confidence" if order == "confidence" else mode
     if args.json:
         record = _sample_json(
             args, ckpt, result, texts, mode=mode, order=order, n=n, streams=streams,
@@ -301,6 +309,31 @@ def run_sample(args: argparse.Namespace) -> int:
             print("  sample {}: {} passes, {} drafted, {} accepted, {} tokens".format(i + 1, *row),
                   file=sys.stderr)  # fmt: skip
     return 0
+
+
+def _run_sampler(args, model, n, order, streams, prompt, known, gen, stop, stream):
+    """The sampler the flags ask for: confidence order, speculative, or :func:`sample`."""
+    from anyorder.sample import sample
+    from anyorder.sampling.confidence import confidence_sample
+    from anyorder.sampling.speculative import speculative_sample
+
+    controls = dict(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen,
+        batch=args.num_samples, prompt=prompt, known=known,
+    )  # fmt: skip
+    if order == "confidence":
+        return confidence_sample(
+            model, n, args.per_pass, speculative=args.speculative, subset=args.score_subset,
+            **controls,
+        )  # fmt: skip
+    if args.speculative is not None:
+        return speculative_sample(model, n, args.speculative, order=order, **controls)
+    return sample(
+        model, n, order=None if order == "strided" else order, streams=streams,
+        steps=args.steps, schedule=args.schedule, shared_counts=args.shared_counts,
+        reveal=args.reveal, graphs=args.cuda_graphs, stop_at_eos=stop, on_step=stream,
+        **controls,
+    )  # fmt: skip
 
 
 def _spec_counts(spec) -> dict[str, list[int]]:

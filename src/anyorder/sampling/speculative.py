@@ -237,7 +237,13 @@ def _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, live):
 
 
 def check_request(draft: int | None, steps: int | None, streams: int | None, order) -> None:
-    """Refuse what speculative sampling cannot combine with (the CLI's and the API's check)."""
+    """Refuse what speculative sampling and the confidence order cannot combine with (the
+    CLI's and the API's check)."""
+    if order == "confidence" and (steps is not None or streams is not None):
+        raise SamplingError(
+            "--order confidence chooses its own positions per pass; leave out --steps/--streams "
+            "(--per-pass N sets the tokens per pass)"
+        )
     if draft is None:
         return
     if steps is not None or streams is not None:
