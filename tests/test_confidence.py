@@ -116,3 +116,20 @@ def test_cli_confidence(tmp_path, capsys):
         "anyorder sample: error: --order confidence chooses its own positions per pass; leave "
         "out --steps/--streams (--per-pass N sets the tokens per pass)\n"
     )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_parallel_confidence_on_the_gpu_path(kind, monkeypatch):
+    """Fixed widths and key levels (the GPU's path, here on the CPU): the same logits as
+    the uncached forward, at most eight attention shapes."""
+    import anyorder.sampling.rounds as rounds
+
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", True)
+    n, B = 10, 2
+    model = _moved(tiny_model(kind, vocab_size=5), 1)
+    tokens, known = _prompt(n, B, 0)
+    out = confidence_sample(model, n, 3, batch=B, prompt=tokens, known=known,
+                            generator=torch.Generator().manual_seed(2))  # fmt: skip
+    oracle = slot_oracle(model, out.tokens, out.order, out.step_of)
+    torch.testing.assert_close(out.logits[:, 2:], oracle[:, 2:], atol=2e-5, rtol=0)
+    assert len(out.extra["attention_shapes"]) <= 8

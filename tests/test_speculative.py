@@ -257,3 +257,30 @@ def test_cli_and_api_speculative(tmp_path, capsys) -> None:
     assert code == 2 and err == (
         "anyorder sample: error: --speculative K=0 must be an integer >= 1 (tokens per pass)\n"
     )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("prompt", [False, True])
+def test_gpu_path_pads_and_buckets_into_at_most_eight_shapes(kind, prompt, monkeypatch) -> None:
+    """The GPU's path (fixed widths, a few key levels; run here on the CPU) gives the same
+    logits as the uncached forward and at most eight attention shapes per decode."""
+    import anyorder.sampling.rounds as rounds
+    from anyorder.sampling.confidence import confidence_sample
+
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", True)
+    model = _moved(tiny_model(kind, vocab_size=5, seq_len=16), 6)
+    n, B = 16, 3
+    known = torch.zeros(B, n, dtype=torch.bool)
+    if prompt:
+        known[:, [0, 4, 9]] = True
+    tokens = torch.randint(0, 5, (B, n), generator=torch.Generator().manual_seed(0))
+    kw = dict(batch=B, prompt=tokens, known=known, generator=torch.Generator().manual_seed(1))
+    for out in (
+        speculative_sample(model, n, 4, keep_logits=True, **kw),
+        confidence_sample(model, n, speculative=3, **kw),
+    ):
+        k = int(known[0].sum())
+        ref = model(out.tokens, out.order)
+        torch.testing.assert_close(out.logits[:, k:], ref[:, k:], atol=2e-5, rtol=0)
+        assert len(out.extra["attention_shapes"]) <= 8
+        _check_counts(out, n, k)

@@ -185,7 +185,8 @@ class _Decode:
             first = np.full(B, c)
             targets = _targets(self.order, first, n, self.subset, self.rng)
             r = Round(np.full(B, e), np.full(B, e), first - 1, first, targets)
-            logits = eng.run(self.order, r, self.tok, c - e, passes == 0)  # (B, Q, V)
+            logits = eng.run(self.order, r, self.tok, c - e, passes == 0)
+            logits = logits[:, : targets.shape[1]]  # (B, Q, V) the queries (GPU: padded)
             candidate = torch.from_numpy(targets >= 0).to(self.device)
             score = _confidence(logits, self.ctl[0], candidate)
             kk = min(per_pass, n - c, logits.shape[1])
@@ -200,7 +201,9 @@ class _Decode:
             kept = torch.full((B,), c, device=self.device)
             eng.forget(kept, kept)
             e, c, passes = c, c + kk, passes + 1
-        return self._result(passes)
+        out = self._result(passes)
+        out.extra["attention_shapes"] = sorted(eng.shapes)
+        return out
 
     def speculative(self, K: int) -> SampleResult:
         """The ``K`` most confident positions drafted, verified by the next pass."""
@@ -254,6 +257,7 @@ class _Decode:
             c, e, cc, D, head, passes = c_next, e_next, cc_next, D_next, True, passes + 1
         out = self._result(passes)
         out.extra["speculative"] = stats
+        out.extra["attention_shapes"] = sorted(eng.shapes)
         return out
 
     def _verify(self, raw: Tensor, p: Tensor, c: np.ndarray, D: np.ndarray, live: Tensor):

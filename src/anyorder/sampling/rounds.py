@@ -22,9 +22,11 @@ Design choices:
 * Entry ``t`` sits at cache slot ``t`` (ARMD: content and query stream alike), queries and
   padding after the chain, so no cache has gaps; :meth:`Engine.forget` hides every slot
   past what a row keeps (rank ``BIG``), and the next pass overwrites them.
-* On a GPU the widths are padded to fixed ones and the keys read rounded up to one of eight
-  levels: a bounded number of attention shapes (:attr:`Engine.shapes` records them). On the
-  CPU a pass reads the keys it needs, aligned to 16.
+* On a GPU the first pass has its own widths (a prompt's catch-up), every later pass the
+  same fixed ones, and the keys read are rounded up to one of a few levels (AO-GPT seven;
+  ARMD two, shared by its two caches): at most eight attention shapes per decode, the
+  plan's budget (:attr:`Engine.shapes` records them). On the CPU a pass reads the keys it
+  needs, aligned to 16.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from anyorder.sampling.passes import ARMDPasses, GPTPasses
 from anyorder.sampling.plan import Group
 
 _ALIGN = 16
+STATIC_ON_CPU = False
+"""Pad and bucket on the CPU too (the benchmarks switch it on to count what a GPU runs)."""
 
 
 @dataclass
@@ -85,6 +89,8 @@ def gpt_table(order: np.ndarray, r: Round, n: int, width: int | None = None) -> 
     look = _lookup(order, n)
     L = r.chain
     T = int((L + r.queries).max()) if width is None else width
+    if int((L + r.queries).max()) > T:
+        raise RuntimeError(f"a pass of {int((L + r.queries).max())} entries in width {T}")
     j = np.arange(T)[None]
     s = r.e[:, None] + j  # chain slot = cache slot
     chain = j < L[:, None]
@@ -109,6 +115,8 @@ def armd_table(
     Cn = np.maximum(r.qtop - r.cc, 0)
     L = r.chain
     C, G = (int(Cn.max()), int((L + r.queries).max())) if widths is None else widths
+    if int(Cn.max()) > C or int((L + r.queries).max()) > G:
+        raise RuntimeError(f"a pass wider than its widths {(C, G)}")  # a sampler bug
     j = np.arange(C)[None]
     s = r.cc[:, None] + j
     creal = j < Cn[:, None]
@@ -137,9 +145,9 @@ def armd_table(
     return tab.astype(np.int64), (C, G)
 
 
-def _level(keys: int, capacity: int, static: bool) -> int:
-    """Cache slots a pass reads: what it needs, aligned; on a GPU one of eight levels."""
-    step = -(-capacity // 8) if static else _ALIGN
+def _level(keys: int, capacity: int, levels: int | None) -> int:
+    """Cache slots a pass reads: what it needs, aligned; on a GPU one of ``levels``."""
+    step = _ALIGN if levels is None else -(-capacity // levels)
     return min(capacity, -(-keys // step) * step)
 
 
@@ -163,17 +171,20 @@ class Engine:
         plan = SimpleNamespace(capacity=self.capacity, block_mode=False)
         engine = ARMDPasses if self.armd else GPTPasses
         self.passes = engine(model, plan, batch)
-        self.static = model.device.type == "cuda"
+        self.static = model.device.type == "cuda" or STATIC_ON_CPU
         self.widths = widths
         self.shapes: set[tuple] = set()  # (queries, keys) of every attention call
 
     def run(self, order: np.ndarray, r: Round, tok: Tensor, start: int, first: bool) -> Tensor:
         """Logits (B, J, V) of the pass's columns ``start..`` (chain, then queries)."""
         widths = None if first or not self.static else self.widths
+        levels = None if first or not self.static else (2 if self.armd else 7)
         if self.armd:
             tab, (C, G) = armd_table(order, r, self.n, widths)
-            kc = _level(int((r.cc + C).max()), self.capacity, self.static)
-            kq = _level(int((r.e + G).max()), self.capacity, self.static)
+            kc = _level(int((r.cc + C).max()), self.capacity, levels)
+            kq = _level(int((r.e + G).max()), self.capacity, levels)
+            if levels is not None:  # one level for both caches: two shapes per level
+                kc = kq = max(kc, kq)
             group = Group((C, G), kc, kq)
             group.has_empty = bool(tab[:, 3, C:].any())
             self.shapes |= {(C + G, kc), (G, kc), (G, kq)}
@@ -181,7 +192,7 @@ class Engine:
         else:
             tab = gpt_table(order, r, self.n, widths)
             T = tab.shape[2]
-            kk = _level(int((r.e + T).max()), self.capacity, self.static)
+            kk = _level(int((r.e + T).max()), self.capacity, levels)
             group = Group((T,), kk)
             self.shapes.add((T, kk))
             queries = slice(start, T)

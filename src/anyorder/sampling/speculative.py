@@ -203,6 +203,7 @@ def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_ro
     out = SampleResult(tok[:, :n].clone(), order, forward_passes=passes, step_of=step_of[:, :n])
     out.logits = None if logits_buf is None else logits_buf[:, :n]
     out.extra["speculative"] = stats
+    out.extra["attention_shapes"] = sorted(eng.shapes)
     return out
 
 
