@@ -237,8 +237,6 @@ class _Decode:
             jj = torch.arange(used.shape[1], device=device)
             done = (jj[None] <= m[:, None]) & live[:, None]
             self._record(torch.where(done, c_t[:, None] + jj, n), used, passes)
-            m_np = m.cpu().numpy()  # the host sync of the round
-            c_next = c + np.where(active, m_np + 1, 0)
             jr = torch.arange(raw.shape[1], device=device)
             decided = (jr[None] <= m[:, None]) & (
                 jr[None] < torch.from_numpy(chain).to(device)[:, None]
@@ -246,7 +244,10 @@ class _Decode:
             if not head:
                 decided = jr[None] == self._best[:, None]
             q = probabilities(raw, *self.ctl)
-            p, D_next = self._choose(raw, q, colpos, (colpos_t >= 0) & ~decided, c_next, K, live)
+            p, D_next, m_np = self._choose(
+                raw, q, colpos_t, (colpos_t >= 0) & ~decided, c, m, K, live
+            )
+            c_next = c + np.where(active, m_np + 1, 0)
             e_next = c_next if head else c.copy()
             cc_next = (np.maximum(c_next - 1, 0) if self.armd else c_next) if head else c.copy()
             eng.forget(torch.from_numpy(e_next).to(device), torch.from_numpy(cc_next).to(device))
@@ -286,32 +287,36 @@ class _Decode:
         self.tok.scatter_(1, pos, token[:, None])
         return used
 
-    def _choose(self, raw, q, colpos, candidate, c_next, K: int, live):
+    def _choose(self, raw, q, colpos, candidate, c, m, K: int, live):
         """The next slots: the ``K`` most confident candidates (fewer near the end) go to
-        slots ``c'..``; all but the last are drafted. Returns the drafts' laws and counts."""
-        B, device, n = len(c_next), self.device, self.n
+        slots ``c'..`` (``c' = c + m + 1``); all but the last are drafted. One host read
+        (the accepted counts and the positions chosen). Returns the drafts' laws, their
+        counts and the accepted counts (host)."""
+        B, device, n = len(c), self.device, self.n
         Kmax = min(K, raw.shape[1])
-        score = _confidence(raw, self.ctl[0], candidate)
-        vals, cols = _most(score, Kmax)
-        i = torch.arange(Kmax, device=device)
-        room = torch.from_numpy(np.clip(n - c_next, 0, K)).to(device)
-        valid = (i[None] < room[:, None]) & torch.isfinite(vals) & live[:, None]
-        chosen = np.where(
-            valid.cpu().numpy(), np.take_along_axis(colpos, cols.cpu().numpy(), 1), -1
-        )
-        _reorder(self.order, c_next, chosen)
-        chosen = np.pad(chosen, ((0, 0), (0, K - Kmax)), constant_values=-1)
-        D_next = np.maximum((chosen >= 0).sum(1) - 1, 0)
+        vals, cols = _most(_confidence(raw, self.ctl[0], candidate), Kmax)
+        c_next = torch.from_numpy(c).to(device) + torch.where(live, m + 1, 0)
+        room = (n - c_next).clamp(0, K)
+        valid = (torch.arange(Kmax, device=device)[None] < room[:, None]) & torch.isfinite(vals)
+        chosen = torch.where(valid & live[:, None], colpos.gather(1, cols), -1)  # (B, Kmax)
+        host = torch.cat([m[:, None], chosen], dim=1).cpu().numpy()  # the host sync
+        m_np, chosen_np = host[:, 0], host[:, 1:]
+        _reorder(self.order, c + np.where(c < n, m_np + 1, 0), chosen_np)
+        D_next = np.maximum((chosen_np >= 0).sum(1) - 1, 0)
         Kd = max(K - 1, 0)
         V = q.shape[-1]
         law = q.gather(1, cols[:, :Kd, None].expand(-1, -1, V)) if Kd else q[:, :0]
+        pos = chosen[:, :Kd]
         if Kd > law.shape[1]:  # fewer columns than drafts: padding (never drafted)
             law = torch.cat([law, law.new_zeros(B, Kd - law.shape[1], V)], dim=1)
-        real = torch.arange(Kd, device=device)[None] < torch.from_numpy(D_next).to(device)[:, None]
+            pos = torch.cat([pos, pos.new_full((B, Kd - pos.shape[1]), -1)], dim=1)
+        real = (pos >= 0) & (
+            torch.arange(Kd, device=device)[None] < (chosen >= 0).sum(1, keepdim=True) - 1
+        )
         y = draw(law, real, self.generator)
-        pos = torch.from_numpy(np.where(real.cpu().numpy(), chosen[:, :Kd], n)).to(device)
+        pos = torch.where(real, pos, n)
         self.tok.scatter_(1, pos, torch.where(real, y, self.tok.gather(1, pos)))
-        return law, D_next
+        return law, D_next, m_np
 
 
 def _columns(order, c, chain, targets, J: int, active) -> np.ndarray:
