@@ -32,7 +32,7 @@ def test_parallel_confidence_logits_are_the_oracle_conditionals(kind, per_pass, 
     model = _moved(tiny_model(kind, vocab_size=5), 1)
     tokens, known = _prompt(n, B, 0)
     out = confidence_sample(
-        model, n, per_pass, subset=subset, batch=B, prompt=tokens, known=known,
+        model, n, per_pass, subset=subset, batch=B, prompt=tokens, known=known, keep_logits=True,
         generator=torch.Generator().manual_seed(2),
     )  # fmt: skip
     assert torch.equal(out.tokens[known], tokens[known])
@@ -69,7 +69,7 @@ def test_speculative_confidence_is_exact_for_the_order_chosen(kind, K):
     model = _moved(tiny_model(kind, vocab_size=5), 2)
     tokens, known = _prompt(n, B, 1)
     out = confidence_sample(
-        model, n, speculative=K, batch=B, prompt=tokens, known=known,
+        model, n, speculative=K, batch=B, prompt=tokens, known=known, keep_logits=True,
         generator=torch.Generator().manual_seed(K),
     )  # fmt: skip
     assert torch.equal(out.tokens[known], tokens[known])
@@ -128,7 +128,7 @@ def test_parallel_confidence_on_the_gpu_path(kind, monkeypatch):
     n, B = 10, 2
     model = _moved(tiny_model(kind, vocab_size=5), 1)
     tokens, known = _prompt(n, B, 0)
-    out = confidence_sample(model, n, 3, batch=B, prompt=tokens, known=known,
+    out = confidence_sample(model, n, 3, batch=B, prompt=tokens, known=known, keep_logits=True,
                             generator=torch.Generator().manual_seed(2))  # fmt: skip
     oracle = slot_oracle(model, out.tokens, out.order, out.step_of)
     torch.testing.assert_close(out.logits[:, 2:], oracle[:, 2:], atol=2e-5, rtol=0)

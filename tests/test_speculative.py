@@ -277,7 +277,7 @@ def test_gpu_path_pads_and_buckets_into_at_most_eight_shapes(kind, prompt, monke
     kw = dict(batch=B, prompt=tokens, known=known, generator=torch.Generator().manual_seed(1))
     for out in (
         speculative_sample(model, n, 4, keep_logits=True, **kw),
-        confidence_sample(model, n, speculative=3, **kw),
+        confidence_sample(model, n, speculative=3, keep_logits=True, **kw),
     ):
         k = int(known[0].sum())
         ref = model(out.tokens, out.order)

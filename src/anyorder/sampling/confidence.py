@@ -131,14 +131,15 @@ def confidence_sample(
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise SamplingError(f"confidence order: {name}={v} must be an integer >= 1")
     tokens, _, order, k = _prepare(model, n, batch, prompt, known, "l2r", generator)
-    run = _Decode(model, tokens, order, k, (temperature, top_k, top_p), generator, subset)
+    ctl = (temperature, top_k, top_p)
+    run = _Decode(model, tokens, order, k, ctl, generator, subset, keep_logits)
     return run.speculative(speculative) if speculative else run.parallel(per_pass)
 
 
 class _Decode:
     """The state of one confidence-ordered decode."""
 
-    def __init__(self, model, tokens, order, k, ctl, generator, subset) -> None:
+    def __init__(self, model, tokens, order, k, ctl, generator, subset, keep_logits) -> None:
         B, n = tokens.shape
         self.model, self.n, self.k, self.ctl, self.generator = model, n, k, ctl, generator
         self.subset = subset
@@ -146,7 +147,8 @@ class _Decode:
         self.order = order.cpu().numpy().copy()
         self.tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], 1)
         self.step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=self.device)
-        self.logits = torch.zeros(B, n + 1, model.cfg.vocab_size, device=self.device)
+        V = model.cfg.vocab_size
+        self.logits = torch.zeros(B, n + 1, V, device=self.device) if keep_logits else None
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=_gdev(generator)))
         self.rng = np.random.default_rng(seed)
         self.armd = isinstance(model, ARMD)
@@ -162,8 +164,9 @@ class _Decode:
         ext = self._ext()
         pos = ext.gather(1, slots)
         self.step_of.scatter_(1, pos, step)
-        V = logits.shape[-1]
-        self.logits.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
+        if self.logits is not None:
+            V = logits.shape[-1]
+            self.logits.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
         if on_step is not None:
             on_step(pos, self.tok.gather(1, pos), step)
 
@@ -171,7 +174,7 @@ class _Decode:
         n = self.n
         order = torch.from_numpy(self.order).to(self.device)
         out = SampleResult(self.tok[:, :n].clone(), order, passes, self.step_of[:, :n])
-        out.logits = self.logits[:, :n]
+        out.logits = None if self.logits is None else self.logits[:, :n]
         return out
 
     def parallel(self, per_pass: int) -> SampleResult:
