@@ -10,7 +10,12 @@ architecture (:func:`anyorder.flops.decode_flops_per_sequence`) and the forward 
 * ``aogpt seq`` / ``armd seq``: sequential any-order decoding, random order, KV cache;
 * ``armd S=1`` / ``S=2`` / ``S=4``: ARMD's strided block-parallel decoding (S=1 is one token
   per pass, left to right); the SBP speed-up is ``S=1`` time over ``S=4`` time;
-* with ``--lemma1``: ``aogpt/armd lemma1 T=n/4``, Lemma-1 sampling in n/4 steps.
+* with ``--lemma1``: ``aogpt/armd lemma1 T=n/4``, Lemma-1 sampling in n/4 steps;
+* with ``--speculative 2,4,8``: ``aogpt/armd spec K=k``, any-order speculative sampling
+  (exactly the sequential rows' law; ``passes`` is the most any row made), and ``aogpt conf
+  spec K=k``, confidence order with speculative verification. With random weights the
+  conditionals are nearly flat, so drafts are accepted far more often than with a trained
+  model: read these rows for the cost of a pass, not for the passes a real model saves.
 
 The last table checks the issue's targets (aogpt/gpt <= 1.10 at batch 1 and 16, armd/gpt
 <= 1.25 at batch 1, SBP S=4 over S=1 >= 3.6 at batch 1).
@@ -51,6 +56,8 @@ from _bench import (
 from anyorder import build_model, preset
 from anyorder.flops import decode_flops_per_sequence
 from anyorder.sample import lemma1_sample, sequential_sample, strided_sample
+from anyorder.sampling.confidence import confidence_sample
+from anyorder.sampling.speculative import speculative_sample
 
 SIZES = {
     "tiny": dict(),  # 4 layers x 256, 4 heads
@@ -72,7 +79,7 @@ GPU_TARGETS = [  # (label, batch, sampler, seconds per batch at most): issue 14,
 ]
 
 
-def settings(n: int, batch: int, lemma1: bool) -> list[tuple[str, str, dict]]:
+def settings(n: int, batch: int, lemma1: bool, spec: tuple[int, ...] = ()) -> list[tuple]:
     """(label, model kind, sampler call) of every row for one batch size."""
     rows = [
         ("gpt", "gpt", dict(fn=sequential_sample)),
@@ -86,6 +93,11 @@ def settings(n: int, batch: int, lemma1: bool) -> list[tuple[str, str, dict]]:
             (f"{k} lemma1 T={n // 4}", k, dict(fn=lemma1_sample, steps=n // 4))
             for k in ("aogpt", "armd")
         ]
+    for K in spec:
+        rows += [
+            (f"{k} spec K={K}", k, dict(fn=speculative_sample, K=K)) for k in ("aogpt", "armd")
+        ]
+        rows.append((f"aogpt conf spec K={K}", "aogpt", dict(fn=confidence_sample, K=K)))
     return rows
 
 
@@ -101,6 +113,10 @@ def call(
         return fn(model, n, spec["streams"], **kw)
     if fn is lemma1_sample:
         return fn(model, n, spec["steps"], **kw)
+    if fn is speculative_sample:  # no CUDA graphs: passes decided one at a time
+        return fn(model, n, spec["K"], batch=batch, generator=gen)
+    if fn is confidence_sample:
+        return fn(model, n, speculative=spec["K"], batch=batch, generator=gen)
     return fn(model, n, **kw)
 
 
@@ -114,6 +130,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=4, help="timed rounds (see --stat)")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--lemma1", action="store_true", help="add Lemma-1 rows (T = n/4)")
+    ap.add_argument(
+        "--speculative", default="", help="comma-separated K: speculative rows (e.g. 2,4,8)"
+    )
     ap.add_argument(
         "--paper",
         action="store_true",
@@ -144,7 +163,8 @@ def main() -> None:
             models[kind] = build_model(cfgs[kind]).to(device).eval()
         flops = {k: decode_flops_per_sequence(c, n) for k, c in cfgs.items()}
         for batch in (int(b) for b in args.batches.split(",")):
-            rows = settings(n, batch, args.lemma1)
+            ks = tuple(int(k) for k in args.speculative.split(",") if k)
+            rows = settings(n, batch, args.lemma1, ks)
             fns = {
                 label: functools.partial(call, models[kind], n, batch, spec, 0, device, args.graphs)
                 for label, kind, spec in rows

@@ -17,6 +17,11 @@ each sampler, at the ``tiny`` preset, batch 8, n = 256 by default, this prints
   ``.numpy()``; :data:`SYNC_OPS`, and the Python-level reads patched in :func:`host_reads`).
   The loop is the span from the first attention call to the last token draw; ``setup syncs``
   are the ones before and after it (checking the request, building the plan);
+* the speculative rows (``*-spec-K*``) and the confidence-ordered ones (``*-confidence-*``)
+  decide each pass after the last: one host sync per pass reads the accepted counts or the
+  chosen positions (counted in ``syncs/pass``), and their ``passes`` is the most any row
+  made (random weights: nearly flat conditionals, so more drafts are accepted than with a
+  trained model);
 * ``shapes``: distinct attention ``(queries, keys)`` shapes per generation (each needs its own
   CUDA graph and its own plan in shape-specialised attention backends), on the CPU's path
   (which reads exactly the keys a pass needs: a CPU pays per key, not per shape) and on the
@@ -173,10 +178,18 @@ def gpu_path():
         import anyorder.sample as where
     saved = where._PACK_BELOW, getattr(where, "BUCKET_ON_CPU", None)
     where._PACK_BELOW, where.BUCKET_ON_CPU = -1.0, True
+    try:  # the passes decided one at a time (speculative, confidence): fixed widths, levels
+        import anyorder.sampling.rounds as rounds
+    except ImportError:
+        rounds = None
+    if rounds is not None:
+        rounds.STATIC_ON_CPU = True
     try:
         yield
     finally:
         where._PACK_BELOW, where.BUCKET_ON_CPU = saved
+        if rounds is not None:
+            rounds.STATIC_ON_CPU = False
 
 
 def samplers(n: int) -> dict[str, tuple[str, dict]]:
@@ -198,9 +211,30 @@ def samplers(n: int) -> dict[str, tuple[str, dict]]:
         "gpt-prompt": ("gpt", dict(prompt="prefix")),
         "gpt-seq-stop-at-eos": ("gpt", dict(stop_at_eos=256)),
     }
+    for K in (2, 4, 8):  # any-order speculative sampling (issue 26)
+        rows[f"aogpt-spec-K{K}"] = ("aogpt", dict(speculative=K))
+    rows["armd-spec-K4"] = ("armd", dict(speculative=4))
+    rows["aogpt-infill-spec-K4"] = ("aogpt", dict(prompt="infill", speculative=4))
+    rows["aogpt-confidence-spec-K4"] = ("aogpt", dict(confidence=True, speculative=4))
+    rows["armd-confidence-P4"] = ("armd", dict(confidence=True, per_pass=4))
     if "reveal" in inspect.signature(sample).parameters:  # the reference's counts (issue 15)
         rows[f"aogpt-lemma1-T{T}-reference"] = ("aogpt", dict(steps=T, reveal="reference"))
     return rows
+
+
+def _sampler(kw: dict) -> Callable:
+    """The sampling function of a row: :func:`sample`, or the speculative and
+    confidence-ordered samplers (their options taken out of ``kw``)."""
+    if kw.pop("confidence", False):
+        from anyorder.sampling.confidence import confidence_sample
+
+        return confidence_sample
+    if "speculative" in kw:
+        from anyorder.sampling.speculative import speculative_sample
+
+        K = kw.pop("speculative")
+        return lambda model, n, **k: speculative_sample(model, n, K, **k)
+    return sample
 
 
 def prompt_of(kind: str, n: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,11 +276,12 @@ def main() -> None:
         if "prompt" in kw:
             kw["prompt"], kw["known"] = prompt_of(kw["prompt"], n, B)
         model = models[kind]
+        fn = _sampler(kw)
 
-        def run(model=model, kw=kw) -> int:
+        def run(model=model, kw=kw, fn=fn) -> int:
             g = torch.Generator().manual_seed(0)
             with torch.no_grad():
-                return sample(model, n, batch=B, generator=g, **kw).forward_passes
+                return fn(model, n, batch=B, generator=g, **kw).forward_passes
 
         run()  # warm-up: lazy tables, allocator
         rows[name] = measure(run)

@@ -390,6 +390,9 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "seed-out-of-range": (["sample", "run", "--seed", str(2**70)], {}, None),
     "num-samples-out-of-range": (["sample", "run", "--num-samples", "100000000"], {}, None),
     "length-zero": (["sample", "run", "--length", "0"], {}, None),
+    # issue 26: speculative sampling
+    "speculative-with-steps": (["sample", "run", "--speculative", "4", "--steps", "8"], {}, None),
+    "speculative-zero": (["sample", "run", "--speculative", "0"], {}, None),
     "eval-targets-zero": (["eval", "run", "--ensemble", "2", "--targets", "0"], {}, None),
     "eval-out-is-file": (["eval", "run", "--out", "cfg.yaml"], {}, None),
     "eval-lm-eval-no-tasks": (["eval", "run", "--suite", "lm-eval"], {}, None),

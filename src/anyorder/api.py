@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from anyorder.data import Tokenizer
     from anyorder.models.base import AnyOrderLM
 
-GENERATE_ORDERS = ("random", "l2r", "strided")
+GENERATE_ORDERS = ("random", "l2r", "strided", "confidence")
 SCORE_ORDERS = ("l2r", "any")
 
 
@@ -170,6 +170,8 @@ class Model:
         stop_at_eos: bool = True,
         reveal: str = "binomial",
         cuda_graphs: bool = False,
+        speculative: int | None = None,
+        per_pass: int = 1,
     ) -> list[str]:
         """Generate ``num_samples`` texts of ``n`` tokens: ``anyorder sample`` in Python.
 
@@ -178,7 +180,9 @@ class Model:
                 ``seq_len``).
             num_samples: number of texts (``--num-samples``), drawn as one batch.
             order: ``random`` (any order; the default for aogpt, armd, mdm), ``l2r`` (the
-                default and only choice for gpt) or ``strided`` (armd, with ``streams``).
+                default and only choice for gpt), ``strided`` (armd, with ``streams``) or
+                ``confidence`` (aogpt/armd: the most confident positions first, ``per_pass``
+                per pass or checked by ``speculative``; a heuristic, not an exact sampler).
             streams: armd: strided block-parallel decoding with ``S`` streams (``S`` tokens
                 per forward pass after the stream heads; ``n`` must be a multiple of ``S``).
             steps: aogpt/armd/mdm: masked-diffusion sampling in ``steps`` reverse steps
@@ -197,6 +201,10 @@ class Model:
                 code's deterministic counts, never an empty step).
             cuda_graphs: capture each forward-pass shape once as a CUDA graph and replay it
                 (a model on a CUDA device; the decoders).
+            speculative: aogpt/armd: any-order speculative sampling, at most ``K`` tokens
+                per forward pass, drafted and checked against the one-token-per-pass
+                conditionals: the same law as sequential decoding, in fewer passes.
+            per_pass: ``order="confidence"`` without ``speculative``: positions per pass.
 
         Returns:
             The decoded texts, prompt included.
@@ -220,6 +228,7 @@ class Model:
         return self._sample(
             n, num_samples, prompt_ids, known, order, streams, steps, schedule, shared_counts,
             temperature, top_p, top_k, seed, stop_at_eos, reveal=reveal, graphs=cuda_graphs,
+            speculative=speculative, per_pass=per_pass,
         )  # fmt: skip
 
     def infill(
@@ -233,6 +242,7 @@ class Model:
         top_p: float | None = None,
         top_k: int | None = None,
         seed: int = 0,
+        speculative: int | None = None,
     ) -> str:
         """Fill the holes of a template: ``anyorder sample --infill TEMPLATE`` in Python.
 
@@ -243,11 +253,14 @@ class Model:
 
         Args:
             template: literal text with holes ``[MASK:n]`` (``n`` >= 1 tokens each).
-            order: ``random`` or ``l2r`` over the holes (default: l2r for gpt, else random).
+            order: ``random``, ``l2r`` or ``confidence`` (a heuristic) over the holes
+                (default: l2r for gpt, else random).
             steps: fill in this many reverse steps (several tokens per pass).
             schedule: masking schedule of ``steps``: ``linear`` or ``cosine``.
             temperature, top_p, top_k: sampling controls.
             seed: seed of every random draw.
+            speculative: fill by speculative sampling, at most ``K`` tokens per pass (the
+                law of one token per pass).
 
         Returns:
             The filled text.
@@ -258,15 +271,15 @@ class Model:
         from anyorder import bounds
         from anyorder.sample import parse_template
 
-        if order not in (None, "random", "l2r"):
-            raise SamplingError(f"order={order!r}: infilling takes random or l2r")
+        if order not in (None, "random", "l2r", "confidence"):
+            raise SamplingError(f"order={order!r}: infilling takes random, l2r or confidence")
         bounds.check_controls(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         bounds.check_holes(template, self.seq_len)
         tokens, known = parse_template(template, self._tok(), self.seq_len)
         bounds.check_steps(steps, len(tokens))
         return self._sample(
             len(tokens), 1, tokens, known, order, None, steps, schedule, False,
-            temperature, top_p, top_k, seed, False,
+            temperature, top_p, top_k, seed, False, speculative=speculative,
         )[0]  # fmt: skip
 
     def _sample(
@@ -287,12 +300,17 @@ class Model:
         stop_at_eos: bool,
         reveal: str = "binomial",
         graphs: bool = False,
+        speculative: int | None = None,
+        per_pass: int = 1,
     ) -> list[str]:
         """The sampling path of ``anyorder sample`` (cli/sample.py:run_sample), step for step."""
         from anyorder import bounds
         from anyorder.sample import decode_text, sample
+        from anyorder.sampling.confidence import confidence_sample
+        from anyorder.sampling.speculative import check_request, speculative_sample
 
         model, tok = self.model, self._tok()
+        check_request(speculative, steps, streams, order)
         order = order or ("l2r" if model.kind == "gpt" else "random")
         if order == "strided" and streams is None:
             raise SamplingError("order='strided' needs streams=S")
@@ -305,26 +323,25 @@ class Model:
             else None
         )
         gen = torch.Generator(model.device).manual_seed(seed)
+        controls = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
         with bounds.out_of_memory_as_error(f"num_samples={num_samples} x {n} tokens"):
-            result = sample(
-                model,
-                n,
-                order=None if order == "strided" else order,
-                streams=streams,
-                steps=steps,
-                schedule=schedule,
-                shared_counts=shared_counts,
-                reveal=reveal,
-                graphs=graphs,
-                batch=num_samples,
-                prompt=prompt,
-                known=known,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                generator=gen,
-                stop_at_eos=stop,
-            )
+            if order == "confidence":
+                result = confidence_sample(
+                    model, n, per_pass, speculative=speculative, batch=num_samples,
+                    prompt=prompt, known=known, **controls,
+                )  # fmt: skip
+            elif speculative is not None:
+                result = speculative_sample(
+                    model, n, speculative, batch=num_samples, order=order, prompt=prompt,
+                    known=known, **controls,
+                )  # fmt: skip
+            else:
+                result = sample(
+                    model, n, order=None if order == "strided" else order, streams=streams,
+                    steps=steps, schedule=schedule, shared_counts=shared_counts, reveal=reveal,
+                    graphs=graphs, batch=num_samples, prompt=prompt, known=known,
+                    stop_at_eos=stop, **controls,
+                )  # fmt: skip
         eos = tok.eos_id if stop_at_eos else None
         return [decode_text(tok, row, eos) for row in result.tokens.cpu()]
 

@@ -10,6 +10,7 @@ from anyorder.sampling import (
     SCHEDULES,
     RevealPlan,
     SampleResult,
+    SpeculativeStats,
     StepHook,
     check_controls,
     decode_text,
@@ -28,6 +29,7 @@ from anyorder.sampling import (
     sample_logits,
     sequential_sample,
     slot_logits,
+    speculative_sample,
     strided_sample,
 )
 
@@ -37,6 +39,7 @@ __all__ = [
     "SCHEDULES",
     "RevealPlan",
     "SampleResult",
+    "SpeculativeStats",
     "StepHook",
     "check_controls",
     "decode_text",
@@ -55,5 +58,6 @@ __all__ = [
     "sample_logits",
     "sequential_sample",
     "slot_logits",
+    "speculative_sample",
     "strided_sample",
 ]

@@ -35,9 +35,27 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--order",
-        choices=("l2r", "random", "strided"),
+        choices=("l2r", "random", "strided", "confidence"),
         default=None,
-        help="generation order (default: l2r for gpt, random otherwise; strided: armd)",
+        help="generation order (default: l2r for gpt, random otherwise; strided: armd; "
+        "confidence: aogpt/armd, each pass scores the remaining positions and commits the most "
+        "confident (largest top probability), --per-pass per pass or checked by --speculative: "
+        "a heuristic, not an exact sampler of the model)",
+    )
+    p.add_argument(
+        "--per-pass",
+        type=int,
+        default=1,
+        help="--order confidence without --speculative: positions committed per pass, drawn "
+        "at once from their parallel conditionals",
+    )
+    p.add_argument(
+        "--score-subset",
+        type=int,
+        default=None,
+        metavar="M",
+        help="--order confidence: score a random subset of M remaining positions per pass "
+        "(default: all)",
     )
     p.add_argument("--streams", type=int, default=None, help="strided: S streams (armd)")
     p.add_argument(
@@ -66,6 +84,20 @@ def add_sample(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="--steps: one reveal count per step for all samples (faster; samples then share "
         "their count trajectory)",
+    )
+    p.add_argument(
+        "--speculative",
+        type=int,
+        default=None,
+        metavar="K",
+        help="any-order speculative sampling (aogpt/armd): each pass checks the drafts of the "
+        "last one against the one-token-per-pass conditionals and drafts the next; up to K "
+        "tokens per pass, the same law as one token per pass (exact)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the passes, drafted and accepted tokens (--speculative) per sample",
     )
     p.add_argument(
         "--length", type=int, default=None, help="tokens per sample, prompt included (default n)"
@@ -245,7 +277,8 @@ def run_sample(args: argparse.Namespace) -> int:
     from anyorder import bounds
     from anyorder.checkpoint import load_model
     from anyorder.errors import SamplingError
-    from anyorder.sample import decode_text, sample
+    from anyorder.sample import decode_text
+    from anyorder.sampling.speculative import check_request
     from anyorder.training.distributed import resolve_device
 
     bounds.check_controls(
@@ -268,9 +301,11 @@ def run_sample(args: argparse.Namespace) -> int:
             f"{args.checkpoint} holds no tokenizer; pass --tokenizer SPEC (gpt2, bytes or a "
             "tokenizer folder)"
         )
+    check_request(args.speculative, args.steps, args.streams, args.order)
     order, streams = _sample_order(args, model.kind)
     n, prompt, known = _sample_prompt(args, model, tok)
-    sequential = args.steps is None and streams is None
+    sequential = args.steps is None and streams is None and args.speculative is None
+    sequential = sequential and order != "confidence"
     cut = not args.no_stop_at_eos and args.infill is None
     eos = tok.eos_id if tok is not None else None
     stop = eos if cut and sequential and order == "l2r" and model.kind != "mdm" else None
@@ -285,24 +320,23 @@ def run_sample(args: argparse.Namespace) -> int:
     gen = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
     with ctx, bounds.out_of_memory_as_error(f"--num-samples {args.num_samples} x {n} tokens"):
-        result = sample(
-            model, n, order=None if order == "strided" else order, streams=streams,
-            steps=args.steps, schedule=args.schedule or "linear", shared_counts=args.shared_counts,
-            reveal=args.reveal or "binomial", graphs=args.cuda_graphs, batch=args.num_samples,
-            prompt=prompt, known=known, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, generator=gen, stop_at_eos=stop, on_step=stream,
-        )  # fmt: skip
+        result = _run_sampler(args, model, n, order, streams, prompt, known, gen, stop, stream)
     seconds = time.perf_counter() - start
     tokens = result.tokens.cpu()
     texts = [decode_text(tok, row, tok.eos_id if cut else None) for row in tokens]
     generated = int((result.step_of >= 0).sum())
     mode = "encoder" if model.kind == "mdm" else "strided" if streams else "lemma1"
     mode = "sequential" if sequential and model.kind != "mdm" else mode
+    spec = result.extra.get("speculative")
+    mode = "speculative" if spec is not None else mode
+    mode = "confidence" if order == "confidence" else mode
     if args.json:
         record = _sample_json(
             args, ckpt, result, texts, mode=mode, order=order, n=n, streams=streams,
             generated=generated, seconds=seconds,
         )  # fmt: skip
+        if spec is not None:
+            record["speculative"] = _spec_counts(spec)
         print(json.dumps(record))
         return 0
     if stream is not None:
@@ -318,7 +352,44 @@ def run_sample(args: argparse.Namespace) -> int:
         f"{generated / max(seconds, 1e-9):,.0f} tokens/s",
         file=sys.stderr,
     )
+    if args.verbose and spec is not None:
+        print(spec.summary(), file=sys.stderr)
+        for i, row in enumerate(zip(*_spec_counts(spec).values())):
+            print("  sample {}: {} passes, {} drafted, {} accepted, {} tokens".format(i + 1, *row),
+                  file=sys.stderr)  # fmt: skip
     return 0
+
+
+def _run_sampler(args, model, n, order, streams, prompt, known, gen, stop, stream):
+    """The sampler the flags ask for: confidence order, speculative, or :func:`sample`."""
+    from anyorder.sample import sample
+    from anyorder.sampling.confidence import confidence_sample
+    from anyorder.sampling.speculative import speculative_sample
+
+    controls = dict(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen,
+        batch=args.num_samples, prompt=prompt, known=known,
+    )  # fmt: skip
+    if order == "confidence":
+        return confidence_sample(
+            model, n, args.per_pass, speculative=args.speculative, subset=args.score_subset,
+            **controls,
+        )  # fmt: skip
+    if args.speculative is not None:
+        return speculative_sample(model, n, args.speculative, order=order, **controls)
+    return sample(
+        model, n, order=None if order == "strided" else order, streams=streams,
+        steps=args.steps, schedule=args.schedule or "linear", shared_counts=args.shared_counts,
+        reveal=args.reveal or "binomial", graphs=args.cuda_graphs, stop_at_eos=stop,
+        on_step=stream,
+        **controls,
+    )  # fmt: skip
+
+
+def _spec_counts(spec) -> dict[str, list[int]]:
+    """Per sample: passes, drafted and accepted drafts, generated tokens."""
+    keys = ("passes", "drafted", "accepted", "tokens")
+    return {k: getattr(spec, k).tolist() for k in keys}
 
 
 # ----------------------------------------------------------------------------- serve

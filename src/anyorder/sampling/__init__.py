@@ -7,6 +7,8 @@
 * :mod:`~anyorder.sampling.passes`: the passes on the device over static caches;
 * :mod:`~anyorder.sampling.graphs`: CUDA graphs of the passes;
 * :mod:`~anyorder.sampling.samplers`: the public samplers and :func:`sample`;
+* :mod:`~anyorder.sampling.verify` and :mod:`~anyorder.sampling.speculative`: speculative
+  sampling (drafts checked against the sequential conditionals, exactly);
 * :mod:`~anyorder.sampling.templates`: infilling templates and text.
 """
 
@@ -35,6 +37,7 @@ from anyorder.sampling.schedules import (
     reveal_counts,
     reveal_probabilities,
 )
+from anyorder.sampling.speculative import SpeculativeStats, speculative_sample
 from anyorder.sampling.templates import HOLE_GRAMMAR, decode_text, infill, parse_template
 
 __all__ = [
@@ -43,6 +46,7 @@ __all__ = [
     "SCHEDULES",
     "RevealPlan",
     "SampleResult",
+    "SpeculativeStats",
     "StepHook",
     "check_controls",
     "decode_text",
@@ -61,5 +65,6 @@ __all__ = [
     "sample_logits",
     "sequential_sample",
     "slot_logits",
+    "speculative_sample",
     "strided_sample",
 ]

@@ -1,0 +1,256 @@
+"""Any-order speculative sampling on the static KV cache (Guo & Ermon, ICLR 2026).
+
+A decoder-only any-order model gives, in one pass, both parallel guesses of the next slots
+of an order (the parallel prediction mask) and the exact sequential conditionals of slots
+whose earlier tokens are written as content. So it can draft several slots and check them
+itself, and the output follows the one-token-per-pass sequential sampler exactly.
+
+One pass is one round, verification and the next draft fused. A row that has committed the
+slots ``< c`` of its order and holds drafts ``y_0..y_{D-1}`` of slots ``c..c+D-1``:
+
+* writes the *chain*: the entries of slots ``c..c+D``, causal among themselves, the drafts
+  as content (AO-GPT: slot ``c+j``'s input is ``y_{j-1}``; ARMD: content rows of the drafts,
+  then query rows). Chain entry ``c+j`` gives ``q_j``, slot ``c+j``'s conditional given the
+  committed prefix and ``y_<j``: the sequential sampler's conditional whenever ``y_<j``
+  are accepted. Entry ``c`` sees only committed tokens, so a pass always commits a token;
+* asks ``K - 1`` *draft queries* of slots ``c+D+1..``, each seeing the chain but not one
+  another (AO-GPT repeats the chain's last input with the new targets; ARMD: query-stream
+  slots), guesses given the slots ``< c+D``;
+* accepts ``y_j`` with probability ``min(1, q_j / p_j)`` in turn; at the first rejection
+  ``m`` draws slot ``c+m`` from normalised ``(q_m - p_m)+``; if all ``D`` pass, draws slot
+  ``c+D`` from ``q_D`` (a bonus). It commits ``m + 1`` tokens (``c' = c + m + 1``);
+* drafts the next round from this pass's outputs at slots ``c'..c'+K-2``: chain outputs
+  past a rejection (given a rejected draft) or the draft queries. A draft distribution
+  may depend on anything drawn so far: the ratio test makes each committed token follow
+  its exact conditional given the committed prefix, whatever the draft was.
+
+So passes never exceed tokens (each commits at least one), and a row whose drafts are all
+accepted commits ``K`` tokens per pass.
+
+Design choices:
+
+* **Entry ``t`` at cache slot ``t``.** Chain entries are kept at their order slot's cache
+  slot (ARMD: content of slot ``t`` at content slot ``t``, its query row at query slot
+  ``t``), so the entries after a rejection are overwritten by the next pass, and are
+  masked at once: after the ratio tests every cache slot past a row's commit gets the rank
+  ``BIG`` (seen by nobody). The tests show that later queries never see them.
+* **The tables are built on the host, per pass** (:mod:`anyorder.sampling.rounds`), from
+  the rows' commit counts: the one host sync per pass reads the accepted counts (one small
+  copy; on the CPU it costs nothing).
+* **Bounded shapes on a GPU**: every pass after the first has the widths of the widest
+  round and reads one of eight key levels: at most nine attention shapes (AO-GPT; ARMD
+  three per width and level) whatever ``n``; on the CPU a pass reads the keys it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from anyorder.errors import SamplingError
+from anyorder.models.armd import ARMD
+from anyorder.models.base import AnyOrderLM
+from anyorder.sampling.draws import SampleResult, check_controls
+from anyorder.sampling.rounds import Engine, Round
+from anyorder.sampling.samplers import _decoder_only, _prepare
+from anyorder.sampling.verify import accept, draw, probabilities
+
+
+@dataclass
+class SpeculativeStats:
+    """Per-row counts of a speculative decode (numpy int64 arrays of shape (B,))."""
+
+    passes: np.ndarray
+    """Passes in which the row decided something (each commits at least one token)."""
+    drafted: np.ndarray
+    """Drafts the row verified."""
+    accepted: np.ndarray
+    """Drafts the row accepted."""
+    tokens: np.ndarray
+    """Tokens the row generated (the prompt left out)."""
+
+    def summary(self) -> str:
+        """One line of totals: passes, drafted, accepted, tokens per pass."""
+        p, d, a, t = (int(x.sum()) for x in (self.passes, self.drafted, self.accepted, self.tokens))
+        rate = a / d if d else 0.0
+        return (
+            f"speculative: {p} passes for {t} tokens ({t / max(p, 1):.2f} tokens/pass), "
+            f"{d} drafted, {a} accepted ({rate:.1%})"
+        )
+
+
+@torch.no_grad()
+def speculative_sample(
+    model: AnyOrderLM,
+    n: int,
+    draft: int,
+    *,
+    batch: int = 1,
+    order: str | Tensor | None = None,
+    prompt: Tensor | None = None,
+    known: Tensor | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    keep_logits: bool = False,
+    on_step=None,
+    on_round=None,
+) -> SampleResult:
+    """Any-order speculative sampling: exactly the sequential sampler's law, fewer passes.
+
+    Each pass verifies the row's drafts against the sequential conditionals and drafts the
+    next ``draft - 1`` slots of its order (see the module notes), so a row commits between
+    1 and ``draft`` tokens per pass. The output has the law of :func:`~anyorder.sampling.
+    samplers.sequential_sample` with the same order and controls (temperature, top-k and
+    top-p filter the draft and the target alike).
+
+    Args:
+        model: ``aogpt`` (any variant) or ``armd``.
+        n: sequence length.
+        draft: ``K``, the most tokens one pass commits (``K = 1``: the sequential sampler).
+        batch, order, prompt, known, temperature, top_k, top_p, generator, keep_logits:
+            as :func:`~anyorder.sampling.samplers.sequential_sample`.
+        on_step: called after each pass with the committed positions and tokens (B, Q)
+            (padding: position ``n``) and the pass index (:data:`~anyorder.sampling.draws.
+            StepHook`).
+        on_round: called after each pass with a dict of (B, ...) device tensors: the
+            ``positions`` and ``tokens`` of the verified drafts (padding: position ``n``),
+            how many of them were ``accepted``, and the ``position`` and ``token`` that
+            closed the round (a replacement after a rejection, else the bonus).
+
+    Returns:
+        A :class:`SampleResult`; ``forward_passes`` counts model calls and
+        ``extra["speculative"]`` holds the :class:`SpeculativeStats` per row.
+    """
+    check_controls(temperature, top_k, top_p)
+    _decoder_only(model, "speculative sampling")
+    if model.kind == "gpt":
+        raise SamplingError(
+            "gpt cannot draft positions ahead (it has no target position); use aogpt or armd "
+            "for --speculative"
+        )
+    if isinstance(draft, bool) or not isinstance(draft, int) or draft < 1:
+        raise SamplingError(f"--speculative K={draft} must be an integer >= 1 (tokens per pass)")
+    tokens, _, order, k = _prepare(model, n, batch, prompt, known, order, generator)
+    ctl = (temperature, top_k, top_p)
+    return _run(model, tokens, order, k, draft, ctl, generator, keep_logits, on_step, on_round)
+
+
+def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_round):
+    """The loop: one pass per round until every row has committed all ``n`` slots."""
+    B, n = tokens.shape
+    device = tokens.device
+    V = model.cfg.vocab_size
+    eng = Engine(model, B, n, k + 2 * K, (K, 2 * K - 1) if isinstance(model, ARMD) else 2 * K - 1)
+    order_np = order.cpu().numpy()
+    ext = torch.cat([order, torch.full((B, 1), n, device=device)], dim=1)  # slot n: padding
+    tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], dim=1)
+    zero = np.zeros(B, dtype=np.int64)
+    c, e, cc, D = np.full(B, k, dtype=np.int64), zero.copy(), zero.copy(), zero.copy()
+    stats = SpeculativeStats(zero.copy(), zero.copy(), zero.copy(), zero.copy())
+    p = torch.zeros(B, max(K - 1, 0), V, dtype=torch.float64, device=device)  # drafts' law
+    step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=device)
+    logits_buf = torch.zeros(B, n + 1, V, device=device) if keep_logits else None
+    cols = torch.arange(max(K - 1, 0), device=device)
+    passes = 0
+    while bool((c < n).any()):
+        active = c < n
+        r = _round(order_np, c, e, cc, D, K, n)
+        logits = eng.run(order_np, r, tok, int((c - e)[active].min()), passes == 0)
+        passes += 1
+        c_t, D_t = torch.from_numpy(c).to(device), torch.from_numpy(D).to(device)
+        dslot = (c_t[:, None] + cols).clamp(max=n)
+        drafts = tok.gather(1, ext.gather(1, dslot))  # (B, K-1) the drafts in the cache
+        q = probabilities(logits, *ctl)  # (B, J, V)
+        m, closing = accept(q, p, drafts, D_t, generator)
+        live = torch.from_numpy(active).to(device)
+        m = torch.where(live, m, 0)
+        close_pos = ext.gather(1, torch.where(live, c_t + m, n)[:, None])[:, 0]
+        tok.scatter_(1, close_pos[:, None], closing[:, None])
+        jj = torch.arange(logits.shape[1], device=device)
+        done = (jj[None] <= m[:, None]) & live[:, None]  # (B, J) columns committed now
+        slots = torch.where(done, c_t[:, None] + jj, n)
+        step_of.scatter_(1, ext.gather(1, slots), passes - 1)
+        if logits_buf is not None:
+            logits_buf.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
+        c_new = torch.where(live, c_t + m + 1, c_t)
+        # every entry up to the commit is kept: ARMD's content one short of it (the closing
+        # token is written by the next pass)
+        eng.forget(c_new, (c_new - 1).clamp(min=0))
+        if on_round is not None:
+            verified = ext.gather(1, torch.where(cols < D_t[:, None], dslot, n))
+            on_round(
+                dict(positions=verified, tokens=drafts, accepted=m, position=close_pos,
+                     token=closing)
+            )  # fmt: skip
+        m_np = m.cpu().numpy()  # the one host sync of a round
+        c_next = c + np.where(active, m_np + 1, 0)
+        D_next = np.where(c_next < n, np.clip(n - 1 - c_next, 0, K - 1), 0)
+        p = _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, live)
+        if on_step is not None:
+            decided = ext.gather(1, slots)[:, : int(m_np.max()) + 1]  # (B, Q), padding n
+            on_step(decided, tok.gather(1, decided), passes - 1)
+        stats.passes += active
+        stats.drafted += np.where(active, D, 0)
+        stats.accepted += np.where(active, m_np, 0)
+        stats.tokens += np.where(active, m_np + 1, 0)
+        c, e, D = c_next, c_next.copy(), D_next
+        cc = np.maximum(c - 1, 0) if eng.armd else c
+    out = SampleResult(tok[:, :n].clone(), order, forward_passes=passes, step_of=step_of[:, :n])
+    out.logits = None if logits_buf is None else logits_buf[:, :n]
+    out.extra["speculative"] = stats
+    out.extra["attention_shapes"] = sorted(eng.shapes)
+    return out
+
+
+def _round(order, c, e, cc, D, K: int, n: int) -> Round:
+    """A pass of every row: the chain of slots ``e..c+D`` (catch-up, then the verified
+    drafts and the closing slot ``c+D``), and draft queries of the next ``K - 1`` slots."""
+    active = c < n
+    top = np.where(active, c + D, e - 1)
+    nq = np.where(active, np.clip(n - 1 - top, 0, K - 1), 0)
+    i = np.arange(max(K - 1, 0))[None]
+    ahead = np.take_along_axis(order, np.clip(top[:, None] + 1 + i, 0, n - 1), 1)
+    targets = np.where(i < nq[:, None], ahead, -1)
+    return Round(e, cc, top, np.where(active, top, cc), targets)
+
+
+def _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, live):
+    """The next round's drafts: this pass's outputs at slots ``c'..c'+D'-1`` (columns
+    ``m + 1 + i``), drawn and written into the token buffer. Returns their laws (B, K-1, V)."""
+    B, J, V = q.shape
+    Kd = p.shape[1]
+    if Kd == 0:
+        return p
+    device = q.device
+    i = torch.arange(Kd, device=device)
+    real = (i[None] < torch.from_numpy(D_next).to(device)[:, None]) & live[:, None]
+    cols = (m[:, None] + 1 + i).clamp(max=J - 1)
+    law = q.gather(1, cols[..., None].expand(B, Kd, V))
+    y = draw(law, real, generator)
+    pos = ext.gather(1, torch.where(real, c_new[:, None] + i, ext.shape[1] - 1))
+    tok.scatter_(1, pos, torch.where(real, y, tok.gather(1, pos)))
+    return law
+
+
+def check_request(draft: int | None, steps: int | None, streams: int | None, order) -> None:
+    """Refuse what speculative sampling and the confidence order cannot combine with (the
+    CLI's and the API's check)."""
+    if order == "confidence" and (steps is not None or streams is not None):
+        raise SamplingError(
+            "--order confidence chooses its own positions per pass; leave out --steps/--streams "
+            "(--per-pass N sets the tokens per pass)"
+        )
+    if draft is None:
+        return
+    if steps is not None or streams is not None:
+        raise SamplingError(
+            "--speculative drafts and verifies along one order, one exact token at a time; "
+            "leave out --steps/--streams"
+        )
+    if order == "strided":
+        raise SamplingError("--speculative follows a random or l2r order; leave out strided")

@@ -1,0 +1,104 @@
+"""The speculative acceptance rule on the device: drafts, the ratio test, the residual.
+
+Speculative sampling (Leviathan et al. 2023; Chen et al. 2023), in the any-order form of
+Guo & Ermon (ICLR 2026): a draft ``y ~ p`` of one slot is accepted with probability
+``min(1, q(y) / p(y))``, where ``q`` is the slot's exact sequential conditional; at the first
+rejection the slot is drawn from the normalised ``(q - p)+`` instead and the round stops.
+Whatever ``p`` is, the slot's token then follows ``q`` exactly.
+
+Design choices:
+
+* Everything is float64 (as every draw of :mod:`anyorder.sampling.draws`) and goes through
+  the explicit generator, in a fixed sequence per pass: the uniforms of the ratio tests,
+  the residual or bonus draw, then the next drafts.
+* Temperature, top-k and top-p filter both ``p`` and ``q`` (:func:`probabilities`), so the
+  output is exact with respect to the filtered sequential sampler.
+* Rows of a batch are independent: each row accepts its own number of drafts; rows without
+  a real draw get a one-hot stand-in distribution (``torch.multinomial`` refuses all-zero
+  rows) and their draws are ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from anyorder.sampling.draws import filter_logits
+
+
+def probabilities(
+    logits: Tensor, temperature: float, top_k: int | None, top_p: float | None
+) -> Tensor:
+    """The sampling distribution (..., V) float64 of logits (..., V) under the controls: the
+    very distribution :func:`anyorder.sampling.draws.sample_logits` draws from."""
+    return filter_logits(logits.double() / temperature, top_k, top_p).softmax(dim=-1)
+
+
+def draw(probs: Tensor, valid: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row of ``probs`` (..., V) where ``valid`` (...) is True (0 elsewhere)."""
+    V = probs.shape[-1]
+    stand_in = torch.zeros(V, dtype=probs.dtype, device=probs.device)
+    stand_in[0] = 1.0
+    flat = torch.where(valid[..., None], probs, stand_in).reshape(-1, V)
+    if generator is not None and generator.device != flat.device:
+        flat = flat.to(generator.device)
+    out = torch.multinomial(flat, 1, generator=generator).to(probs.device)
+    return out.view(probs.shape[:-1]).masked_fill(~valid, 0)
+
+
+def uniform(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | None) -> Tensor:
+    """U[0, 1) float64 draws of ``shape`` on ``like``'s device (from the generator's)."""
+    device = generator.device if generator is not None else like.device
+    return torch.rand(shape, generator=generator, dtype=torch.float64, device=device).to(
+        like.device
+    )
+
+
+def accept(
+    q: Tensor,
+    p: Tensor,
+    drafts: Tensor,
+    num_drafts: Tensor,
+    generator: torch.Generator | None,
+) -> tuple[Tensor, Tensor]:
+    """The ratio tests of a round and the token that closes it.
+
+    Args:
+        q: (B, J, V) the target conditionals of the round's slots (``J`` >= drafts + 1; column
+            ``j`` given the committed prefix and drafts ``< j``).
+        p: (B, Kd, V) the draft distributions of the drafts (``Kd`` columns, padding after
+            ``num_drafts``).
+        drafts: (B, Kd) the drafted tokens.
+        num_drafts: (B,) how many drafts each row verifies (0 for none).
+
+    Returns:
+        ``(m, token)``: (B,) the accepted drafts per row (a leading run), and (B,) the token
+        of slot ``m``: from the normalised ``(q_m - p_m)+`` after a rejection, from ``q_m``
+        when every draft was accepted (the bonus).
+    """
+    B, Kd = drafts.shape
+    if q.shape[1] <= Kd:  # near the end a pass has fewer columns than drafts (padding)
+        q = torch.cat([q, q[:, -1:].expand(B, Kd + 1 - q.shape[1], -1)], dim=1)
+    cols = torch.arange(Kd, device=q.device)
+    real = cols < num_drafts[:, None]  # (B, Kd)
+    u = uniform((B, Kd), q, generator)
+    if Kd:
+        py = p.gather(2, drafts[..., None])[..., 0]
+        qy = q[:, :Kd].gather(2, drafts[..., None])[..., 0]
+        ok = (u * py <= qy) & real  # accept with probability min(1, q/p)
+        m = ok.long().cumprod(dim=1).sum(dim=1)
+    else:
+        m = torch.zeros(B, dtype=torch.long, device=q.device)
+    V = q.shape[-1]
+    q_m = q.gather(1, m[:, None, None].expand(B, 1, V))[:, 0]
+    if Kd:
+        p_m = p.gather(1, m.clamp(max=Kd - 1)[:, None, None].expand(B, 1, V))[:, 0]
+        p_m = torch.where((m < num_drafts)[:, None], p_m, torch.zeros_like(p_m))
+    else:
+        p_m = torch.zeros_like(q_m)
+    residual = (q_m - p_m).clamp(min=0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # a rejection has probability 0 where q <= p nowhere; rounding may still leave no mass
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-300), q_m)
+    token = draw(residual, torch.ones(B, dtype=torch.bool, device=q.device), generator)
+    return m, token

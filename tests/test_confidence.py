@@ -1,0 +1,135 @@
+"""Confidence-ordered decoding: the most confident position first, its logits those of the
+uncached forward, and with speculative verification exact for the order chosen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anyorder.errors import SamplingError
+from anyorder.sampling.confidence import confidence_sample
+from test_sample import slot_oracle
+from test_speculative import _check_counts, _moved
+
+from conftest import tiny_model
+
+KINDS = ["aogpt", "armd"]
+
+
+def _prompt(n: int, batch: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    known = torch.zeros(batch, n, dtype=torch.bool)
+    known[:, [1, n - 2]] = True
+    return torch.randint(0, 5, (batch, n), generator=g), known
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("per_pass", "subset"), [(1, None), (3, None), (2, 4)])
+def test_parallel_confidence_logits_are_the_oracle_conditionals(kind, per_pass, subset):
+    """Each committed token was drawn from its conditional given the tokens of earlier
+    passes, as the uncached forward gives it; the prompt is kept; passes as counted."""
+    n, B = 10, 3
+    model = _moved(tiny_model(kind, vocab_size=5), 1)
+    tokens, known = _prompt(n, B, 0)
+    out = confidence_sample(
+        model, n, per_pass, subset=subset, batch=B, prompt=tokens, known=known, keep_logits=True,
+        generator=torch.Generator().manual_seed(2),
+    )  # fmt: skip
+    assert torch.equal(out.tokens[known], tokens[known])
+    assert out.forward_passes == -(-(n - 2) // per_pass)
+    oracle = slot_oracle(model, out.tokens, out.order, out.step_of)
+    torch.testing.assert_close(out.logits[:, 2:], oracle[:, 2:], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@torch.no_grad()
+def test_each_pass_commits_the_most_confident_position(kind):
+    """One position per pass: the one whose conditional (uncached forward, the decided
+    slots as context) has the largest top probability among the remaining positions."""
+    n = 8
+    model = _moved(tiny_model(kind, vocab_size=5), 4)
+    out = confidence_sample(model, n, 1, batch=2, temperature=0.8,
+                            generator=torch.Generator().manual_seed(3))  # fmt: skip
+    for b in range(2):
+        order, x = out.order[b], out.tokens[b : b + 1]
+        for t in range(n):
+            tops = {}
+            for p in order[t:].tolist():
+                o = torch.cat([order[:t], torch.tensor([p]), order[t:][order[t:] != p]])
+                tops[p] = float((model(x, o[None])[0, t] / 0.8).softmax(-1).max())
+            assert tops[int(order[t])] >= max(tops.values()) - 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_speculative_confidence_is_exact_for_the_order_chosen(kind, K):
+    """With verification every committed token's logits are the uncached forward's at its
+    slot of the final order (the sequential conditional), whatever was drafted."""
+    n, B = 10, 4
+    model = _moved(tiny_model(kind, vocab_size=5), 2)
+    tokens, known = _prompt(n, B, 1)
+    out = confidence_sample(
+        model, n, speculative=K, batch=B, prompt=tokens, known=known, keep_logits=True,
+        generator=torch.Generator().manual_seed(K),
+    )  # fmt: skip
+    assert torch.equal(out.tokens[known], tokens[known])
+    ref = model(out.tokens, out.order)
+    torch.testing.assert_close(out.logits[:, 2:], ref[:, 2:], atol=2e-5, rtol=0)
+    _check_counts(out, n, 2)
+    stats = out.extra["speculative"]
+    if K > 1:
+        assert stats.passes.sum() < stats.tokens.sum()
+
+
+def test_confidence_errors():
+    with pytest.raises(SamplingError, match="gpt cannot score positions out of order"):
+        confidence_sample(tiny_model("gpt"), 8)
+    with pytest.raises(SamplingError, match="per_pass=0 must be an integer >= 1"):
+        confidence_sample(tiny_model("aogpt"), 8, 0)
+
+
+def test_cli_confidence(tmp_path, capsys):
+    import json
+
+    from anyorder.checkpoint import save_checkpoint
+    from anyorder.cli import main
+    from anyorder.config import RunConfig
+    from anyorder.data import ByteTokenizer
+
+    model = tiny_model("armd", vocab_size=257, seq_len=32)
+    save_checkpoint(tmp_path / "r", 1, model=model, config=RunConfig(model=model.cfg),
+                    tokenizer=ByteTokenizer())  # fmt: skip
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(["sample", str(tmp_path / "r"), *argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    code, out, _ = run("--order", "confidence", "--per-pass", "4", "--length", "16", "--json")
+    res = json.loads(out)
+    assert code == 0 and res["mode"] == "confidence" and res["forward_passes"] == 4
+    code, out, err = run("--order", "confidence", "--speculative", "3",
+                         "--verbose", "--infill", "a[MASK:6]b")  # fmt: skip
+    assert code == 0 and out.startswith("a") and "speculative:" in err
+    code, _, err = run("--order", "confidence", "--steps", "4")
+    assert code == 2 and err == (
+        "anyorder sample: error: --order confidence chooses its own positions per pass; leave "
+        "out --steps/--streams (--per-pass N sets the tokens per pass)\n"
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_parallel_confidence_on_the_gpu_path(kind, monkeypatch):
+    """Fixed widths and key levels (the GPU's path, here on the CPU): the same logits as
+    the uncached forward, at most eight attention shapes."""
+    import anyorder.sampling.rounds as rounds
+
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", True)
+    n, B = 10, 2
+    model = _moved(tiny_model(kind, vocab_size=5), 1)
+    tokens, known = _prompt(n, B, 0)
+    out = confidence_sample(model, n, 3, batch=B, prompt=tokens, known=known, keep_logits=True,
+                            generator=torch.Generator().manual_seed(2))  # fmt: skip
+    oracle = slot_oracle(model, out.tokens, out.order, out.step_of)
+    torch.testing.assert_close(out.logits[:, 2:], oracle[:, 2:], atol=2e-5, rtol=0)
+    assert len(out.extra["attention_shapes"]) <= 8

@@ -1,0 +1,286 @@
+"""Any-order speculative sampling: exact law by enumeration, logits against the uncached
+oracle, rejected drafts invisible, passes never above tokens."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from anyorder.errors import SamplingError
+from anyorder.sample import filter_logits, lemma1_sample, sequential_sample, slot_logits
+from anyorder.sampling.speculative import speculative_sample
+
+from conftest import tiny_model
+
+KINDS = ["aogpt", "armd"]
+
+
+def _variant(kind: str, **overrides):
+    """aogpt, armd, or the aogpt-ref / sigmagpt-ref parameterisations (kind aogpt)."""
+    if kind in ("aogpt-ref", "sigmagpt-ref"):
+        from anyorder import build_model, preset
+
+        torch.manual_seed(0)
+        cfg = dict(vocab_size=11, seq_len=16, n_layer=2, n_head=4, d_model=64)
+        cfg.update(overrides)
+        return build_model(preset("tiny", variant=kind, **cfg)).eval()
+    return tiny_model(kind, **overrides)
+
+
+def _moved(model, seed: int, scale: float = 0.5):
+    """Weights moved well off their init: sharp, context-dependent conditionals."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def _check_counts(out, n: int, k: int) -> None:
+    """Per row: passes never exceed tokens; tokens = the unknown slots; accepted <= drafted."""
+    st_ = out.extra["speculative"]
+    assert (st_.passes <= st_.tokens).all()
+    assert (st_.tokens == n - k).all()
+    assert (st_.accepted <= st_.drafted).all()
+    assert (st_.passes >= min(1, n - k)).all() and st_.passes.max() == out.forward_passes
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@torch.no_grad()
+def _sequential_law(model, order: torch.Tensor, temperature: float, top_p: float | None):
+    """Exact law over all V^n sequences of the sequential sampler along ``order`` (n,): the
+    product of the filtered conditionals, each from one full uncached forward."""
+    V, n = model.cfg.vocab_size, len(order)
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=n)))  # (V^n, n)
+    logits = model(seqs, order.expand(len(seqs), n)).double()  # (V^n, n, V), slot-aligned
+    logp = filter_logits(logits / temperature, None, top_p).log_softmax(-1)
+    picked = logp.gather(2, seqs.gather(1, order.expand(len(seqs), n))[..., None])[..., 0]
+    return seqs, picked.sum(1).exp()
+
+
+def _chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson chi-square p-value, cells with expected count < 5 pooled into one."""
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum(0, keepdim=True)])
+    exp = torch.cat([expected[~small], expected[small].sum(0, keepdim=True)])
+    keep = exp > 0
+    if bool((obs[~keep] > 0).any()):  # a sequence the law cannot produce
+        return 0.0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(exp) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def _histogram(tokens: torch.Tensor, V: int) -> torch.Tensor:
+    n = tokens.shape[1]
+    index = (tokens * V ** torch.arange(n - 1, -1, -1)).sum(1)
+    return torch.bincount(index, minlength=V**n).double()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("controls", [(1.0, None), (0.7, 0.9)])
+def test_speculative_follows_the_sequential_law_exactly(kind: str, controls) -> None:
+    """20,000 samples at K = 2, 3 and n against the exact law (chi-square, p = 0.001); the
+    same test rejects Lemma 1 at the same passes (it has power)."""
+    V, n, B = 3, 4, 20000
+    model = tiny_model(kind, vocab_size=V, seq_len=n, n_layer=2, d_model=16, n_head=2)
+    model = _moved(model, 8, scale=0.3)  # sharp, yet many sequences likely at 0.7 / 0.9
+    order = torch.tensor([2, 0, 3, 1])
+    temperature, top_p = controls
+    seqs, law = _sequential_law(model, order, temperature, top_p)
+    assert float(law.sum()) == pytest.approx(1.0, abs=1e-9)
+    assert float(law.max()) > 3 * float(law[law > 0].min())  # far from uniform
+    assert int((law * B >= 5).sum()) >= 15  # enough cells for the test
+    passes = {}
+    for K in (2, 3, n):
+        out = speculative_sample(
+            model, n, K, order=order.expand(B, n), temperature=temperature, top_p=top_p,
+            generator=torch.Generator().manual_seed(K),
+        )  # fmt: skip
+        _check_counts(out, n, 0)
+        stats = out.extra["speculative"]
+        assert stats.accepted.sum() < stats.drafted.sum()  # rejections happened
+        assert _chi2_pvalue(_histogram(out.tokens, V), law * B) > 1e-3, K
+        passes[K] = stats.passes.mean()
+    assert passes[n] < 0.75 * n  # fewer passes than tokens on the whole
+    # Lemma 1 with as many passes (the reference's fixed counts: every step reveals some)
+    steps = max(1, round(passes[n]))
+    plain = lemma1_sample(
+        model, n, steps, reveal="reference", order=order.expand(B, n),
+        temperature=temperature, top_p=top_p, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    assert plain.forward_passes == steps
+    assert _chi2_pvalue(_histogram(plain.tokens, V), law * B) < 1e-3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_token_per_pass_is_the_sequential_sampler(kind: str) -> None:
+    """K = 1 draws exactly what sequential_sample draws from the same seed."""
+    model = tiny_model(kind)
+    a = speculative_sample(model, 12, 1, batch=3, generator=torch.Generator().manual_seed(0))
+    b = sequential_sample(model, 12, batch=3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a.order, b.order) and torch.equal(a.tokens, b.tokens)
+    assert a.forward_passes == 12
+    _check_counts(a, 12, 0)
+
+
+# ----------------------------------------------------------------------------- the oracle
+
+DIFF = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@DIFF
+@given(
+    kind=st.sampled_from(["aogpt", "armd", "aogpt-ref", "sigmagpt-ref"]),
+    n=st.integers(2, 10),
+    batch=st.integers(1, 4),
+    K=st.integers(1, 6),
+    prompt=st.sampled_from(["none", "prefix", "scattered", "per-row"]),
+    seed=st.integers(0, 2**16),
+)
+def test_accepted_tokens_use_the_uncached_logits_of_the_final_order(
+    kind, n, batch, K, prompt, seed
+):
+    """Every generated slot was drawn from (or verified against) the logits the uncached
+    forward gives at that slot of the final order, whatever was drafted and rejected."""
+    model = _moved(_variant(kind, vocab_size=5, seq_len=10, d_model=32), seed % 5)
+    g = torch.Generator().manual_seed(seed)
+    known = torch.zeros(batch, n, dtype=torch.bool)
+    if prompt == "prefix":
+        known[:, : n // 2] = True
+    elif prompt == "scattered":  # the same positions in every row
+        known[:, torch.randperm(n, generator=g)[: (n - 1) // 2]] = True
+    elif prompt == "per-row":
+        for b in range(batch):
+            known[b, torch.randperm(n, generator=g)[: (n - 1) // 2]] = True
+    tokens = torch.randint(0, 5, (batch, n), generator=g)
+    k = int(known[0].sum())
+    out = speculative_sample(
+        model, n, K, batch=batch, prompt=tokens, known=known, generator=g, keep_logits=True
+    )
+    assert torch.equal(out.tokens[known], tokens[known])
+    oracle = torch.stack([slot_logits(model, out.tokens, out.order, t) for t in range(n)], 1)
+    torch.testing.assert_close(out.logits[:, k:], oracle[:, k:], atol=2e-5, rtol=0)
+    _check_counts(out, n, k)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rejected_drafts_are_never_seen(kind: str) -> None:
+    """Rounds with rejections happen, the replaced drafts are visible to no later query
+    (each later conditional equals the oracle's, which never saw them), and the drafts
+    each round reports are the slots that follow the commit."""
+    model = _moved(tiny_model(kind, vocab_size=5), 3)
+    rounds = []
+    out = speculative_sample(
+        model, 14, 4, batch=4, generator=torch.Generator().manual_seed(5), keep_logits=True,
+        on_round=lambda r: rounds.append({k: v.clone() for k, v in r.items()}),
+    )  # fmt: skip
+    replaced = 0
+    for r in rounds:
+        for b in range(4):
+            m = int(r["accepted"][b])
+            real = r["positions"][b] < 14
+            if m < int(real.sum()):  # a rejection: the draft at m was replaced
+                replaced += 1
+                assert int(r["position"][b]) == int(r["positions"][b, m])
+    assert replaced > 0
+    ref = model(out.tokens, out.order)
+    torch.testing.assert_close(out.logits, ref, atol=2e-5, rtol=0)
+    _check_counts(out, 14, 0)
+
+
+def test_speculative_errors() -> None:
+    with pytest.raises(SamplingError, match="gpt cannot draft positions ahead"):
+        speculative_sample(tiny_model("gpt"), 8, 2)
+    with pytest.raises(SamplingError, match="must be an integer >= 1"):
+        speculative_sample(tiny_model("aogpt"), 8, 0)
+
+
+# ----------------------------------------------------------------------------- CLI and API
+
+
+def test_cli_and_api_speculative(tmp_path, capsys) -> None:
+    import json
+
+    from anyorder import load
+    from anyorder.checkpoint import save_checkpoint
+    from anyorder.cli import main
+    from anyorder.config import RunConfig
+    from anyorder.data import ByteTokenizer
+
+    for kind in KINDS:
+        model = tiny_model(kind, vocab_size=257, seq_len=32)
+        config = RunConfig(model=model.cfg)
+        save_checkpoint(tmp_path / kind, 1, model=model, config=config, tokenizer=ByteTokenizer())
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(["sample", *argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    argv = ["--speculative", "3", "--length", "16", "--num-samples", "2", "--seed", "4"]
+    code, out, _ = run(str(tmp_path / "aogpt"), *argv, "--json", "--no-stop-at-eos")
+    res = json.loads(out)
+    counts = res["speculative"]
+    assert code == 0 and res["mode"] == "speculative" and counts["tokens"] == [16, 16]
+    assert res["forward_passes"] == max(counts["passes"])
+    assert all(p <= t for p, t in zip(counts["passes"], counts["tokens"]))
+    # the API draws the same texts from the same seed
+    texts = load(tmp_path / "aogpt").generate(
+        16, 2, speculative=3, seed=4, stop_at_eos=False
+    )  # fmt: skip
+    assert texts == [s["text"] for s in res["samples"]]
+    # --verbose prints the counts per sample
+    code, _, err = run(str(tmp_path / "armd"), *argv, "--verbose")
+    assert code == 0 and "speculative:" in err and "sample 2:" in err and " accepted" in err
+    # infilling keeps the template's text
+    code, out, _ = run(str(tmp_path / "armd"), "--infill", "a[MASK:6]b", "--speculative", "4",
+                       "--json")  # fmt: skip
+    tokens = json.loads(out)["samples"][0]["tokens"]
+    assert code == 0 and tokens[0] == ord("a") and tokens[7] == ord("b") and len(tokens) == 8
+    filled = load(tmp_path / "aogpt").infill("x[MASK:5]y", speculative=2)
+    assert filled.startswith("x") and filled.endswith("y")
+    # errors: one line, exit code 2
+    code, _, err = run(str(tmp_path / "aogpt"), "--speculative", "2", "--steps", "4")
+    assert code == 2 and err == (
+        "anyorder sample: error: --speculative drafts and verifies along one order, one exact "
+        "token at a time; leave out --steps/--streams\n"
+    )
+    code, _, err = run(str(tmp_path / "aogpt"), "--speculative", "0")
+    assert code == 2 and err == (
+        "anyorder sample: error: --speculative K=0 must be an integer >= 1 (tokens per pass)\n"
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("prompt", [False, True])
+def test_gpu_path_pads_and_buckets_into_at_most_eight_shapes(kind, prompt, monkeypatch) -> None:
+    """The GPU's path (fixed widths, a few key levels; run here on the CPU) gives the same
+    logits as the uncached forward and at most eight attention shapes per decode."""
+    import anyorder.sampling.rounds as rounds
+    from anyorder.sampling.confidence import confidence_sample
+
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", True)
+    model = _moved(tiny_model(kind, vocab_size=5, seq_len=16), 6)
+    n, B = 16, 3
+    known = torch.zeros(B, n, dtype=torch.bool)
+    if prompt:
+        known[:, [0, 4, 9]] = True
+    tokens = torch.randint(0, 5, (B, n), generator=torch.Generator().manual_seed(0))
+    kw = dict(batch=B, prompt=tokens, known=known, generator=torch.Generator().manual_seed(1))
+    for out in (
+        speculative_sample(model, n, 4, keep_logits=True, **kw),
+        confidence_sample(model, n, speculative=3, keep_logits=True, **kw),
+    ):
+        k = int(known[0].sum())
+        ref = model(out.tokens, out.order)
+        torch.testing.assert_close(out.logits[:, k:], ref[:, k:], atol=2e-5, rtol=0)
+        assert len(out.extra["attention_shapes"]) <= 8
+        _check_counts(out, n, k)
