@@ -33,6 +33,35 @@ def add_sample(p: argparse.ArgumentParser) -> None:
         help="for a model saved without a tokenizer: gpt2, bytes or a tokenizer folder "
         "(as anyorder.load(path, tokenizer=SPEC))",
     )
+    _add_decoding(p)
+    p.add_argument(
+        "--length", type=int, default=None, help="tokens per sample, prompt included (default n)"
+    )
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
+    p.add_argument("--num-samples", type=int, default=1, help="samples (one batch)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random draw")
+    p.add_argument(
+        "--no-stop-at-eos",
+        action="store_true",
+        help="keep the text after the first EOS (default: cut there; l2r decoding stops)",
+    )
+    p.add_argument("--json", action="store_true", help="print tokens, orders and pass counts")
+    p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="default: ema")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="capture each forward-pass shape once as a CUDA graph and replay it (CUDA only)",
+    )
+    p.add_argument(
+        "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on CUDA"
+    )
+
+
+def _add_decoding(p: argparse.ArgumentParser) -> None:
+    """The options that choose how a sample is decoded: order, steps, speculative."""
     p.add_argument(
         "--order",
         choices=("l2r", "random", "strided", "confidence"),
@@ -98,30 +127,6 @@ def add_sample(p: argparse.ArgumentParser) -> None:
         "--verbose",
         action="store_true",
         help="print the passes, drafted and accepted tokens (--speculative) per sample",
-    )
-    p.add_argument(
-        "--length", type=int, default=None, help="tokens per sample, prompt included (default n)"
-    )
-    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
-    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
-    p.add_argument("--num-samples", type=int, default=1, help="samples (one batch)")
-    p.add_argument("--seed", type=int, default=0, help="seed of every random draw")
-    p.add_argument(
-        "--no-stop-at-eos",
-        action="store_true",
-        help="keep the text after the first EOS (default: cut there; l2r decoding stops)",
-    )
-    p.add_argument("--json", action="store_true", help="print tokens, orders and pass counts")
-    p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="default: ema")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        help="capture each forward-pass shape once as a CUDA graph and replay it (CUDA only)",
-    )
-    p.add_argument(
-        "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on CUDA"
     )
 
 
