@@ -337,3 +337,13 @@ def test_rows_alike_write_consecutive_slots(armd: bool) -> None:
                 )
             checked += 1
         assert checked > 0
+
+
+def test_reference_counts_refuse_a_step_table_too_large() -> None:
+    """The reference's float32 times are a table of T + 1 values: 10**9 steps would be 4 GB,
+    so the reference reveal stops at 2**22 steps (the binomial one costs O(tokens) for any T)."""
+    from anyorder.errors import SamplingError
+
+    with pytest.raises(SamplingError, match="at most 4,194,304"):
+        reference_reveals(12, 10**9)
+    assert reference_reveals(3, 1 << 22).dense()[:4, 0].tolist() == [1, 1, 1, 0]

@@ -33,6 +33,8 @@ from torch import Tensor
 from anyorder.errors import SamplingError
 
 SCHEDULES = ("linear", "cosine")
+REFERENCE_MAX_STEPS = 1 << 22
+"""Most steps of the reference counts (a float32 table of ``steps + 1`` times, 16 MB)."""
 REVEALS = ("binomial", "reference")
 
 
@@ -138,6 +140,12 @@ def reference_reveals(masked: int, steps: int, schedule: str = "linear") -> Reve
     ``R_i - i = max(1, max_{j <= i} (int(...)_j - j))``, O(steps) with no Python loop.
     """
     check_reveal(steps, schedule, "reference")
+    if steps > REFERENCE_MAX_STEPS:  # its float32 times are a table of steps + 1 values
+        raise SamplingError(
+            f"reveal='reference' computes the reference's schedule over all {steps:,} steps "
+            f"(at most {REFERENCE_MAX_STEPS:,}); use the binomial reveal, which costs what "
+            "the tokens cost whatever the steps, or fewer steps"
+        )
     if masked == 0:
         return RevealPlan(steps, np.zeros(0, np.int64), np.zeros((0, 1), np.int64))
     t = torch.linspace(1, 0, steps + 1, dtype=torch.float32)
