@@ -100,6 +100,7 @@ def test_a_time_limit_fits_the_horizon_and_the_schedule_ends_there(tmp_path, cap
     # 10.5 more steps, so train.steps becomes 4 + 10.
     loop = _loop(parts, 4, time_limit_s=2.5 + 10.5 * 0.5 / 0.9, end=100, timing=[1, 0.5, 0.5, 0.5])
     loop.loop_t0 = time.perf_counter() - 2.5
+    capsys.readouterr()  # the set-up's lines (where the data is prepared)
     fit_and_estimate(parts, loop)
     assert parts.cfg.train.steps == loop.end == 14
     lr = parts.cfg.train.lr  # the cosine now ends at step 14, not 100
