@@ -21,7 +21,7 @@ from anyorder.evaluation.conditional import _order, continuation_nll
 from anyorder.evaluation.corpus import block_generator
 from anyorder.evaluation.estimators import combine_members, member_logprobs
 
-from conftest import tiny_model
+from conftest import REPO, tiny_model
 
 pytest.importorskip("lm_eval", reason="the harness is the eval extra: pip install anyorder[eval]")
 
@@ -45,7 +45,7 @@ def exports(tmp_path_factory):
 def harness(tmp_path, monkeypatch, model: Path, tasks: str, *extra: str, include=FIXTURES):
     """Run the harness's command line on the fixture tasks; per task, its logged samples,
     and its results under ``"results"``."""
-    monkeypatch.chdir(FIXTURES)  # the task YAML names its data files relatively
+    monkeypatch.chdir(REPO)  # the task YAML names its data files from the repository root
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     out = tmp_path / "out"
     main(
@@ -231,7 +231,7 @@ def test_anyorder_eval_suite_lm_eval(tmp_path, monkeypatch, capsys, exports) -> 
     errors for a missing or unknown task."""
     from anyorder.cli import main as cli
 
-    monkeypatch.chdir(FIXTURES)
+    monkeypatch.chdir(REPO)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     model = str(exports["gpt"])
     assert cli(["eval", model, "--suite", "lm-eval"]) == 2
