@@ -3,8 +3,12 @@ uncached forward, and with speculative verification exact for the order chosen."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from anyorder.errors import SamplingError
 from anyorder.sampling.confidence import confidence_sample
@@ -133,3 +137,75 @@ def test_parallel_confidence_on_the_gpu_path(kind, monkeypatch):
     oracle = slot_oracle(model, out.tokens, out.order, out.step_of)
     torch.testing.assert_close(out.logits[:, 2:], oracle[:, 2:], atol=2e-5, rtol=0)
     assert len(out.extra["attention_shapes"]) <= 8
+
+
+# ------------------------------------------------- the oracle, at sizes drawn at random
+
+_DIFF = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
+_SLOW = int(os.environ.get("ANYORDER_SPEC_EXAMPLES", "1000"))
+
+
+def _requests(n_max: int):
+    return dict(
+        kind=st.sampled_from(KINDS),
+        n=st.one_of(st.integers(2, 10), st.integers(11, n_max)),
+        batch=st.integers(1, 4),
+        per_pass=st.integers(1, 5),
+        subset=st.one_of(st.none(), st.integers(1, 8)),
+        K=st.one_of(st.none(), st.integers(1, 6)),
+        prompt=st.sampled_from(["none", "scattered", "per-row"]),
+        seed=st.integers(0, 2**16),
+        static=st.booleans(),
+    )
+
+
+@settings(max_examples=30, derandomize=True, **_DIFF)
+@given(**_requests(24))
+def test_confidence_logits_equal_the_uncached_oracle(
+    kind, n, batch, per_pass, subset, K, prompt, seed, static
+):
+    """Drawn at random (sizes, batch, per-pass counts, scored subsets, verification, prompts,
+    the CPU's and the GPU's path): every committed token's logits are the uncached forward's
+    for the tokens of earlier passes (parallel commits) or for the final order (verified)."""
+    _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, static)
+
+
+@pytest.mark.slow
+@settings(max_examples=_SLOW, **_DIFF)
+@given(**_requests(60))
+def test_confidence_logits_equal_the_uncached_oracle_many(
+    kind, n, batch, per_pass, subset, K, prompt, seed, static
+):
+    _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, static)
+
+
+def _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, static) -> None:
+    from anyorder.sampling import rounds
+    from test_decode_oracle import _oracle
+
+    model = _moved(tiny_model(kind, vocab_size=5, seq_len=64, d_model=32), seed % 5)
+    g = torch.Generator().manual_seed(seed)
+    known = torch.zeros(batch, n, dtype=torch.bool)
+    for b in range(batch if prompt == "per-row" else 1 if prompt == "scattered" else 0):
+        known[b, torch.randperm(n, generator=g)[: (n - 1) // 2]] = True
+    if prompt == "scattered":
+        known[:] = known[0]
+    tokens = torch.randint(0, 5, (batch, n), generator=g)
+    k = int(known[0].sum())
+    saved, rounds.STATIC_ON_CPU = rounds.STATIC_ON_CPU, static
+    try:
+        out = confidence_sample(
+            model, n, per_pass, speculative=K, subset=subset, batch=batch, prompt=tokens,
+            known=known, keep_logits=True, generator=g,
+        )  # fmt: skip
+    finally:
+        rounds.STATIC_ON_CPU = saved
+    assert torch.equal(out.tokens[known], tokens[known])
+    assert bool((out.step_of >= -1).all())  # every position decided
+    with torch.no_grad():
+        want = (
+            model(out.tokens, out.order)
+            if K
+            else _oracle(model, out.tokens, out.order, out.step_of)
+        )
+    torch.testing.assert_close(out.logits[:, k:], want[:, k:], atol=2e-5, rtol=0)

@@ -4,6 +4,7 @@ oracle, rejected drafts invisible, passes never above tokens."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from anyorder.errors import SamplingError
-from anyorder.sample import filter_logits, lemma1_sample, sequential_sample, slot_logits
+from anyorder.sample import filter_logits, lemma1_sample, sequential_sample
 from anyorder.sampling.speculative import speculative_sample
 
 from conftest import tiny_model
@@ -133,24 +134,44 @@ def test_one_token_per_pass_is_the_sequential_sampler(kind: str) -> None:
 
 # ----------------------------------------------------------------------------- the oracle
 
-DIFF = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_DIFF = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
+_SLOW = int(os.environ.get("ANYORDER_SPEC_EXAMPLES", "2000"))
 
 
-@DIFF
-@given(
-    kind=st.sampled_from(["aogpt", "armd", "aogpt-ref", "sigmagpt-ref"]),
-    n=st.integers(2, 10),
-    batch=st.integers(1, 4),
-    K=st.integers(1, 6),
-    prompt=st.sampled_from(["none", "prefix", "scattered", "per-row"]),
-    seed=st.integers(0, 2**16),
-)
+def _requests(n_max: int):
+    return dict(
+        kind=st.sampled_from(["aogpt", "armd", "aogpt-ref", "sigmagpt-ref"]),
+        n=st.one_of(st.integers(2, 10), st.integers(11, n_max)),
+        batch=st.integers(1, 4),
+        K=st.integers(1, 9),
+        prompt=st.sampled_from(["none", "prefix", "scattered", "per-row"]),
+        seed=st.integers(0, 2**16),
+        static=st.booleans(),
+    )
+
+
+@settings(max_examples=40, derandomize=True, **_DIFF)
+@given(**_requests(24))
 def test_accepted_tokens_use_the_uncached_logits_of_the_final_order(
-    kind, n, batch, K, prompt, seed
+    kind, n, batch, K, prompt, seed, static
 ):
     """Every generated slot was drawn from (or verified against) the logits the uncached
-    forward gives at that slot of the final order, whatever was drafted and rejected."""
-    model = _moved(_variant(kind, vocab_size=5, seq_len=10, d_model=32), seed % 5)
+    forward gives at that slot of the final order, whatever was drafted and rejected; on
+    the CPU's path and on the GPU's (static widths and key levels)."""
+    _check_against_oracle(kind, n, batch, K, prompt, seed, static)
+
+
+@pytest.mark.slow
+@settings(max_examples=_SLOW, **_DIFF)
+@given(**_requests(60))
+def test_accepted_tokens_use_the_uncached_logits_many(kind, n, batch, K, prompt, seed, static):
+    _check_against_oracle(kind, n, batch, K, prompt, seed, static)
+
+
+def _check_against_oracle(kind, n, batch, K, prompt, seed, static) -> None:
+    from anyorder.sampling import rounds
+
+    model = _moved(_variant(kind, vocab_size=5, seq_len=64, d_model=32), seed % 5)
     g = torch.Generator().manual_seed(seed)
     known = torch.zeros(batch, n, dtype=torch.bool)
     if prompt == "prefix":
@@ -162,11 +183,17 @@ def test_accepted_tokens_use_the_uncached_logits_of_the_final_order(
             known[b, torch.randperm(n, generator=g)[: (n - 1) // 2]] = True
     tokens = torch.randint(0, 5, (batch, n), generator=g)
     k = int(known[0].sum())
-    out = speculative_sample(
-        model, n, K, batch=batch, prompt=tokens, known=known, generator=g, keep_logits=True
-    )
+    saved, rounds.STATIC_ON_CPU = rounds.STATIC_ON_CPU, static
+    try:
+        out = speculative_sample(
+            model, n, K, batch=batch, prompt=tokens, known=known, generator=g,
+            keep_logits=True,
+        )  # fmt: skip
+    finally:
+        rounds.STATIC_ON_CPU = saved
     assert torch.equal(out.tokens[known], tokens[known])
-    oracle = torch.stack([slot_logits(model, out.tokens, out.order, t) for t in range(n)], 1)
+    with torch.no_grad():
+        oracle = model(out.tokens, out.order)
     torch.testing.assert_close(out.logits[:, k:], oracle[:, k:], atol=2e-5, rtol=0)
     _check_counts(out, n, k)
 
