@@ -40,6 +40,7 @@ from anyorder import build_model, preset
 from anyorder.data import ByteTokenizer
 from anyorder.orders import strided
 from anyorder.sample import parse_template, sample, strided_sample
+from test_sample import slot_oracle
 
 KINDS = ["gpt", "aogpt", "aogpt", "armd", "armd", "armd", "aogpt-ref", "sigmagpt-ref"]
 PATHS = ["cpu", "gpu-plan", "bucketed", "emulate"]
@@ -81,34 +82,6 @@ def _path(path: str):
         yield "emulate" if path == "emulate" else "off"
     finally:
         plan_mod.BUCKET_ON_CPU, plan_mod._PACK_BELOW = saved
-
-
-def _oracle(model, tokens: torch.Tensor, order: torch.Tensor, step_of: torch.Tensor):
-    """(B, n, V) uncached logits of every decided slot (zeros at prompt slots): one batched
-    forward over every (row, slot) with the slot moved to the first slot of its step."""
-    B, n = tokens.shape
-    step_slot = step_of.gather(1, order)
-    rows, orders, picks = [], [], []
-    for b in range(B):
-        first: dict[int, int] = {}
-        for t in range(n):
-            s = int(step_slot[b, t])
-            if s < 0:
-                continue
-            d = first.setdefault(s, t)
-            o = order[b].clone()
-            o[d], o[t] = order[b, t], order[b, d]
-            rows.append(b)
-            orders.append(o)
-            picks.append((b, t, d))
-    out = torch.zeros(B, n, model.cfg.vocab_size)
-    if not rows:
-        return out
-    with torch.no_grad():
-        logits = model(tokens[rows], None if model.kind == "gpt" else torch.stack(orders))
-    for i, (b, t, d) in enumerate(picks):
-        out[b, t] = logits[i, d]
-    return out
 
 
 @st.composite
@@ -227,7 +200,7 @@ def _check_path(req: dict, path: str) -> None:
         with torch.no_grad():
             want = model(out.tokens, order, None if o.token_level and k_ == 0 else blocks)
     else:
-        want = _oracle(model, out.tokens, out.order, out.step_of)
+        want = slot_oracle(model, out.tokens, out.order, out.step_of)
     decided = out.step_of.gather(1, out.order) >= 0  # (B, n) over slots
     got = out.logits[decided]
     torch.testing.assert_close(got, want[decided], atol=ATOL, rtol=0)

@@ -36,20 +36,31 @@ N = 12
 
 def slot_oracle(model, tokens: torch.Tensor, order: torch.Tensor, step_of: torch.Tensor):
     """Uncached logits (B, n, V) of every decided slot, predicted alone from the slots decided
-    in earlier steps: slot ``t`` decided in a step whose first slot is ``d`` is what the
-    model's forward gives at slot ``d`` of the order with ``t`` moved to ``d``."""
+    in earlier steps (zeros at prompt slots): slot ``t`` decided in a step whose first slot is
+    ``d`` is what the model's forward gives at slot ``d`` of the order with ``t`` moved to
+    ``d``. One batched forward over every (row, slot)."""
     B, n = tokens.shape
     step_slot = step_of.gather(1, order)
-    out = torch.zeros(B, n, model.cfg.vocab_size)
+    rows, orders, picks = [], [], []
     for b in range(B):
+        first: dict[int, int] = {}
         for t in range(n):
             s = int(step_slot[b, t])
             if s < 0:
                 continue
-            d = int((step_slot[b] == s).nonzero()[0])
+            d = first.setdefault(s, t)
             o = order[b].clone()
             o[d], o[t] = order[b, t], order[b, d]
-            out[b, t] = model(tokens[b : b + 1], o[None])[0, d]
+            rows.append(b)
+            orders.append(o)
+            picks.append((b, t, d))
+    out = torch.zeros(B, n, model.cfg.vocab_size)
+    if not rows:
+        return out
+    with torch.no_grad():
+        logits = model(tokens[rows], None if model.kind == "gpt" else torch.stack(orders))
+    for i, (b, t, d) in enumerate(picks):
+        out[b, t] = logits[i, d]
     return out
 
 
