@@ -110,9 +110,12 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
 
 
 DRAW_ELEMENTS = 1 << 22
-"""Float64 elements drawn at once (32 MB): rows of (..., V) logits are drawn in chunks of
-this size, so a draw's memory is bounded whatever the batch and the queries (a whole
-(32, 512, 50257) draw was 6.6 GB per float64 tensor, and top-p sorts two of them)."""
+"""Float64 elements drawn at once on the CPU (32 MB): rows of (..., V) logits are drawn in
+chunks of this size, so a draw's memory is bounded whatever the batch and the queries (a
+whole (32, 512, 50257) draw was 6.6 GB per float64 tensor, and top-p sorts two of them)."""
+DRAW_ELEMENTS_GPU = 1 << 26
+"""The same on a GPU (512 MB): a typical pass (batch 8, 64 queries, GPT-2's vocabulary) is
+one chunk, so the draw adds no launches per pass; only huge requests are split."""
 
 
 def sample_logits(
@@ -124,11 +127,13 @@ def sample_logits(
 ) -> Tensor:
     """Draw one token per row from ``logits`` (..., V) in float64. Returns (...).
 
-    The rows are drawn in chunks of :data:`DRAW_ELEMENTS` float64 values, in order, from
-    the one generator; the chunks depend on the shape alone (no host sync)."""
+    The rows are drawn in chunks of :data:`DRAW_ELEMENTS` (:data:`DRAW_ELEMENTS_GPU` on a
+    GPU) float64 values, in order, from the one generator; the chunks depend on the shape
+    alone (no host sync)."""
     V = logits.shape[-1]
     flat = logits.reshape(-1, V)
-    rows = max(1, DRAW_ELEMENTS // V)
+    limit = DRAW_ELEMENTS if logits.device.type == "cpu" else DRAW_ELEMENTS_GPU
+    rows = max(1, limit // V)
     if flat.shape[0] <= rows:
         return _draw(flat, generator, temperature, top_k, top_p).view(logits.shape[:-1])
     out = torch.empty(flat.shape[0], dtype=torch.long, device=logits.device)
