@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from anyorder.errors import SamplingError
 from anyorder.sample import filter_logits, lemma1_sample, sequential_sample
+from anyorder.sampling.rounds import HostCounts
 from anyorder.sampling.speculative import speculative_sample
 
 from conftest import tiny_model
@@ -41,13 +42,17 @@ def _moved(model, seed: int, scale: float = 0.5):
     return model
 
 
-def _check_counts(out, n: int, k: int) -> None:
-    """Per row: passes never exceed tokens; tokens = the unknown slots; accepted <= drafted."""
+def _check_counts(out, n: int, k: int, static: bool = False) -> None:
+    """Per row: passes never exceed tokens; tokens = the unknown slots; accepted <= drafted.
+    The model calls: those of the longest row, plus (on the GPU's path, which reads the
+    counts two passes late) at most two that find every row done, never more than tokens."""
     st_ = out.extra["speculative"]
     assert (st_.passes <= st_.tokens).all()
     assert (st_.tokens == n - k).all()
     assert (st_.accepted <= st_.drafted).all()
-    assert (st_.passes >= min(1, n - k)).all() and st_.passes.max() == out.forward_passes
+    assert (st_.passes >= min(1, n - k)).all()
+    late = HostCounts.lag if static else 0
+    assert st_.passes.max() <= out.forward_passes <= min(st_.passes.max() + late, n - k)
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -195,7 +200,7 @@ def _check_against_oracle(kind, n, batch, K, prompt, seed, static) -> None:
     with torch.no_grad():
         oracle = model(out.tokens, out.order)
     torch.testing.assert_close(out.logits[:, k:], oracle[:, k:], atol=2e-5, rtol=0)
-    _check_counts(out, n, k)
+    _check_counts(out, n, k, static)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -310,4 +315,4 @@ def test_gpu_path_pads_and_buckets_into_at_most_eight_shapes(kind, prompt, monke
         ref = model(out.tokens, out.order)
         torch.testing.assert_close(out.logits[:, k:], ref[:, k:], atol=2e-5, rtol=0)
         assert len(out.extra["attention_shapes"]) <= 8
-        _check_counts(out, n, k)
+        _check_counts(out, n, k, static=True)

@@ -187,8 +187,8 @@ class _Decode:
         while c < n:
             first = np.full(B, c)
             targets = _targets(self.order, first, n, self.subset, self.rng)
-            r = Round(np.full(B, e), np.full(B, e), first - 1, first, targets)
-            logits = eng.run(self.order, r, self.tok, c - e, passes == 0)
+            r = Round.of(self.device, np.full(B, e), np.full(B, e), first - 1, first, targets)
+            logits = eng.run(self._ext(), r, self.tok, c - e, passes == 0)
             logits = logits[:, : targets.shape[1]]  # (B, Q, V) the queries (GPU: padded)
             candidate = torch.from_numpy(targets >= 0).to(self.device)
             score = _confidence(logits, self.ctl[0], candidate)
@@ -226,7 +226,8 @@ class _Decode:
             qtop = np.where(active, top, cc) if head else c
             targets = _targets(self.order, np.where(active, top + 1, n), n, self.subset, self.rng)
             start = int((c - e)[active].min())
-            raw = eng.run(self.order, Round(e, cc, top, qtop, targets), self.tok, start, not passes)
+            r = Round.of(device, e, cc, top, qtop, targets)
+            raw = eng.run(self._ext(), r, self.tok, start, not passes)
             chain = np.where(active & head, D + 1, 0)  # columns of the chain slots c..c+D
             colpos = _columns(self.order, c, chain, targets, raw.shape[1], active)
             colpos_t = torch.from_numpy(colpos).to(device)

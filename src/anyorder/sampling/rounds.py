@@ -3,9 +3,9 @@
 The planned samplers (:mod:`anyorder.sampling.plan`) know every pass before the first. The
 speculative and confidence-ordered samplers do not: how many drafts a row accepts, or which
 positions are most confident, is known only after a pass. So each pass's table is built on
-the host from the rows' counters just before it runs, and goes through the same engines
-(:class:`~anyorder.sampling.passes.GPTPasses`, :class:`~anyorder.sampling.passes.
-ARMDPasses`): one model, one cache path.
+the device from the rows' counters (device tensors) just before it runs, and goes through
+the same engines (:class:`~anyorder.sampling.passes.GPTPasses`, :class:`~anyorder.sampling.
+passes.ARMDPasses`): one model, one cache path.
 
 A row's pass (:class:`Round`):
 
@@ -22,11 +22,14 @@ Design choices:
 * Entry ``t`` sits at cache slot ``t`` (ARMD: content and query stream alike), queries and
   padding after the chain, so no cache has gaps; :meth:`Engine.forget` hides every slot
   past what a row keeps (rank ``BIG``), and the next pass overwrites them.
-* On a GPU the first pass has its own widths (a prompt's catch-up), every later pass the
-  same fixed ones, and the keys read are rounded up to one of a few levels (AO-GPT seven;
-  ARMD two, shared by its two caches): at most eight attention shapes per decode, the
-  plan's budget (:attr:`Engine.shapes` records them). On the CPU a pass reads the keys it
-  needs, aligned to 16.
+* The host needs two numbers per pass, never the rows' counters themselves: the pass's
+  widths and the cache slots it reads. On a GPU the first pass has its own widths (a
+  prompt's catch-up, known before decoding), every later pass the same fixed ones, and the
+  keys read are an upper bound the sampler keeps on the host (:class:`HostCounts`) rounded
+  up to one of a few levels (AO-GPT seven; ARMD two, shared by its two caches): at most
+  eight attention shapes per decode, the plan's budget (:attr:`Engine.shapes` records
+  them), and no pass waits for the one before it. On the CPU (where reading a tensor waits
+  for nothing) a pass reads the keys it needs, aligned to 16.
 """
 
 from __future__ import annotations
@@ -46,109 +49,186 @@ from anyorder.sampling.plan import Group
 
 _ALIGN = 16
 STATIC_ON_CPU = False
-"""Pad and bucket on the CPU too (the benchmarks switch it on to count what a GPU runs)."""
+"""Pad, bucket and read the counters late on the CPU too (the tests and benchmarks switch it
+on to run what a GPU runs)."""
 
 
 @dataclass
 class Round:
-    """One pass of every row (numpy int64 arrays over rows)."""
+    """One pass of every row (int64 device tensors over rows)."""
 
-    e: np.ndarray  # AO-GPT: kept entries; ARMD: kept query-stream entries (slots < e)
-    cc: np.ndarray  # ARMD: kept content entries (slots < cc)
-    chain_end: np.ndarray  # the chain is slots e..chain_end (none: e - 1)
-    qtop: np.ndarray  # queries see slots < qtop
-    targets: np.ndarray  # (B, Q) positions the queries predict, a prefix of each row (-1)
-
-    @property
-    def chain(self) -> np.ndarray:
-        return np.maximum(self.chain_end - self.e + 1, 0)
+    e: Tensor  # AO-GPT: kept entries; ARMD: kept query-stream entries (slots < e)
+    cc: Tensor  # ARMD: kept content entries (slots < cc)
+    chain_end: Tensor  # the chain is slots e..chain_end (none: e - 1)
+    qtop: Tensor  # queries see slots < qtop
+    targets: Tensor  # (B, Q) positions the queries predict, a prefix of each row (-1)
 
     @property
-    def queries(self) -> np.ndarray:
-        return (self.targets >= 0).sum(axis=1)
+    def chain(self) -> Tensor:
+        return (self.chain_end - self.e + 1).clamp(min=0)
+
+    @property
+    def queries(self) -> Tensor:
+        return (self.targets >= 0).sum(dim=1)
+
+    @classmethod
+    def of(cls, device: torch.device, *arrays: np.ndarray) -> Round:
+        """A round from host arrays (the confidence order keeps its counters there)."""
+        return cls(*(torch.as_tensor(np.asarray(a), device=device).long() for a in arrays))
 
 
-def _lookup(order: np.ndarray, n: int):
-    ext = np.concatenate([order, np.full((order.shape[0], 1), n)], axis=1)  # slot n: padding
-    return lambda slots: np.take_along_axis(ext, np.clip(slots, 0, n), 1)
+def extend(order: Tensor) -> Tensor:
+    """(B, n + 1) the order with slot ``n`` a padding column (position ``n``)."""
+    n = order.shape[1]
+    return torch.cat([order, order.new_full((order.shape[0], 1), n)], dim=1)
 
 
-def _queries(r: Round, j: np.ndarray, L: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _queries(r: Round, j: Tensor, L: Tensor) -> tuple[Tensor, Tensor]:
     """Which of the columns ``j`` (1, T) are queries, and their target positions."""
     Q = r.targets.shape[1]
     q = j - L[:, None]
     query = (q >= 0) & (q < r.queries[:, None])
-    padded = np.concatenate([r.targets, np.full((len(L), 1), -1)], axis=1)
-    target = np.take_along_axis(padded, np.where(query, q, Q), 1)
-    return query, np.where(query, target, 0)
+    padded = torch.cat([r.targets, r.targets.new_full((len(L), 1), -1)], dim=1)
+    target = padded.gather(1, torch.where(query, q, Q))
+    return query, torch.where(query, target, 0)
 
 
-def gpt_table(order: np.ndarray, r: Round, n: int, width: int | None = None) -> np.ndarray:
+def _check_width(need: Tensor, width: int, what: str) -> None:
+    """A sampler bug if a pass outgrows its widths (checked where reading is free: on the
+    CPU, unless it runs the GPU's path)."""
+    if need.device.type == "cpu" and not STATIC_ON_CPU and int(need.max()) > width:
+        raise RuntimeError(f"a pass of {int(need.max())} {what} in width {width}")
+
+
+def gpt_table(ext: Tensor, r: Round, width: int | None = None) -> Tensor:
     """AO-GPT entries of one pass, (B, 6, T) int64 in positions (see plan.G_*): per row
-    [chain | queries | padding] at cache slots from ``e`` on."""
-    look = _lookup(order, n)
+    [chain | queries | padding] at cache slots from ``e`` on. ``ext``: :func:`extend`'s."""
+    n = ext.shape[1] - 1
     L = r.chain
     T = int((L + r.queries).max()) if width is None else width
-    if int((L + r.queries).max()) > T:
-        raise RuntimeError(f"a pass of {int((L + r.queries).max())} entries in width {T}")
-    j = np.arange(T)[None]
+    _check_width(L + r.queries, T, "entries")
+    j = torch.arange(T, device=ext.device)[None]
     s = r.e[:, None] + j  # chain slot = cache slot
     chain = j < L[:, None]
     query, qtarget = _queries(r, j, L)
     real = chain | query
-    in_slot = np.where(chain, s - 1, r.qtop[:, None] - 1)
+    in_slot = torch.where(chain, s - 1, r.qtop[:, None] - 1)
     bos = real & (in_slot < 0)
-    col = np.where(bos, n + 1, np.where(real, look(in_slot), n))
-    pos = np.where(real & ~bos, col, 0)
-    target = np.where(chain, look(s), qtarget)
-    limit = np.where(chain, s, np.where(query, r.qtop[:, None], BIG))
-    keep = np.where(chain, s, BIG)
-    return np.stack([col, pos, target, limit, s, keep], axis=1).astype(np.int64)
+    col = torch.where(bos, n + 1, torch.where(real, ext.gather(1, in_slot.clamp(0, n)), n))
+    pos = torch.where(real & ~bos, col, 0)
+    target = torch.where(chain, ext.gather(1, s.clamp(0, n)), qtarget)
+    limit = torch.where(chain, s, torch.where(query, r.qtop[:, None], BIG))
+    keep = torch.where(chain, s, BIG)
+    return torch.stack([col, pos, target, limit, s, keep], dim=1)
 
 
 def armd_table(
-    order: np.ndarray, r: Round, n: int, widths: tuple[int, int] | None = None
-) -> tuple[np.ndarray, tuple[int, int]]:
+    ext: Tensor, r: Round, widths: tuple[int, int] | None = None
+) -> tuple[Tensor, tuple[int, int]]:
     """ARMD entries of one pass, (B, 8, C + G) int64 in positions (see plan.A_*): content
     rows of slots ``cc..qtop-1``; query rows [chain | queries | padding]."""
-    look = _lookup(order, n)
-    Cn = np.maximum(r.qtop - r.cc, 0)
+    n = ext.shape[1] - 1
+    Cn = (r.qtop - r.cc).clamp(min=0)
     L = r.chain
     C, G = (int(Cn.max()), int((L + r.queries).max())) if widths is None else widths
-    if int(Cn.max()) > C or int((L + r.queries).max()) > G:
-        raise RuntimeError(f"a pass wider than its widths {(C, G)}")  # a sampler bug
-    j = np.arange(C)[None]
+    _check_width(Cn, C, "content rows")
+    _check_width(L + r.queries, G, "query rows")
+    j = torch.arange(C, device=ext.device)[None]
     s = r.cc[:, None] + j
     creal = j < Cn[:, None]
-    cpos = np.where(creal, look(s), n)
-    crank = np.where(creal, s, BIG)
-    ones = np.ones_like(s)
-    content = [cpos, np.where(creal, cpos, 0), crank + 1, 0 * s, s, crank, BIG * ones, ones]
-    j = np.arange(G)[None]
+    cpos = torch.where(creal, ext.gather(1, s.clamp(0, n)), n)
+    crank = torch.where(creal, s, BIG)
+    ones = torch.ones_like(s)
+    content = [cpos, torch.where(creal, cpos, 0), crank + 1, 0 * s, s, crank, BIG * ones, ones]
+    j = torch.arange(G, device=ext.device)[None]
     s = r.e[:, None] + j
     chain = j < L[:, None]
     query, qtarget = _queries(r, j, L)
     real = chain | query
-    lim = np.where(chain, s, np.where(query, r.qtop[:, None], BIG))
-    ones = np.ones_like(s)
+    lim = torch.where(chain, s, torch.where(query, r.qtop[:, None], BIG))
+    ones = torch.ones_like(s)
     rows = [
         n * ones,
-        np.where(chain, look(s), qtarget),
+        torch.where(chain, ext.gather(1, s.clamp(0, n)), qtarget),
         lim,
-        (real & (lim <= 0)).astype(np.int64),  # sees no content: ARMD's first slot
+        (real & (lim <= 0)).long(),  # sees no content: ARMD's first slot
         s,
-        np.where(chain, s, BIG),
+        torch.where(chain, s, BIG),
         lim,
-        np.where(real, np.maximum(lim, 1), 1),  # the content a query row averages
+        torch.where(real, lim.clamp(min=1), 1),  # the content a query row averages
     ]
-    tab = np.concatenate([np.stack(content, 1), np.stack(rows, 1)], axis=2)
-    return tab.astype(np.int64), (C, G)
+    return torch.cat([torch.stack(content, 1), torch.stack(rows, 1)], dim=2), (C, G)
+
+
+def _extent(end: Tensor, used: Tensor) -> int:
+    """The cache slots the rows with entries reach (``end`` where ``used > 0``; read)."""
+    return int(torch.where(used > 0, end, 0).max())
 
 
 def _level(keys: int, capacity: int, levels: int | None) -> int:
     """Cache slots a pass reads: what it needs, aligned; on a GPU one of ``levels``."""
     step = _ALIGN if levels is None else -(-capacity // levels)
     return min(capacity, -(-keys // step) * step)
+
+
+class HostCounts:
+    """What the host knows of the rows' commit counts ``c`` without waiting for the device.
+
+    After each pass the sampler hands over the new counts (a device tensor). On the CPU they
+    are read at once (reading waits for nothing). On a GPU (and under
+    :data:`STATIC_ON_CPU`) they are copied to pinned memory behind an event and read
+    ``lag`` passes late: the host waits at most for the pass before last while the last is
+    queued, so the device never idles on the host. Between reads each pass adds at most
+    ``most`` tokens to a row, which bounds the counts from above (:meth:`reach`).
+
+    Args:
+        counts: the counts before the first pass (host).
+        most: the most tokens a pass commits per row.
+        n: sequence length (a row with ``c >= n`` is done).
+        late: read the counts ``lag`` passes late (the GPU's way).
+    """
+
+    lag = 2
+
+    def __init__(self, counts: np.ndarray, most: int, n: int, late: bool, device) -> None:
+        self.known, self.at = counts.astype(np.int64).copy(), 0  # counts after ``at`` passes
+        self.most, self.n, self.passes = most, n, 0
+        self.late = late
+        cuda = torch.device(device).type == "cuda"
+        self.host = [torch.zeros(len(counts), dtype=torch.long, pin_memory=cuda) for _ in range(3)]
+        for h in self.host:
+            h._anyorder_host_staging = True  # host memory: reading it is no sync
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(3)]
+
+    def note(self, counts: Tensor) -> None:
+        """The counts after the pass just queued (a device tensor)."""
+        self.passes += 1
+        if not self.late:
+            self.known, self.at = counts.cpu().numpy(), self.passes
+            return
+        slot = self.passes % 3
+        self.host[slot].copy_(counts, non_blocking=True)
+        if self.events[slot] is not None:
+            self.events[slot].record()
+        if self.passes - self.lag >= 1:  # read the counts of the pass before last
+            old = (self.passes - self.lag) % 3
+            if self.events[old] is not None:
+                self.events[old].synchronize()  # done or nearly: one pass is still queued
+            self.known, self.at = self.host[old].numpy().copy(), self.passes - self.lag
+
+    def bound(self) -> np.ndarray:
+        """(B,) an upper bound of each row's count now."""
+        return np.minimum(self.known + self.most * (self.passes - self.at), self.n)
+
+    def reach(self) -> int:
+        """An upper bound of the count of every row that may still be decoding (0: none)."""
+        live = self.known < self.n
+        return int(self.bound()[live].max(initial=0))
+
+    def finished(self) -> bool:
+        """Whether every row is surely done: known done, or so since (a pass commits at
+        least one token of every row still decoding)."""
+        return bool((self.known + (self.passes - self.at) >= self.n).all())
 
 
 class Engine:
@@ -175,28 +255,56 @@ class Engine:
         self.widths = widths
         self.shapes: set[tuple] = set()  # (queries, keys) of every attention call
 
-    def run(self, order: np.ndarray, r: Round, tok: Tensor, start: int, first: bool) -> Tensor:
-        """Logits (B, J, V) of the pass's columns ``start..`` (chain, then queries)."""
-        widths = None if first or not self.static else self.widths
-        levels = None if first or not self.static else (2 if self.armd else 7)
+    def run(
+        self,
+        ext: Tensor,
+        r: Round,
+        tok: Tensor,
+        start: int,
+        first: bool,
+        reach: int | None = None,
+        widths: int | tuple[int, int] | None = None,
+    ) -> Tensor:
+        """Logits (B, J, V) of the pass's columns ``start..`` (chain, then queries).
+
+        Args:
+            ext: the rows' orders (:func:`extend`).
+            r: the pass of every row.
+            tok: the token buffer.
+            start: the first column returned.
+            first: the first pass (its own widths and keys).
+            reach: on a GPU, an upper bound of ``e`` over the rows with entries (from
+                :class:`HostCounts`); None: read from ``r`` (the CPU, the first pass).
+            widths: the widths of the first pass, when known (None: read from ``r``).
+        """
+        fixed = not first and self.static
+        widths = self.widths if fixed else widths
+        levels = (2 if self.armd else 7) if fixed else None
+        used = None if fixed and reach is not None else r.chain + r.queries
         if self.armd:
-            tab, (C, G) = armd_table(order, r, self.n, widths)
-            kc = _level(int((r.cc + C).max()), self.capacity, levels)
-            kq = _level(int((r.e + G).max()), self.capacity, levels)
-            if levels is not None:  # one level for both caches: two shapes per level
-                kc = kq = max(kc, kq)
+            tab, (C, G) = armd_table(ext, r, widths)
+            if used is None:  # one level for both caches (cc <= e): two shapes per level
+                kc = kq = _level(reach + max(C, G), self.capacity, levels)
+            else:  # exactly the slots the real entries need
+                content = (r.qtop - r.cc).clamp(min=0)
+                kc = _level(_extent(r.qtop, content), self.capacity, levels)
+                kq = _level(_extent(r.e + used, used), self.capacity, levels)
+                if levels is not None:
+                    kc = kq = max(kc, kq)
             group = Group((C, G), kc, kq)
-            group.has_empty = bool(tab[:, 3, C:].any())
+            # after the first pass every query row sees some content (the samplers commit
+            # a token per row and pass); where reading is free, look
+            group.has_empty = first or (not fixed and bool(tab[:, 3, C:].any()))
             self.shapes |= {(C + G, kc), (G, kc), (G, kq)}
             queries = slice(start, G)
         else:
-            tab = gpt_table(order, r, self.n, widths)
+            tab = gpt_table(ext, r, widths)
             T = tab.shape[2]
-            kk = _level(int((r.e + T).max()), self.capacity, levels)
+            end = reach + T if used is None else _extent(r.e + used, used)
+            kk = _level(end, self.capacity, levels)
             group = Group((T,), kk)
             self.shapes.add((T, kk))
             queries = slice(start, T)
-        tab = torch.from_numpy(tab).to(tok.device)
         return self.passes.run(tab, tok, group, queries=queries)
 
     def forget(self, keep: Tensor, keep_content: Tensor | None = None) -> None:

@@ -54,7 +54,7 @@ from anyorder.errors import SamplingError
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.sampling.draws import SampleResult, check_controls
-from anyorder.sampling.rounds import Engine, Round
+from anyorder.sampling.rounds import Engine, HostCounts, Round, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.verify import accept, draw, probabilities
 
@@ -141,82 +141,81 @@ def speculative_sample(
 
 
 def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_round):
-    """The loop: one pass per round until every row has committed all ``n`` slots."""
+    """The loop: one pass per round until every row has committed all ``n`` slots. The
+    rows' counters stay on the device; the host keeps only bounds (:class:`HostCounts`)."""
     B, n = tokens.shape
     device = tokens.device
     V = model.cfg.vocab_size
-    eng = Engine(model, B, n, k + 2 * K, (K, 2 * K - 1) if isinstance(model, ARMD) else 2 * K - 1)
-    order_np = order.cpu().numpy()
-    ext = torch.cat([order, torch.full((B, 1), n, device=device)], dim=1)  # slot n: padding
+    armd = isinstance(model, ARMD)
+    eng = Engine(model, B, n, k + 2 * K, (K, 2 * K - 1) if armd else 2 * K - 1)
+    host = HostCounts(np.full(B, k), K, n, eng.static, device)
+    ext = extend(order)
     tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], dim=1)
-    zero = np.zeros(B, dtype=np.int64)
-    c, e, cc, D = np.full(B, k, dtype=np.int64), zero.copy(), zero.copy(), zero.copy()
-    stats = SpeculativeStats(zero.copy(), zero.copy(), zero.copy(), zero.copy())
+    c = torch.full((B,), k, dtype=torch.long, device=device)
+    e, cc, D = torch.zeros_like(c), torch.zeros_like(c), torch.zeros_like(c)
+    counts = torch.zeros(4, B, dtype=torch.long, device=device)  # passes drafted accepted tokens
     p = torch.zeros(B, max(K - 1, 0), V, dtype=torch.float64, device=device)  # drafts' law
     step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=device)
     logits_buf = torch.zeros(B, n + 1, V, device=device) if keep_logits else None
     cols = torch.arange(max(K - 1, 0), device=device)
     passes = 0
-    while bool((c < n).any()):
-        active = c < n
-        r = _round(order_np, c, e, cc, D, K, n)
-        logits = eng.run(order_np, r, tok, int((c - e)[active].min()), passes == 0)
-        passes += 1
-        c_t, D_t = torch.from_numpy(c).to(device), torch.from_numpy(D).to(device)
-        dslot = (c_t[:, None] + cols).clamp(max=n)
+    while not host.finished():
+        live = c < n
+        first = passes == 0
+        r = _round(ext, c, e, cc, D, K, n)
+        start = k if first else 0  # the catch-up's prompt columns are not asked for
+        logits = eng.run(ext, r, tok, start, first, host.reach())
+        dslot = (c[:, None] + cols).clamp(max=n)
         drafts = tok.gather(1, ext.gather(1, dslot))  # (B, K-1) the drafts in the cache
         q = probabilities(logits, *ctl)  # (B, J, V)
-        m, closing = accept(q, p, drafts, D_t, generator)
-        live = torch.from_numpy(active).to(device)
+        m, closing = accept(q, p, drafts, D, generator)
         m = torch.where(live, m, 0)
-        close_pos = ext.gather(1, torch.where(live, c_t + m, n)[:, None])[:, 0]
+        close_pos = ext.gather(1, torch.where(live, c + m, n)[:, None])[:, 0]
         tok.scatter_(1, close_pos[:, None], closing[:, None])
         jj = torch.arange(logits.shape[1], device=device)
         done = (jj[None] <= m[:, None]) & live[:, None]  # (B, J) columns committed now
-        slots = torch.where(done, c_t[:, None] + jj, n)
-        step_of.scatter_(1, ext.gather(1, slots), passes - 1)
+        slots = torch.where(done, c[:, None] + jj, n)
+        step_of.scatter_(1, ext.gather(1, slots), passes)
         if logits_buf is not None:
             logits_buf.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
-        c_new = torch.where(live, c_t + m + 1, c_t)
+        c_new = torch.where(live, c + m + 1, c)
+        host.note(c_new)
         # every entry up to the commit is kept: ARMD's content one short of it (the closing
         # token is written by the next pass)
         eng.forget(c_new, (c_new - 1).clamp(min=0))
         if on_round is not None:
-            verified = ext.gather(1, torch.where(cols < D_t[:, None], dslot, n))
+            verified = ext.gather(1, torch.where(cols < D[:, None], dslot, n))
             on_round(
                 dict(positions=verified, tokens=drafts, accepted=m, position=close_pos,
                      token=closing)
             )  # fmt: skip
-        m_np = m.cpu().numpy()  # the one host sync of a round
-        c_next = c + np.where(active, m_np + 1, 0)
-        D_next = np.where(c_next < n, np.clip(n - 1 - c_next, 0, K - 1), 0)
+        D_next = torch.where(c_new < n, (n - 1 - c_new).clamp(0, K - 1), 0)
         p = _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, live)
         if on_step is not None:
-            decided = ext.gather(1, slots)[:, : int(m_np.max()) + 1]  # (B, Q), padding n
-            on_step(decided, tok.gather(1, decided), passes - 1)
-        stats.passes += active
-        stats.drafted += np.where(active, D, 0)
-        stats.accepted += np.where(active, m_np, 0)
-        stats.tokens += np.where(active, m_np + 1, 0)
-        c, e, D = c_next, c_next.copy(), D_next
-        cc = np.maximum(c - 1, 0) if eng.armd else c
+            decided = ext.gather(1, slots[:, :K])  # (B, K), padding n: at most K per pass
+            on_step(decided, tok.gather(1, decided), passes)
+        counts += torch.stack(
+            [live.long(), torch.where(live, D, 0), m, torch.where(live, m + 1, 0)]
+        )
+        c, e, D, passes = c_new, c_new, D_next, passes + 1
+        cc = (c - 1).clamp(min=0) if armd else c
     out = SampleResult(tok[:, :n].clone(), order, forward_passes=passes, step_of=step_of[:, :n])
     out.logits = None if logits_buf is None else logits_buf[:, :n]
-    out.extra["speculative"] = stats
+    out.extra["speculative"] = SpeculativeStats(*counts.cpu().numpy())
     out.extra["attention_shapes"] = sorted(eng.shapes)
     return out
 
 
-def _round(order, c, e, cc, D, K: int, n: int) -> Round:
+def _round(ext: Tensor, c: Tensor, e: Tensor, cc: Tensor, D: Tensor, K: int, n: int) -> Round:
     """A pass of every row: the chain of slots ``e..c+D`` (catch-up, then the verified
     drafts and the closing slot ``c+D``), and draft queries of the next ``K - 1`` slots."""
     active = c < n
-    top = np.where(active, c + D, e - 1)
-    nq = np.where(active, np.clip(n - 1 - top, 0, K - 1), 0)
-    i = np.arange(max(K - 1, 0))[None]
-    ahead = np.take_along_axis(order, np.clip(top[:, None] + 1 + i, 0, n - 1), 1)
-    targets = np.where(i < nq[:, None], ahead, -1)
-    return Round(e, cc, top, np.where(active, top, cc), targets)
+    top = torch.where(active, c + D, e - 1)
+    nq = torch.where(active, (n - 1 - top).clamp(0, K - 1), 0)
+    i = torch.arange(max(K - 1, 0), device=c.device)[None]
+    ahead = ext.gather(1, (top[:, None] + 1 + i).clamp(0, n - 1))
+    targets = torch.where(i < nq[:, None], ahead, -1)
+    return Round(e, cc, top, torch.where(active, top, cc), targets)
 
 
 def _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, live):
@@ -228,7 +227,7 @@ def _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, live):
         return p
     device = q.device
     i = torch.arange(Kd, device=device)
-    real = (i[None] < torch.from_numpy(D_next).to(device)[:, None]) & live[:, None]
+    real = (i[None] < D_next[:, None]) & live[:, None]
     cols = (m[:, None] + 1 + i).clamp(max=J - 1)
     law = q.gather(1, cols[..., None].expand(B, Kd, V))
     y = draw(law, real, generator)
