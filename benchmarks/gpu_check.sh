@@ -84,7 +84,7 @@ cp "$OUT/gpu_tests.log" "$OUT/gpu_tests.txt" 2>/dev/null
 run train_step 75 "$PY" benchmarks/train_step.py --device "$DEVICE" "${TRAIN[@]}" \
   --json "$OUT/train_step.json"
 # shellcheck disable=SC2046  # budget's words are flags
-run decode 100 "$PY" benchmarks/decode.py --device "$DEVICE" "${DECODE[@]}" --lemma1 \
+run decode 100 "$PY" benchmarks/decode.py --device "$DEVICE" "${DECODE[@]}" --lemma1 --speculative 4 \
   $(budget decode 60) --json "$OUT/decode.json"
 run train_compile 150 "$PY" benchmarks/train_step.py --device "$DEVICE" "${TRAIN[@]}" \
   "${COMPILE[@]}" --models gpt,aogpt,armd_half --no-peak --json "$OUT/train_compile.json"

@@ -86,6 +86,35 @@ def test_lemma1_packed_and_compacted_equals_the_oracle(kind: str, monkeypatch) -
     torch.testing.assert_close(out.logits.cpu(), ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["aogpt", "armd"])
+@pytest.mark.parametrize("K", [2, 4])
+def test_speculative_and_confidence_decoding_equal_the_oracle(kind: str, K: int) -> None:
+    """The loops decided one pass at a time, as a GPU runs them (fixed widths, key levels
+    from the counts read two passes late through pinned memory and events): every committed
+    token's logits are the uncached forward's for the final order; rows finish together."""
+    from anyorder.sampling.confidence import confidence_sample
+    from anyorder.sampling.rounds import HostCounts
+    from anyorder.sampling.speculative import speculative_sample
+
+    model, n, B = on_device(kind, seq_len=24), 24, 3
+    known = torch.zeros(B, n, dtype=torch.bool, device=DEVICE)
+    known[:, [2, 7, 15]] = True
+    tokens = torch.randint(0, 5, (B, n), generator=gen(4), device=DEVICE)
+    kw = dict(batch=B, prompt=tokens, known=known, keep_logits=True)
+    for out in (
+        speculative_sample(model, n, K, generator=gen(5), **kw),
+        confidence_sample(model, n, speculative=K, generator=gen(6), **kw),
+    ):
+        ref = model(out.tokens, out.order)
+        torch.testing.assert_close(out.logits[:, 3:], ref[:, 3:], atol=ATOL, rtol=0)
+        assert torch.equal(out.tokens[known], tokens[known])
+        stats = out.extra["speculative"]
+        assert (stats.passes <= stats.tokens).all() and (stats.tokens == n - 3).all()
+        late = HostCounts.lag if DEVICE.type == "cuda" else 0
+        assert stats.passes.max() <= out.forward_passes <= stats.passes.max() + late
+        assert len(out.extra["attention_shapes"]) <= 8 or DEVICE.type == "cpu"
+
+
 def test_aogpt_with_queries_at_targets_decodes_like_its_forward() -> None:
     model = on_device("aogpt", pos_emb="rope", rope_query="target")
     out = sequential_sample(model, N, batch=3, generator=gen(2), keep_logits=True)
