@@ -160,6 +160,31 @@ def test_round_events_rebuild_the_sample_and_its_counts(models, kind: str, body:
         assert any(row["closing"] is None for rnd, _ in pairs for row in rnd["rows"])
 
 
+def test_one_token_per_pass_has_no_drafts(models) -> None:
+    """K = 1 is the sequential sampler: every round has no drafts and closes with a draw."""
+    body = {"text": "ab", "mode": "l2r", "length": 10, "speculative": 1, "seed": 3}
+    server = Running(models["aogpt"][1])
+    try:
+        status, text = server.post(body)
+    finally:
+        server.close()
+    events = parse_sse(text)
+    rounds = [d for e, d in events if e == "round"]
+    assert status == 200 and len(rounds) == 8
+    for i, rnd in enumerate(rounds):
+        (row,) = rnd["rows"]
+        assert row["drafts"] == [] and row["accepted"] == 0 and not row["replaced"]
+        assert row["closing"][0] == 2 + i  # left to right after the prompt
+    assert events[-1][1]["speculative"] == {
+        "passes": [8],
+        "drafted": [0],
+        "accepted": [0],
+        "tokens": [8],
+    }
+    result, _, _ = direct(models["aogpt"][1], body)
+    assert events[-1][1]["tokens"] == result.tokens.tolist()
+
+
 def test_plain_modes_send_no_rounds(models) -> None:
     server = Running(models["armd"][1])
     try:

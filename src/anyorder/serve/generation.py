@@ -305,15 +305,17 @@ class _Rounds:
     def hook(self, r: dict[str, Tensor]) -> None:
         """``on_round``: per row, the verified drafts, how many were accepted (a prefix) and
         the closing token; a finished row has no drafts and no closing token."""
-        pos, toks = r["positions"].tolist(), r["tokens"].tolist()
-        accepted, close_pos, close_tok = (r[k].tolist() for k in ("accepted", "position", "token"))
+        D = r["positions"].shape[1]
+        closing = [r[k].long()[:, None] for k in ("accepted", "position", "token")]
+        # one copy to the host: (B, 2D + 3) = drafts' positions, their tokens, m, closing
+        table = torch.cat([r["positions"].long(), r["tokens"].long(), *closing], 1).tolist()
         rows = []
-        for i, (pr, tr) in enumerate(zip(pos, toks)):
-            drafts = [[p, t, _piece(self.tok, t)] for p, t in zip(pr, tr) if p < self.n]
-            if close_pos[i] >= self.n:  # finished before this pass
+        for line in table:
+            pr, tr, (m, p, t) = line[:D], line[D : 2 * D], line[2 * D :]
+            drafts = [[q, y, _piece(self.tok, y)] for q, y in zip(pr, tr) if q < self.n]
+            if p >= self.n:  # finished before this pass
                 rows.append({"drafts": [], "accepted": 0, "closing": None, "replaced": False})
                 continue
-            m, p, t = accepted[i], close_pos[i], close_tok[i]
             rows.append(
                 {
                     "drafts": drafts,
