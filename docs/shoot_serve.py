@@ -4,10 +4,12 @@
 
     .venv/bin/python docs/shoot_serve.py                 # the main job's model (runs/demo)
     .venv/bin/python docs/shoot_serve.py CHECKPOINT --out docs/img/serve.png
+    .venv/bin/python docs/shoot_serve.py --speculative 4 --out docs/img/serve-speculative.png
 
 Needs Debian's ``chromium`` and the ``playwright`` package (the dev extras); it starts the
-server in this process on a free port, fills in a template, generates with Lemma-1 steps and
-a fixed seed, and saves the finished page.
+server in this process on a free port, fills in a template, generates with Lemma-1 steps (or
+speculatively in random order, ``--speculative K``) and a fixed seed, and saves the finished
+page.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
 TEMPLATE = "The [MASK:24] statement is used to [MASK:48]. It is [MASK:16] when the loop ends.\n"
+# 119 tokens: it fits a context of 128
+SPECULATIVE_TEMPLATE = (
+    "The [MASK:16] statement is used to [MASK:32]. It is [MASK:12] when the loop ends.\n"
+)
 
 
 def main() -> None:
@@ -29,10 +35,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", nargs="?", default=DEFAULT_CHECKPOINT)
     p.add_argument("--out", default=str(DOCS / "img" / "serve.png"))
-    p.add_argument("--template", default=TEMPLATE)
+    p.add_argument("--template", default=None, help="default: TEMPLATE (SPECULATIVE_TEMPLATE)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative", type=int, default=None, metavar="K")
     args = p.parse_args()
+    if args.template is None:
+        args.template = TEMPLATE if args.speculative is None else SPECULATIVE_TEMPLATE
 
     server = make_server(App(load_any(args.checkpoint)), "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -48,8 +57,13 @@ def main() -> None:
             page.goto(url)
             page.wait_for_selector("body[data-state=ready]")
             page.fill("#text", args.template)
-            page.select_option("#mode", "lemma1")
-            page.fill("#steps", str(args.steps))
+            if args.speculative is None:
+                page.select_option("#mode", "lemma1")
+                page.fill("#steps", str(args.steps))
+            else:
+                page.select_option("#mode", "random")
+                page.check("#speculative")
+                page.fill("#draft", str(args.speculative))
             page.fill("#seed", str(args.seed))
             page.fill("#temperature", "0.8")
             page.click("#generate")

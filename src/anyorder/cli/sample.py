@@ -411,6 +411,12 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     p.add_argument("--max-samples", type=int, default=4, help="samples per request at most")
     p.add_argument(
+        "--max-draft",
+        type=int,
+        default=16,
+        help="largest K a speculative request may ask for (tokens one pass commits)",
+    )
+    p.add_argument(
         "--time-limit", type=float, default=60.0, help="seconds per request at most (wall clock)"
     )
     p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="default: ema")
@@ -424,7 +430,7 @@ def add_serve(p: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from anyorder.bounds import MAX_NUM_SAMPLES
     from anyorder.errors import ConfigError
-    from anyorder.serve import MAX_TIME_LIMIT_S, Limits, serve
+    from anyorder.serve import MAX_DRAFT, MAX_TIME_LIMIT_S, Limits, serve
 
     if not 1 <= args.max_samples <= MAX_NUM_SAMPLES:
         raise ConfigError(f"--max-samples {args.max_samples} must lie in 1..{MAX_NUM_SAMPLES}")
@@ -433,9 +439,16 @@ def run_serve(args: argparse.Namespace) -> int:
             f"--time-limit {args.time_limit:g} must be a number of seconds above 0 and at most "
             f"{MAX_TIME_LIMIT_S:g} (a day)"
         )
+    if not 1 <= args.max_draft <= MAX_DRAFT:
+        raise ConfigError(
+            f"--max-draft {args.max_draft} must lie in 1..{MAX_DRAFT} (the largest K, in tokens "
+            "per pass, a speculative request may ask for)"
+        )
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port} must lie in 0..65535 (0: any free port)")
-    limits = Limits(max_samples=args.max_samples, time_limit_s=args.time_limit)
+    limits = Limits(
+        max_samples=args.max_samples, time_limit_s=args.time_limit, max_draft=args.max_draft
+    )
     serve(
         args.checkpoint,
         host=args.host,

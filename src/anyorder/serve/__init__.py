@@ -12,7 +12,9 @@ Design choices:
   answered while a generation runs.
 * The stream *is* the sampler: one ``step`` event per call of the sampler's ``on_step``
   hook, so the events rebuild its :class:`~anyorder.sample.SampleResult` exactly (tokens
-  and ``step_of``); ``done`` carries the result itself.
+  and ``step_of``); ``done`` carries the result itself. Speculative decoding adds a
+  ``round`` event per pass from the sampler's ``on_round`` hook (drafts checked, accepted,
+  replaced), which the page shows as it happens.
 * Validation is the sampler's: the response headers are sent at the first pass, so every
   :class:`~anyorder.errors.AnyorderError` raised before it (a bad template, a length over
   the context, a mode the model cannot run) becomes a 400 with its one-line message, and
@@ -30,7 +32,7 @@ Design choices:
 
 Endpoints: ``GET /`` (the page), ``GET /static/<file>``, ``GET /api/info`` (the model and
 the limits), ``POST /api/generate`` (JSON in, ``text/event-stream`` out: ``start``,
-``step``..., then ``done`` or ``error``).
+``step``... (each after its ``round`` when speculative), then ``done`` or ``error``).
 
 Modules: :mod:`~anyorder.serve.generation` (one request: checks, the sampler's arguments,
 the run and its events), :mod:`~anyorder.serve.server` (the HTTP server and the page),
@@ -39,6 +41,7 @@ the run and its events), :mod:`~anyorder.serve.server` (the HTTP server and the 
 """
 
 from anyorder.serve.generation import (
+    MAX_DRAFT,
     MAX_TIME_LIMIT_S,
     MODES,
     MODES_OF_KIND,
@@ -54,6 +57,7 @@ from anyorder.serve.server import DEFAULT_CHECKPOINT, STATIC, App, make_server, 
 
 __all__ = [
     "DEFAULT_CHECKPOINT",
+    "MAX_DRAFT",
     "MAX_TIME_LIMIT_S",
     "MODES",
     "MODES_OF_KIND",

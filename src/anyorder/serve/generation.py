@@ -7,6 +7,12 @@ Design choices:
 * The stream *is* the sampler: one ``step`` event per call of the sampler's ``on_step``
   hook, so the events rebuild its :class:`~anyorder.sample.SampleResult` exactly (tokens
   and ``step_of``); ``done`` carries the result itself.
+* Speculative decoding (``speculative=K``) adds a ``round`` event before each ``step``,
+  from the sampler's ``on_round`` hook: the drafts the pass verified, how many it accepted
+  and the token that closed the round (a replacement after a rejection, else a bonus
+  draw), with running totals; its accepted drafts and closing token are exactly the
+  positions of the ``step`` event that follows, and ``done`` adds the per-sample
+  :class:`~anyorder.sample.SpeculativeStats`.
 * Validation is the sampler's: nothing is emitted before its first pass, so every
   :class:`~anyorder.errors.AnyorderError` raised before it propagates with no event sent
   (the server answers it with a 400), and no second copy of those checks exists here.
@@ -46,6 +52,13 @@ MODES_OF_KIND = {
 }
 
 
+SPECULATIVE_KINDS = ("aogpt", "armd")
+"""The models that draft positions ahead, so can decode speculatively."""
+SPECULATIVE_MODES = ("l2r", "random")
+"""The modes speculative decoding follows: one order, one exact token at a time."""
+MAX_DRAFT = 64
+"""The largest ``--max-draft`` ``anyorder serve`` takes: each pass's widths grow with K."""
+
 MAX_TIME_LIMIT_S = 86400.0
 """The longest time limit ``anyorder serve --time-limit`` takes (a day): a finite bound, so
 that every generation ends."""
@@ -63,6 +76,8 @@ class Limits:
     """Largest request body."""
     max_delay_ms: int = 500
     """Longest slow-motion pause per pass."""
+    max_draft: int = 16
+    """Largest ``speculative`` K (tokens one pass may commit; a pass's width grows with it)."""
     max_concurrent: int = 1
     """Generations running at once; more get 429."""
     max_connections: int = 32
@@ -92,6 +107,10 @@ class GenRequest:
     """``S`` for ``strided``."""
     steps: int | None = None
     """``T`` for ``lemma1``."""
+    speculative: int | None = None
+    """``K`` for speculative decoding (modes ``l2r`` and ``random``, aogpt and armd): each
+    pass verifies the last pass's drafts and drafts the next, at most ``K`` tokens per pass,
+    with the law of one token per pass."""
     length: int | None = None
     """Tokens per sample, prompt included (default: the model's context); a template sets
     its own length and ignores this."""
@@ -112,6 +131,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "mode": (str,),
     "streams": (int,),
     "steps": (int,),
+    "speculative": (int,),
     "length": (int,),
     "temperature": (int, float),
     "top_p": (int, float),
@@ -119,7 +139,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "num_samples": (int,),
     "delay_ms": (int,),
 }
-_OPTIONAL = {"streams", "steps", "length", "top_p"}
+_OPTIONAL = {"streams", "steps", "speculative", "length", "top_p"}
 
 
 def _encodable(text: str) -> bool:
@@ -165,6 +185,8 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
         raise SamplingError("mode strided needs the number of streams S (field streams)")
     if req.mode == "lemma1" and req.steps is None:
         raise SamplingError("mode lemma1 needs the number of steps T (field steps)")
+    if req.speculative is not None:
+        _check_speculative(req, limits)
     bounds.check_controls(
         temperature=req.temperature, top_p=req.top_p, num_samples=req.num_samples,
         seed=req.seed, steps=req.steps, length=req.length, max_samples=limits.max_samples,
@@ -173,6 +195,27 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
     if not 0 <= req.delay_ms <= limits.max_delay_ms:
         raise SamplingError(f"delay_ms={req.delay_ms} must lie in 0..{limits.max_delay_ms}")
     return req
+
+
+def _check_speculative(req: GenRequest, limits: Limits) -> None:
+    """``speculative``: K in ``1..max_draft``, with an order of one exact token per pass."""
+    k = req.speculative
+    if not 1 <= k <= limits.max_draft:
+        shown = str(k) if len(str(k)) <= 30 else f"{str(k)[:20]}... ({len(str(k))} digits)"
+        raise SamplingError(
+            f"speculative={shown} must lie in 1..{limits.max_draft} (this server's limit; K is "
+            "the most tokens one pass commits), e.g. 4"
+        )
+    if req.mode not in SPECULATIVE_MODES:
+        raise SamplingError(
+            f"speculative decoding follows one order, one exact token at a time: use mode "
+            f"random or l2r, not {req.mode}"
+        )
+    if req.steps is not None or req.streams is not None:
+        raise SamplingError(
+            "speculative decoding takes no steps or streams (K sets the tokens per pass); "
+            "leave them out"
+        )
 
 
 @dataclass
@@ -227,7 +270,14 @@ def plan_request(loaded: Loaded, req: GenRequest) -> Plan:
     )
     k = 0 if known is None else int(known.sum())
     total = n - k
-    if req.mode in ("l2r", "random"):
+    if req.speculative is not None:
+        if model.kind not in SPECULATIVE_KINDS:
+            raise SamplingError(
+                f"speculative decoding needs a model that drafts positions ahead (aogpt or "
+                f"armd); this one is {model.kind}: leave speculative out"
+            )
+        kwargs.update(order=req.mode, speculative=req.speculative)
+    elif req.mode in ("l2r", "random"):
         kwargs["order"] = req.mode
     elif req.mode == "lemma1":
         kwargs.update(order="random", steps=req.steps)
@@ -241,6 +291,48 @@ def plan_request(loaded: Loaded, req: GenRequest) -> Plan:
 
 def _piece(tok: Any, token: int) -> str:
     return tok.decode([token])
+
+
+class _Rounds:
+    """The ``round`` events of a speculative decode, from the sampler's ``on_round`` hook
+    (called before ``on_step`` in the same pass)."""
+
+    def __init__(self, tok: Any, n: int) -> None:
+        self.tok, self.n = tok, n
+        self.totals = {"passes": 0, "drafted": 0, "accepted": 0, "tokens": 0}
+        self.rows: list[dict[str, Any]] | None = None
+
+    def hook(self, r: dict[str, Tensor]) -> None:
+        """``on_round``: per row, the verified drafts, how many were accepted (a prefix) and
+        the closing token; a finished row has no drafts and no closing token."""
+        D = r["positions"].shape[1]
+        closing = [r[k].long()[:, None] for k in ("accepted", "position", "token")]
+        # one copy to the host: (B, 2D + 3) = drafts' positions, their tokens, m, closing
+        table = torch.cat([r["positions"].long(), r["tokens"].long(), *closing], 1).tolist()
+        rows = []
+        for line in table:
+            pr, tr, (m, p, t) = line[:D], line[D : 2 * D], line[2 * D :]
+            drafts = [[q, y, _piece(self.tok, y)] for q, y in zip(pr, tr) if q < self.n]
+            if p >= self.n:  # finished before this pass
+                rows.append({"drafts": [], "accepted": 0, "closing": None, "replaced": False})
+                continue
+            rows.append(
+                {
+                    "drafts": drafts,
+                    "accepted": m,
+                    "closing": [p, t, _piece(self.tok, t)],
+                    "replaced": m < len(drafts),  # a rejection, else a bonus draw
+                }
+            )
+            for key, add in (("passes", 1), ("drafted", len(drafts)), ("accepted", m)):
+                self.totals[key] += add
+            self.totals["tokens"] += m + 1
+        self.rows = rows
+
+    def event(self, step: int, passes: int) -> dict[str, Any]:
+        """The ``round`` event of the pass that just ran (then forgotten)."""
+        rows, self.rows = self.rows, None
+        return {"step": step, "pass": passes, "rows": rows, **self.totals}
 
 
 def run_generation(
@@ -263,7 +355,8 @@ def run_generation(
     generation slot there, so a client that reads ``done`` and asks again is not refused.
 
     Events: ``start`` (sizes, the prompt) and ``step`` (one per sampler pass) from inside the
-    sampler's ``on_step`` hook, then ``done`` (the texts and the whole result). Nothing is
+    sampler's ``on_step`` hook (speculative decoding: a ``round`` event before each
+    ``step``), then ``done`` (the texts and the whole result). Nothing is
     emitted before the sampler's first pass, so an error raised by the checks propagates
     with no event sent.
 
@@ -271,8 +364,6 @@ def run_generation(
         AnyorderError: the request is invalid (before any event), or
         LimitError: the time limit ran out (after some events).
     """
-    from anyorder.sample import sample
-
     model, tok = loaded.model, loaded.tokenizer
     t0 = time.perf_counter() if started is None else started
     plan = plan_request(loaded, req) if plan is None else plan
@@ -282,6 +373,7 @@ def run_generation(
     known_pos = [] if known is None else known.nonzero()[:, 0].tolist()
     prompt_cells = [[p, int(prompt[p]), _piece(tok, int(prompt[p]))] for p in known_pos]
     state = {"passes": 0, "generated": 0, "slept": 0.0}
+    rounds = _Rounds(tok, n) if "speculative" in plan.kwargs else None
 
     def over_time() -> None:
         now = time.perf_counter()
@@ -300,6 +392,7 @@ def run_generation(
                     "n": n,
                     "num_samples": req.num_samples,
                     "mode": req.mode,
+                    "speculative": req.speculative,
                     "total_steps": plan.total_steps,
                     "eos_id": tok.eos_id,
                     "prompt": prompt_cells,
@@ -310,6 +403,8 @@ def run_generation(
         ]
         state["passes"] += 1
         state["generated"] += sum(len(r) for r in rows)
+        if rounds is not None:
+            emit("round", rounds.event(step, state["passes"]))
         now = time.perf_counter()
         emit(
             "step",
@@ -331,7 +426,7 @@ def run_generation(
     gen = torch.Generator(device).manual_seed(req.seed)
     over_time()  # before the sampler plans the request (a slow body or tokenizer counts)
     with ctx:
-        result = sample(model, n, generator=gen, on_step=on_step, **plan.kwargs)
+        result = _sample(model, n, plan, gen, on_step, rounds)
     seconds = time.perf_counter() - t0 - state["slept"]
     done = _done_event(tok, result, None if plan.template else tok.eos_id, seconds)
     if on_finished is not None:
@@ -340,13 +435,27 @@ def run_generation(
     return done
 
 
+def _sample(model: Any, n: int, plan: Plan, gen: torch.Generator, on_step, rounds) -> Any:
+    """The sampler the plan asks for: :func:`~anyorder.sample.sample`, or the speculative
+    sampler with the ``round`` events' hook."""
+    from anyorder.sample import sample, speculative_sample
+
+    if rounds is None:
+        return sample(model, n, generator=gen, on_step=on_step, **plan.kwargs)
+    kwargs = dict(plan.kwargs)
+    K = kwargs.pop("speculative")
+    return speculative_sample(
+        model, n, K, generator=gen, on_step=on_step, on_round=rounds.hook, **kwargs
+    )
+
+
 def _done_event(tok: Any, result: Any, eos: int | None, seconds: float) -> dict[str, Any]:
     """The ``done`` event: the texts (cut at ``eos`` unless None) and the whole result."""
     from anyorder.sample import decode_text
 
     tokens = result.tokens.cpu()
     generated = int((result.step_of >= 0).sum())
-    return {
+    out = {
         "texts": [decode_text(tok, row, eos) for row in tokens],
         "tokens": tokens.tolist(),
         "step_of": result.step_of.cpu().tolist(),
@@ -356,3 +465,8 @@ def _done_event(tok: Any, result: Any, eos: int | None, seconds: float) -> dict[
         "seconds": seconds,
         "tokens_per_s": generated / max(seconds, 1e-9),
     }
+    stats = result.extra.get("speculative")
+    if stats is not None:  # per sample
+        keys = ("passes", "drafted", "accepted", "tokens")
+        out["speculative"] = {k: getattr(stats, k).tolist() for k in keys}
+    return out

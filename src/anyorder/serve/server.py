@@ -46,6 +46,7 @@ from anyorder.errors import AnyorderError, CheckpointError, SamplingError
 from anyorder.serve.generation import (
     MODES,
     MODES_OF_KIND,
+    SPECULATIVE_KINDS,
     GenRequest,
     LimitError,
     Limits,
@@ -95,6 +96,7 @@ class App:
             "step": self.loaded.step,
             "path": str(self.loaded.path),
             "modes": list(MODES_OF_KIND.get(m.kind, MODES)),
+            "speculative": m.kind in SPECULATIVE_KINDS,
             "limits": asdict(self.limits),
         }
 

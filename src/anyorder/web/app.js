@@ -1,11 +1,43 @@
 // The page of `anyorder serve`. It never samples: it sends the request, then draws the
-// server-sent events of the real sampler (start, one step per forward pass, done/error).
+// server-sent events of the real sampler (start, one step per forward pass, done/error;
+// speculative decoding: a round before each step, with the drafts the pass checked).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 let info = null;
 let controller = null;
-let run = null; // the generation on screen: {n, total, eos, cells, t0}
+let run = null; // the generation on screen: {n, total, eos, cells, t0, speculative, round, hold}
+const SPECULATIVE_MODES = ["l2r", "random"];
+let slowMotion = 0; // the request's delay_ms
+
+// Events are drawn in order; in slow motion a round's drafts stay on screen (pending) for
+// part of the pause before its verdict (the step event that follows) is drawn.
+const queue = [];
+let holding = false;
+
+function drain() {
+  while (!holding && queue.length) {
+    const [event, data] = queue.shift();
+    handle(event, data);
+  }
+}
+
+function enqueue(event, data) {
+  queue.push([event, data]);
+  drain();
+}
+
+function hold(ms) {
+  holding = true;
+  setTimeout(() => {
+    holding = false;
+    drain();
+  }, ms);
+}
+
+async function drained() {
+  while (holding || queue.length) await new Promise((r) => setTimeout(r, 20));
+}
 
 function setState(state, text) {
   document.body.dataset.state = state;
@@ -43,10 +75,18 @@ function isTemplate() {
   return $("text").value.includes("[MASK");
 }
 
+function speculativeOn() {
+  return Boolean(info && info.speculative) && SPECULATIVE_MODES.includes($("mode").value) &&
+    $("speculative").checked;
+}
+
 function syncModeInputs() {
   const mode = $("mode").value;
   $("streams-box").hidden = mode !== "strided";
   $("steps-box").hidden = mode !== "lemma1";
+  // speculative decoding follows one order (l2r or random) on a model that drafts ahead
+  $("spec-box").hidden = !(info && info.speculative) || !SPECULATIVE_MODES.includes(mode);
+  $("draft-box").hidden = !speculativeOn();
   // A template sets its own length (its text plus its holes): no field to ignore.
   $("length-box").hidden = isTemplate();
   $("length-note").hidden = !isTemplate();
@@ -71,6 +111,7 @@ async function loadInfo() {
   $("length").value = Math.min(128, info.seq_len);
   $("samples").max = info.limits.max_samples;
   $("delay").max = info.limits.max_delay_ms;
+  $("draft").max = info.limits.max_draft;
   syncModeInputs();
   setState("ready");
 }
@@ -88,6 +129,7 @@ function requestBody() {
     mode,
     streams: mode === "strided" ? number("streams", Number) : null,
     steps: mode === "lemma1" ? number("steps", Number) : null,
+    speculative: speculativeOn() ? number("draft", Number) : null,
     length: isTemplate() ? null : number("length", Number),
     temperature: number("temperature", parseFloat) ?? 1.0,
     top_p: topP === null || topP >= 1 ? null : topP,
@@ -98,7 +140,10 @@ function requestBody() {
 }
 
 function onStart(d) {
-  run = { n: d.n, total: d.total_steps, eos: d.eos_id, cells: [], t0: performance.now() };
+  run = {
+    n: d.n, total: d.total_steps, eos: d.eos_id, cells: [], t0: performance.now(),
+    speculative: d.speculative, round: null, hold: slowMotion > 0 ? Math.min(slowMotion / 2, 250) : 0,
+  };
   const out = $("samples-out");
   out.textContent = "";
   for (let i = 0; i < d.num_samples; i++) {
@@ -135,10 +180,70 @@ function onStart(d) {
   }
   $("legend-first").textContent = "1";
   $("legend-last").textContent = String(d.total_steps);
-  $("legend").hidden = false;
+  $("legend").hidden = Boolean(d.speculative);
+  $("spec-legend").hidden = !d.speculative;
+  $("spec-counter").hidden = !d.speculative;
+  $("spec-counter").textContent = `speculative, K = ${d.speculative}`;
+}
+
+function specCounter(passes, drafted, accepted) {
+  const rate = drafted ? ` (${Math.round((100 * accepted) / drafted)}%)` : "";
+  $("spec-counter").textContent =
+    `${passes} passes / ${drafted} drafted / ${accepted} accepted${rate}`;
+}
+
+// A speculative round: the drafts this pass checked, shown pending until its step event
+// draws the verdict.
+function onRound(d) {
+  d.rows.forEach((row, i) => {
+    for (const [p, tok, piece] of row.drafts) {
+      const c = run.cells[i][p];
+      c.className = "cell drafted";
+      c.textContent = visible(piece, tok);
+      c.style.background = "";
+      c.title = `position ${p}: drafted ${tok}, being checked in pass ${d.pass}`;
+    }
+  });
+  run.round = d;
+  specCounter(d.passes, d.drafted, d.accepted);
+  if (run.hold > 0) hold(run.hold);
+}
+
+// The verdict of a round on one sample's decided cell: accepted draft, or the token that
+// closed the round (replacing a rejected draft, or a bonus draw when all were accepted).
+function drawVerdict(c, row, p, tok, piece, pass) {
+  const closing = row.closing && row.closing[0] === p;
+  c.style.background = "";
+  if (!closing) {
+    c.className = "cell decided accepted";
+    c.title = `position ${p}: draft ${tok} accepted in pass ${pass}`;
+  } else if (row.replaced) {
+    const draft = row.drafts[row.accepted];
+    const s = document.createElement("s");
+    s.textContent = visible(draft[2], draft[1]);
+    c.className = "cell decided replaced closing";
+    c.textContent = "";
+    c.append(s, visible(piece, tok));
+    c.title = `position ${p}: draft ${draft[1]} rejected in pass ${pass}, replaced by ${tok}`;
+  } else {
+    c.className = "cell decided bonus closing";
+    const why = row.drafts.length ? "every draft accepted" : "no drafts to check";
+    c.title = `position ${p}: token ${tok} drawn in pass ${pass} (${why})`;
+  }
+}
+
+// Drafts after a rejected one are thrown away: struck through until decided later.
+function drawDiscarded(cells, row, pass) {
+  for (const [p, tok, piece] of row.drafts.slice(row.accepted + 1)) {
+    cells[p].className = "cell discarded";
+    cells[p].textContent = visible(piece, tok);
+    cells[p].title = `position ${p}: draft ${tok} discarded in pass ${pass} (after a rejection)`;
+  }
 }
 
 function onStep(d) {
+  const round = run.round;
+  run.round = null;
   d.rows.forEach((row, i) => {
     for (const [p, tok, piece] of row) {
       const c = run.cells[i][p];
@@ -146,7 +251,9 @@ function onStep(d) {
       c.textContent = visible(piece, tok);
       c.style.background = stepColour(d.step, run.total);
       c.title = `position ${p}: step ${d.step + 1} of ${run.total} (pass ${d.pass}), token ${tok}`;
+      if (round) drawVerdict(c, round.rows[i], p, tok, piece, d.pass);
     }
+    if (round && round.rows[i].replaced) drawDiscarded(run.cells[i], round.rows[i], d.pass);
   });
   $("step-counter").textContent = `step ${d.step + 1} / ${run.total}`;
   $("passes").textContent = `${d.pass} forward passes, ${d.generated} tokens`;
@@ -161,6 +268,11 @@ function onDone(d) {
     $(`copy-${i}`).addEventListener("click", () => copyText(i));
   });
   $("passes").textContent = `${d.forward_passes} forward passes, ${d.generated} tokens`;
+  if (d.speculative) {
+    const sum = (xs) => xs.reduce((a, b) => a + b, 0);
+    const s = d.speculative;
+    specCounter(sum(s.passes), sum(s.drafted), sum(s.accepted));
+  }
   $("rate").textContent = `${Math.round(d.tokens_per_s).toLocaleString("en")} tokens/s`;
   setState("done", `done in ${d.seconds.toFixed(2)} s`);
 }
@@ -179,6 +291,7 @@ async function copyText(i) {
 
 function handle(event, data) {
   if (event === "start") onStart(data);
+  else if (event === "round") onRound(data);
   else if (event === "step") onStep(data);
   else if (event === "done") onDone(data);
   else if (event === "error") {
@@ -201,8 +314,11 @@ function parseEvent(chunk) {
 async function generate(ev) {
   ev.preventDefault();
   clearError();
+  queue.length = 0;
   $("samples-out").textContent = "";
   $("legend").hidden = true;
+  $("spec-legend").hidden = true;
+  $("spec-counter").hidden = true;
   $("step-counter").textContent = "step –";
   $("passes").textContent = "–";
   $("rate").textContent = "– tokens/s";
@@ -210,11 +326,13 @@ async function generate(ev) {
   $("generate").disabled = true;
   $("stop").disabled = false;
   controller = new AbortController();
+  const body = requestBody();
+  slowMotion = body.delay_ms || 0;
   try {
     const r = await fetch("/api/generate", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify(requestBody()),
+      body: JSON.stringify(body),
       signal: controller.signal,
     });
     if (!r.ok) {
@@ -239,15 +357,19 @@ async function generate(ev) {
       while ((cut = buffer.indexOf("\n\n")) >= 0) {
         const [event, data] = parseEvent(buffer.slice(0, cut));
         buffer = buffer.slice(cut + 2);
-        handle(event, data);
+        enqueue(event, data);
       }
     }
+    await drained();
     if (document.body.dataset.state === "running") {
       showError("the stream ended before the sample was finished");
       setState("error");
     }
   } catch (e) {
-    if (e.name === "AbortError") setState("stopped", "stopped");
+    if (e.name === "AbortError") {
+      queue.length = 0;
+      setState("stopped", "stopped");
+    }
     else {
       showError(`cannot reach the server: ${e.message}`);
       setState("error");
@@ -262,5 +384,6 @@ async function generate(ev) {
 $("form").addEventListener("submit", generate);
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("mode").addEventListener("change", syncModeInputs);
+$("speculative").addEventListener("change", syncModeInputs);
 $("text").addEventListener("input", syncModeInputs);
 loadInfo();
