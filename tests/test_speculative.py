@@ -235,6 +235,27 @@ def test_speculative_errors() -> None:
         speculative_sample(tiny_model("aogpt"), 8, 0)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_huge_draft_count_acts_as_the_slots_left(kind) -> None:
+    """K = 10**30 (a user's typo) decodes as K = the slots to decode: the same tokens, no
+    memory asked for K (the passes' widths and the cache grow with K)."""
+    from anyorder.sampling.confidence import confidence_sample
+
+    model = _moved(tiny_model(kind, vocab_size=5), 3)
+    tokens = torch.randint(0, 5, (2, 12), generator=torch.Generator().manual_seed(0))
+    known = torch.zeros(2, 12, dtype=torch.bool)
+    known[:, :4] = True
+    kw = dict(batch=2, prompt=tokens, known=known)
+    for fn in (
+        lambda K, g: speculative_sample(model, 12, K, generator=g, **kw),
+        lambda K, g: confidence_sample(model, 12, K, speculative=K, subset=K, generator=g, **kw),
+        lambda K, g: confidence_sample(model, 12, K, subset=K, generator=g, **kw),
+    ):
+        a = fn(10**30, torch.Generator().manual_seed(1))
+        b = fn(8, torch.Generator().manual_seed(1))
+        assert torch.equal(a.tokens, b.tokens) and a.forward_passes == b.forward_passes
+
+
 # ----------------------------------------------------------------------------- CLI and API
 
 

@@ -148,6 +148,10 @@ def confidence_sample(
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise SamplingError(f"confidence order: {name}={v} must be an integer >= 1")
     tokens, _, order, k = _prepare(model, n, batch, prompt, known, "l2r", generator)
+    # counts above the slots to decode act as that many (and keep the passes' widths finite)
+    left = max(n - k, 1)
+    per_pass, subset = min(per_pass, left), None if subset is None else min(subset, left)
+    speculative = None if speculative is None else min(speculative, left)
     ctl = (temperature, top_k, top_p)
     run = _Decode(model, tokens, order, k, ctl, generator, subset, keep_logits)
     return run.speculative(speculative) if speculative else run.parallel(per_pass)

@@ -111,7 +111,8 @@ def speculative_sample(
     Args:
         model: ``aogpt`` (any variant) or ``armd``.
         n: sequence length.
-        draft: ``K``, the most tokens one pass commits (``K = 1``: the sequential sampler).
+        draft: ``K``, the most tokens one pass commits (``K = 1``: the sequential sampler;
+            a ``K`` above the slots to decode acts as that many).
         batch, order, prompt, known, temperature, top_k, top_p, generator, keep_logits:
             as :func:`~anyorder.sampling.samplers.sequential_sample`.
         on_step: called after each pass with the committed positions and tokens (B, Q)
@@ -136,6 +137,7 @@ def speculative_sample(
     if isinstance(draft, bool) or not isinstance(draft, int) or draft < 1:
         raise SamplingError(f"--speculative K={draft} must be an integer >= 1 (tokens per pass)")
     tokens, _, order, k = _prepare(model, n, batch, prompt, known, order, generator)
+    draft = min(draft, max(n - k, 1))  # a pass never commits more than the slots left
     ctl = (temperature, top_k, top_p)
     return _run(model, tokens, order, k, draft, ctl, generator, keep_logits, on_step, on_round)
 
