@@ -19,11 +19,8 @@ import threading
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent
-TEMPLATE = "The [MASK:24] statement is used to [MASK:48]. It is [MASK:16] when the loop ends.\n"
-# 119 tokens: it fits a context of 128
-SPECULATIVE_TEMPLATE = (
-    "The [MASK:16] statement is used to [MASK:32]. It is [MASK:12] when the loop ends.\n"
-)
+# 119 tokens: it fits the demo model's context of 128
+TEMPLATE = "The [MASK:16] statement is used to [MASK:32]. It is [MASK:12] when the loop ends.\n"
 
 
 def main() -> None:
@@ -35,13 +32,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("checkpoint", nargs="?", default=DEFAULT_CHECKPOINT)
     p.add_argument("--out", default=str(DOCS / "img" / "serve.png"))
-    p.add_argument("--template", default=None, help="default: TEMPLATE (SPECULATIVE_TEMPLATE)")
+    p.add_argument("--template", default=TEMPLATE)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative", type=int, default=None, metavar="K")
     args = p.parse_args()
-    if args.template is None:
-        args.template = TEMPLATE if args.speculative is None else SPECULATIVE_TEMPLATE
 
     server = make_server(App(load_any(args.checkpoint)), "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -67,7 +62,10 @@ def main() -> None:
             page.fill("#seed", str(args.seed))
             page.fill("#temperature", "0.8")
             page.click("#generate")
-            page.wait_for_selector("body[data-state=done]", timeout=120_000)
+            ended = "body:is([data-state=done], [data-state=error])"
+            page.wait_for_selector(ended, timeout=120_000)
+            if page.get_attribute("body", "data-state") == "error":  # refused: say why, at once
+                raise SystemExit(f"shoot_serve: {page.text_content('#error')}")
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=args.out, full_page=True)
             print(page.input_value("#final-0"))
