@@ -372,6 +372,7 @@ def test_page_shows_drafts_accepted_and_replaced_tokens(models, tmp_path) -> Non
                 assert page.inner_text("#spec-counter") == (
                     f"{p_} passes / {d_} drafted / {a_} accepted ({int(100 * a_ / d_ + 0.5)}%)"
                 )
+                assert page.inner_text("#step-counter") == f"pass {p_}"  # no total to reach
                 page.screenshot(path=str(shot), full_page=True)
             finally:
                 browser.close()

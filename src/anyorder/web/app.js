@@ -255,7 +255,10 @@ function onStep(d) {
     }
     if (round && round.rows[i].replaced) drawDiscarded(run.cells[i], round.rows[i], d.pass);
   });
-  $("step-counter").textContent = `step ${d.step + 1} / ${run.total}`;
+  // a speculative run's passes depend on its acceptances: no total to count towards
+  $("step-counter").textContent = run.speculative
+    ? `pass ${d.step + 1}`
+    : `step ${d.step + 1} / ${run.total}`;
   $("passes").textContent = `${d.pass} forward passes, ${d.generated} tokens`;
   const rate = d.elapsed_s > 0 ? d.generated / d.elapsed_s : 0;
   $("rate").textContent = `${Math.round(rate).toLocaleString("en")} tokens/s`;
