@@ -38,7 +38,12 @@ from torch import Tensor
 from anyorder.errors import SamplingError
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
-from anyorder.sampling.draws import SampleResult, check_controls
+from anyorder.sampling.draws import (
+    DRAW_ELEMENTS,
+    DRAW_ELEMENTS_GPU,
+    SampleResult,
+    check_controls,
+)
 from anyorder.sampling.rounds import Engine, HostCounts, Round, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.speculative import SpeculativeStats
@@ -46,8 +51,18 @@ from anyorder.sampling.verify import accept, draw, probabilities, uniform
 
 
 def _confidence(logits: Tensor, temperature: float, candidate: Tensor) -> Tensor:
-    """(B, J) the largest probability of each column's conditional; -inf off ``candidate``."""
-    top = (logits.float() / temperature).softmax(dim=-1).amax(dim=-1)
+    """(B, J) the largest probability of each column's conditional; -inf off ``candidate``.
+    ``exp(max - logsumexp)`` in chunks of columns, so that the float32 temporaries stay
+    within the draws' bound (scoring every position of a (16, 2048) pass over GPT-2's
+    vocabulary would be 6.6 GB at once)."""
+    B, J, V = logits.shape
+    limit = DRAW_ELEMENTS if logits.device.type == "cpu" else DRAW_ELEMENTS_GPU
+    step = max(1, limit // max(B * V, 1))
+    parts = []
+    for j in range(0, J, step):
+        x = logits[:, j : j + step].float() / temperature
+        parts.append((x.amax(dim=-1) - x.logsumexp(dim=-1)).exp())
+    top = torch.cat(parts, dim=1) if parts else logits.new_zeros(B, 0, dtype=torch.float)
     return top.masked_fill(~candidate, float("-inf"))
 
 
@@ -253,8 +268,7 @@ class _Decode:
             self._record(torch.where(done, c[:, None] + jj, n), used, passes)
             jr = torch.arange(raw.shape[1], device=device)[None]
             decided = (jr <= m[:, None]) & (jr < chain[:, None]) if head else jr == best[:, None]
-            q = probabilities(raw, *self.ctl)
-            p, D_next = self._choose(raw, q, colpos, (colpos >= 0) & ~decided, c, m, K, live)
+            p, D_next = self._choose(raw, colpos, (colpos >= 0) & ~decided, c, m, K, live)
             c_next = c + torch.where(live, m + 1, 0)
             host.note(c_next)
             e_next = c_next if head else c
@@ -273,7 +287,8 @@ class _Decode:
         n, ext = self.n, extend(self.order)
         cols = torch.arange(p.shape[1], device=self.device)
         drafts = self.tok.gather(1, ext.gather(1, (c[:, None] + cols).clamp(max=n)))
-        m, closing = accept(probabilities(raw, *self.ctl), p, drafts, D, self.generator)
+        chain = raw[:, : p.shape[1] + 1]  # the verified slots and the closing one
+        m, closing = accept(probabilities(chain, *self.ctl), p, drafts, D, self.generator)
         m = torch.where(live, m, 0)
         close_pos = ext.gather(1, torch.where(live, c + m, n)[:, None])
         self.tok.scatter_(1, close_pos, closing[:, None])
@@ -290,7 +305,7 @@ class _Decode:
         self.tok.scatter_(1, torch.where(live[:, None], pick, self.n), token[:, None])
         return used, best
 
-    def _choose(self, raw, q, colpos, candidate, c, m, K: int, live):
+    def _choose(self, raw, colpos, candidate, c, m, K: int, live):
         """The next slots: the ``K`` most confident candidates (fewer near the end) go to
         slots ``c'..`` (``c' = c + m + 1``); all but the last are drafted. Returns the
         drafts' laws and their counts."""
@@ -304,8 +319,9 @@ class _Decode:
         self.order = _reorder(self.order, c_next, chosen)
         many = (chosen >= 0).sum(dim=1)
         Kd = max(K - 1, 0)
-        V = q.shape[-1]
-        law = q.gather(1, cols[:, :Kd, None].expand(-1, -1, V)) if Kd else q[:, :0]
+        V = raw.shape[-1]
+        picked = raw.gather(1, cols[:, :Kd, None].expand(-1, -1, V))
+        law = probabilities(picked, *self.ctl)  # the drafts' laws: K - 1 columns, not all
         pos = chosen[:, :Kd]
         if Kd > law.shape[1]:  # fewer columns than drafts: padding (never drafted)
             law = torch.cat([law, law.new_zeros(B, Kd - law.shape[1], V)], dim=1)
