@@ -235,6 +235,22 @@ def test_speculative_errors() -> None:
         speculative_sample(tiny_model("aogpt"), 8, 0)
 
 
+def test_counts_that_break_their_invariants_are_refused() -> None:
+    """Every decode's counts are checked as they are made: more passes than tokens, or more
+    accepted than drafted, is a sampler bug and raises."""
+    import numpy as np
+
+    from anyorder.sampling.speculative import SpeculativeStats
+
+    ok = [np.array([2, 3]), np.array([4, 5]), np.array([3, 5]), np.array([5, 8])]
+    SpeculativeStats(*ok)
+    for i, bad in ((0, np.array([6, 3])), (2, np.array([5, 5]))):
+        counts = list(ok)
+        counts[i] = bad
+        with pytest.raises(RuntimeError, match="broke their invariants"):
+            SpeculativeStats(*counts)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_huge_draft_count_acts_as_the_slots_left(kind) -> None:
     """K = 10**30 (a user's typo) decodes as K = the slots to decode: the same tokens, no

@@ -72,6 +72,15 @@ class SpeculativeStats:
     tokens: np.ndarray
     """Tokens the row generated (the prompt left out)."""
 
+    def __post_init__(self) -> None:
+        # the sampler's promise, checked on every decode (the counts are on the host already)
+        if (self.passes > self.tokens).any() or (self.accepted > self.drafted).any():
+            raise RuntimeError(
+                f"speculative counts broke their invariants (a sampler bug): passes "
+                f"{self.passes.tolist()} tokens {self.tokens.tolist()} accepted "
+                f"{self.accepted.tolist()} drafted {self.drafted.tolist()}"
+            )
+
     def summary(self) -> str:
         """One line of totals: passes, drafted, accepted, tokens per pass."""
         p, d, a, t = (int(x.sum()) for x in (self.passes, self.drafted, self.accepted, self.tokens))
