@@ -34,12 +34,14 @@ Design choices:
   ``t``), so the entries after a rejection are overwritten by the next pass, and are
   masked at once: after the ratio tests every cache slot past a row's commit gets the rank
   ``BIG`` (seen by nobody). The tests show that later queries never see them.
-* **The tables are built on the host, per pass** (:mod:`anyorder.sampling.rounds`), from
-  the rows' commit counts: the one host sync per pass reads the accepted counts (one small
-  copy; on the CPU it costs nothing).
+* **Nothing read back in the loop.** The rows' commit counts stay on the device and each
+  pass's table is built there (:mod:`anyorder.sampling.rounds`); the host keeps upper
+  bounds of the counts (:class:`~anyorder.sampling.rounds.HostCounts`, read two passes late
+  from pinned memory on a GPU) for the cache slots a pass reads and the loop's end, which
+  comes at most two passes after the last commit (never after more passes than tokens).
 * **Bounded shapes on a GPU**: every pass after the first has the widths of the widest
-  round and reads one of eight key levels: at most nine attention shapes (AO-GPT; ARMD
-  three per width and level) whatever ``n``; on the CPU a pass reads the keys it needs.
+  round and reads one of seven key levels (ARMD two, shared by its caches): at most eight
+  attention shapes whatever ``n``; on the CPU a pass reads the keys it needs.
 """
 
 from __future__ import annotations
