@@ -17,11 +17,20 @@ most CPU time in one generation of each (``torch.profiler``): where our passes l
 Get the reference once (the folder is listed in .git/info/exclude)::
 
     git clone https://github.com/scxue/AO-GPT-MDM .ref      # or the fetch tool's mirror
-    TORCHDYNAMO_DISABLE=1 python benchmarks/lemma1_vs_reference.py --batches 1,16
+    python benchmarks/lemma1_vs_reference.py --batches 1,16 --threads 2   # the issue's setting
 
 ``TORCHDYNAMO_DISABLE=1`` turns their ``@torch.compile`` decorators into no-ops (eager on
 both sides; compiling on the CPU takes minutes and needs a C compiler). The script sets it
 itself before importing torch.
+
+It also sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads OpenMP, unless it is set: what
+``import anyorder`` sets (docs/performance.md, "Under load"), which this script's earlier
+``import torch`` came too late for. Both sides share the process, so both get it. With
+threads that spin (``OMP_WAIT_POLICY=ACTIVE``, the GNU default) on a machine running other
+programs, a pass's time is mostly waiting for the partner thread: at batch 1, 2 threads, a
+load of about 4.5, two runs gave 2.97x and 1.28x for Lemma 1, where passive threads gave
+1.35x and 1.36x; the profiles of such runs inflate every op alike (read ``--profile`` at
+``--threads 1`` or with passive threads).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see above
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
