@@ -18,9 +18,10 @@ With ``--timing 1,16`` every sampler is then timed at each of those batch sizes,
 round-robin against sequential decoding in one run (``_bench.round_robin``: one warm-up
 round, then ``--repeats`` rounds), with ``--threads`` threads (default 1: on a loaded
 machine two threads' rounds varied 2-5x), bf16 autocast, on the ``--clock`` clock (default
-wall; the log and the JSON give both clocks) and the best round (``--stat``); the table
-gives the speed of each row over sequential's (above 1: faster). ``--time-length`` shortens
-the timed sequences (default: ``--length``).
+wall; the log gives both clocks, the JSON every round); the table gives the speed of each
+row over sequential's (above 1: faster), the median over rounds of the round's ratio.
+``--time-length`` shortens the timed sequences (default: ``--length``). ``--table
+JSON...`` prints the table of saved runs again (``--clock`` applies).
 
 Rows: sequential (one token per pass, random order); speculative ``K = 2, 4, 8`` (the same
 law as sequential: their quality figures should agree within two standard errors); Lemma 1
@@ -37,14 +38,16 @@ verification (``K = 4``). Passes per token: the mean over rows of each row's pas
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import statistics
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from _bench import machine, round_robin, summary, write_json
+from _bench import machine, round_robin, write_json
 from anyorder.checkpoint import load_model
 from anyorder.data import synthetic
 from anyorder.sample import lemma1_sample, sequential_sample
@@ -135,20 +138,29 @@ def quality(model, n: int, B: int, seed: int, known_source: bool) -> tuple[dict,
     return rows, per
 
 
-def timing(model, n: int, B: int, per: int, args) -> tuple[dict, dict]:
-    """Round-robin at batch ``B``: ``({label: speed over sequential}, raw rounds)``."""
+def timing(model, n: int, B: int, per: int, args) -> dict:
+    """Round-robin at batch ``B``: the seconds of every round on both clocks, and the load."""
     load0 = os.getloadavg()
-    times, _ = round_robin(samplers(model, n, B, per, args.seed), args.repeats, torch.device("cpu"))
-    speed = {}  # on both clocks: the other one is a check of the table's
-    for clock in ("wall", "cpu"):
-        seq = summary(times["sequential any order"], clock, args.stat)
-        speed[clock] = {k: seq / summary(t, clock, args.stat) for k, t in times.items()}
-    raw = dict(batch=B, n=n, seconds=times, speed=speed, load_before=load0)
-    raw["load_after"] = os.getloadavg()
+    fns = samplers(model, n, B, per, args.seed)
+    times, _ = round_robin(fns, args.repeats, torch.device("cpu"))
+    raw = dict(batch=B, n=n, seconds=times, load_before=load0, load_after=os.getloadavg())
     print(f"  batch {B}, n {n}: load {load0} -> {raw['load_after']}")
-    for k in times:
-        print(f"    {k}: {speed['wall'][k]:.2f}x wall, {speed['cpu'][k]:.2f}x cpu")
-    return speed[args.clock], raw
+    for clock in ("wall", "cpu"):
+        print(
+            f"    {clock}: " + ", ".join(f"{k} {x:.2f}x" for k, x in speeds(times, clock).items())
+        )
+    return raw
+
+
+def speeds(times: dict, clock: str) -> dict:
+    """``{label: speed over sequential}``: the median over rounds of each round's ratio.
+
+    The sides of a ratio ran within one round (seconds to a minute apart), so a change of
+    the machine's load between rounds cancels; the best round of each side (``_bench``'s
+    ``min``) instead paired sequential's quietest moment with the others' busier ones.
+    """
+    seq = times["sequential any order"][clock]
+    return {k: statistics.median(s / x for s, x in zip(seq, t[clock])) for k, t in times.items()}
 
 
 def fmt(row: dict, name: str, digits: int) -> str:
@@ -157,52 +169,66 @@ def fmt(row: dict, name: str, digits: int) -> str:
     return f"{row[name]:.{digits}f} ± {row[name + '_se']:.{digits}f}"
 
 
+def print_table(payload: dict, clock: str) -> None:
+    """The markdown table of every run in ``payload`` (what :func:`measure` collected)."""
+    runs = {k: v for k, v in payload.items() if isinstance(v, dict) and "rows" in v}
+    batches = sorted({t["batch"] for v in runs.values() for t in v["timing"]})
+    heads = ["passes per token", *(f"speed vs sequential, batch {B}" for B in batches)]
+    heads += ["bits per transition", "impossible transitions"]
+    print(f"\nspeeds on the {clock} clock; the chain's entropy rate "
+          f"{synthetic.entropy_rate_bits():.3f} bits")  # fmt: skip
+    print("| model | sampler | " + " | ".join(heads) + " |")
+    print("|---|---|" + "---|" * len(heads))
+    for run_dir, entry in runs.items():
+        name = Path(run_dir).name + (f" ({entry['kind']})" if "kind" in entry else "")
+        by_batch = {t["batch"]: speeds(t["seconds"], clock) for t in entry["timing"]}
+        for label, row in entry["rows"].items():
+            cells = [f"{row['passes_per_token']:.3f}"]
+            cells += [f"{by_batch[B][label]:.2f}x" if B in by_batch else "—" for B in batches]
+            cells += [fmt(row, "nll", 3), fmt(row, "impossible", 4)]
+            print(f"| {name} | {label} | " + " | ".join(cells) + " |")
+
+
+def measure(run_dir: str, batches: list[int], args) -> dict:
+    """Quality at ``--samples``, then the timing at each of ``batches``, of one run folder."""
+    loaded = load_model(run_dir)
+    model = loaded.model
+    n = args.length or model.cfg.seq_len
+    known = str(loaded.config.data.source) == "builtin:synthetic"
+    print(f"{run_dir}: {model.kind}, n {n}, source {loaded.config.data.source}", flush=True)
+    torch.set_num_threads(1)
+    with torch.autocast("cpu", torch.bfloat16):
+        rows, per = quality(model, n, args.samples, args.seed, known)
+        torch.set_num_threads(args.threads)
+        raw = [timing(model, args.time_length or n, B, per, args) for B in batches]
+    return dict(rows=rows, timing=raw, n=n, kind=model.kind)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("runs", nargs="+", help="run folders")
+    ap.add_argument("runs", nargs="*", help="run folders")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--length", type=int, default=None, help="default: the model's seq_len")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timing", default="", help="batch sizes to time, e.g. 1,16")
     ap.add_argument("--time-length", type=int, default=None, help="default: --length")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="threads of the timed runs")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="wall")
-    ap.add_argument("--stat", choices=["min", "median"], default="min")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/speculative.json"))
+    ap.add_argument("--table", type=Path, nargs="+", help="only print the table of these JSONs")
     args = ap.parse_args()
+    if args.table:
+        payload = {}
+        for path in args.table:
+            payload.update(json.loads(path.read_text()))
+        print_table(payload, args.clock)
+        return
     batches = [int(b) for b in args.timing.split(",") if b]
     payload = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
-    table = []
     for run_dir in args.runs:
-        loaded = load_model(run_dir)
-        model = loaded.model
-        n = args.length or model.cfg.seq_len
-        known = str(loaded.config.data.source) == "builtin:synthetic"
-        print(f"{run_dir}: {model.kind}, n {n}, source {loaded.config.data.source}", flush=True)
-        torch.set_num_threads(1)
-        with torch.autocast("cpu", torch.bfloat16):
-            rows, per = quality(model, n, args.samples, args.seed, known)
-            torch.set_num_threads(args.threads)
-            raw = []
-            for B in batches:
-                ratios, r = timing(model, args.time_length or n, B, per, args)
-                raw.append(r)
-                for label, x in ratios.items():
-                    rows[label][f"speed_b{B}"] = x
-        payload[run_dir] = dict(rows=rows, timing=raw, n=n)
-        for label, row in rows.items():
-            speeds = [f"{row[f'speed_b{B}']:.2f}x" for B in batches]
-            cells = [f"{row['passes_per_token']:.3f}", *speeds]
-            cells += [fmt(row, "nll", 3), fmt(row, "impossible", 4)]
-            table.append(f"| {Path(run_dir).name} ({model.kind}) | {label} | " + " | ".join(cells))
-    floor = synthetic.entropy_rate_bits()
-    print(f"\n{args.samples} samples per sampler; the chain's entropy rate {floor:.3f} bits")
-    heads = ["passes per token", *(f"speed vs sequential, batch {B}" for B in batches)]
-    heads += ["bits per transition", "impossible transitions"]
-    print("| model | sampler | " + " | ".join(heads) + " |")
-    print("|---|---|" + "---|" * len(heads))
-    print("\n".join(r + " |" for r in table))
+        payload[run_dir] = measure(run_dir, batches, args)
+    print_table(payload, args.clock)
     write_json(args.json, payload)
 
 
