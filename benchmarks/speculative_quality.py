@@ -17,9 +17,11 @@ no known source: those columns read "—".
 With ``--timing 1,16`` every sampler is then timed at each of those batch sizes,
 round-robin against sequential decoding in one run (``_bench.round_robin``: one warm-up
 round, then ``--repeats`` rounds), with ``--threads`` threads (default 1: on a loaded
-machine two threads' rounds varied 2-5x), bf16 autocast, on the ``--clock`` clock (default
-wall; the log gives both clocks, the JSON every round); the table gives the speed of each
-row over sequential's (above 1: faster), the median over rounds of the round's ratio.
+machine two threads' rounds varied 2-5x), bf16 autocast. The table gives the speed of each
+row over sequential's (above 1: faster), the median over rounds of the round's ratio, on the
+CPU clock and, in brackets, the wall clock (``--clock``; with one thread the CPU time is the
+work done, the wall time of a quiet machine; the JSON keeps every round). Under the table,
+each row's gap to sequential in combined standard errors.
 ``--time-length`` shortens the timed sequences (default: ``--length``). ``--table
 JSON...`` prints the table of saved runs again (``--clock`` applies).
 
@@ -175,18 +177,51 @@ def print_table(payload: dict, clock: str) -> None:
     batches = sorted({t["batch"] for v in runs.values() for t in v["timing"]})
     heads = ["passes per token", *(f"speed vs sequential, batch {B}" for B in batches)]
     heads += ["bits per transition", "impossible transitions"]
-    print(f"\nspeeds on the {clock} clock; the chain's entropy rate "
+    what = "CPU clock (wall clock)" if clock == "both" else f"{clock} clock"
+    print(f"\nspeeds on the {what}; the chain's entropy rate "
           f"{synthetic.entropy_rate_bits():.3f} bits")  # fmt: skip
     print("| model | sampler | " + " | ".join(heads) + " |")
     print("|---|---|" + "---|" * len(heads))
     for run_dir, entry in runs.items():
         name = Path(run_dir).name + (f" ({entry['kind']})" if "kind" in entry else "")
-        by_batch = {t["batch"]: speeds(t["seconds"], clock) for t in entry["timing"]}
         for label, row in entry["rows"].items():
             cells = [f"{row['passes_per_token']:.3f}"]
-            cells += [f"{by_batch[B][label]:.2f}x" if B in by_batch else "—" for B in batches]
+            cells += [speed_cell(entry["timing"], B, label, clock) for B in batches]
             cells += [fmt(row, "nll", 3), fmt(row, "impossible", 4)]
             print(f"| {name} | {label} | " + " | ".join(cells) + " |")
+    for run_dir, entry in runs.items():
+        if "nll" in entry["rows"]["sequential any order"]:
+            print_checks(run_dir, entry["rows"])
+
+
+def speed_cell(timing: list, B: int, label: str, clock: str) -> str:
+    """``1.50x``, or ``1.50x (1.45x)`` for ``clock="both"`` (CPU, then wall); "—" if untimed."""
+    t = next((t for t in timing if t["batch"] == B), None)
+    if t is None:
+        return "—"
+    if clock != "both":
+        return f"{speeds(t['seconds'], clock)[label]:.2f}x"
+    cpu, wall = (speeds(t["seconds"], c)[label] for c in ("cpu", "wall"))
+    return f"{cpu:.2f}x ({wall:.2f}x)"
+
+
+def print_checks(run_dir: str, rows: dict) -> None:
+    """Each row's gap to sequential in combined standard errors; confidence over Lemma 1."""
+    seq = rows["sequential any order"]
+    print(f"\n{run_dir}: gap to sequential in combined standard errors (nll, impossible)")
+    for label, row in rows.items():
+        gaps = [
+            (row[m] - seq[m]) / math.hypot(row[m + "_se"], seq[m + "_se"])
+            for m in ("nll", "impossible")
+        ]
+        print(f"  {label}: {gaps[0]:+.2f}, {gaps[1]:+.2f}")
+    lemma = next(r for k, r in rows.items() if k.startswith("Lemma 1"))
+    conf = next(r for k, r in rows.items() if k.startswith("confidence order,") and "per" in k)
+    gap = (conf["impossible"] - lemma["impossible"]) / math.hypot(
+        conf["impossible_se"], lemma["impossible_se"]
+    )
+    print(f"  confidence order / Lemma 1 at equal passes, impossible transitions: "
+          f"{conf['impossible'] / lemma['impossible']:.2f}x ({gap:+.1f} se)")  # fmt: skip
 
 
 def measure(run_dir: str, batches: list[int], args) -> dict:
@@ -214,7 +249,7 @@ def main() -> None:
     ap.add_argument("--time-length", type=int, default=None, help="default: --length")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="threads of the timed runs")
-    ap.add_argument("--clock", choices=["cpu", "wall"], default="wall")
+    ap.add_argument("--clock", choices=["cpu", "wall", "both"], default="both")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/speculative.json"))
     ap.add_argument("--table", type=Path, nargs="+", help="only print the table of these JSONs")
     args = ap.parse_args()
