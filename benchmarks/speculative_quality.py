@@ -20,10 +20,10 @@ round, then ``--repeats`` rounds), with ``--threads`` threads (default 1: on a l
 machine two threads' rounds varied 2-5x), bf16 autocast. The table gives the speed of each
 row over sequential's (above 1: faster), the median over rounds of the round's ratio, on the
 CPU clock and, in brackets, the wall clock (``--clock``; with one thread the CPU time is the
-work done, the wall time of a quiet machine; the JSON keeps every round). Under the table,
-each row's gap to sequential in combined standard errors.
-``--time-length`` shortens the timed sequences (default: ``--length``). ``--table
-JSON...`` prints the table of saved runs again (``--clock`` applies).
+work done, the wall time of a quiet machine; with two it adds both threads' time, so read
+the wall clock; the JSON keeps every round). Under the table: each row's gap to sequential
+in combined standard errors. ``--time-length`` shortens the timed sequences (default:
+``--length``); ``--table JSON...`` prints the table of saved runs again.
 
 Rows: sequential (one token per pass, random order); speculative ``K = 2, 4, 8`` (the same
 law as sequential: their quality figures should agree within two standard errors); Lemma 1
@@ -33,8 +33,8 @@ order at ``r`` per pass (the same passes as Lemma 1); confidence order with spec
 verification (``K = 4``). Passes per token: the mean over rows of each row's passes
 (speculative rows), or the batch's forward passes over ``n``.
 
-    python benchmarks/speculative_quality.py runs/syn-armd runs/syn-aogpt --samples 64 \\
-        --timing 1,16
+    python benchmarks/speculative_quality.py runs/demo runs/syn-armd runs/syn-aogpt \\
+        --samples 64 --timing 1,16            # docs/results.md, issue 26's table
 """
 
 from __future__ import annotations
