@@ -326,7 +326,8 @@ class _Handler(BaseHTTPRequestHandler):
             log_line(self.client_address, f"left during its stream ({type(e).__name__}); "
                      "generation stopped")  # fmt: skip
         except AnyorderError as e:
-            if not started:
+            if not started:  # the slot is free before the answer goes: a client that asks
+                free()  # again at once must not find the server busy with its own request
                 return self._error(503 if isinstance(e, LimitError) else 400, str(e))
             with contextlib.suppress(OSError):
                 emit("error", {"message": str(e)})
@@ -336,6 +337,7 @@ class _Handler(BaseHTTPRequestHandler):
                 with contextlib.suppress(OSError):
                     emit("error", {"message": message})
             else:
+                free()
                 self._error(500, message)
 
 
