@@ -329,15 +329,16 @@ class _Handler(BaseHTTPRequestHandler):
             if not started:  # the slot is free before the answer goes: a client that asks
                 free()  # again at once must not find the server busy with its own request
                 return self._error(503 if isinstance(e, LimitError) else 400, str(e))
+            free()
             with contextlib.suppress(OSError):
                 emit("error", {"message": str(e)})
         except Exception as e:  # a bug, not the user's: report it, keep serving
             message = _internal_error(e)
+            free()
             if started:
                 with contextlib.suppress(OSError):
                     emit("error", {"message": message})
             else:
-                free()
                 self._error(500, message)
 
 
