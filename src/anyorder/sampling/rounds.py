@@ -71,11 +71,6 @@ class Round:
     def queries(self) -> Tensor:
         return (self.targets >= 0).sum(dim=1)
 
-    @classmethod
-    def of(cls, device: torch.device, *arrays: np.ndarray) -> Round:
-        """A round from host arrays (the confidence order keeps its counters there)."""
-        return cls(*(torch.as_tensor(np.asarray(a), device=device).long() for a in arrays))
-
 
 def extend(order: Tensor) -> Tensor:
     """(B, n + 1) the order with slot ``n`` a padding column (position ``n``)."""
