@@ -110,3 +110,18 @@ def test_a_variant_on_the_command_line_replaces_the_files_variant_keys(tmp_path,
         assert main(argv) == 0
         head = capsys.readouterr().out.splitlines()[0]
         assert f"1 layers x 64, seq_len 32, {positions}; order" in head, head
+
+
+def test_a_model_too_big_for_memory_is_refused_before_anything_is_allocated() -> None:
+    """A context of 10**15 (say, a hand-edited config.json) is refused by build_model with
+    the estimate, at once; count_params, which builds on the meta device, still counts."""
+    from anyorder import build_model
+    from anyorder.models import count_params
+
+    cfg = ModelConfig(kind="armd", n_layer=2, n_head=2, d_model=32, seq_len=10**15)
+    with pytest.raises(ConfigError, match=r"context 1,000,000,000,000,000\), more than this"):
+        build_model(cfg)  # 512,000 TB: had it allocated, this would fail otherwise
+    small = ModelConfig(kind="armd", n_layer=2, n_head=2, d_model=32, seq_len=64)
+    assert build_model(small).num_params() == count_params(small)
+    huge = ModelConfig(kind="gpt", n_layer=2, n_head=2, d_model=32, seq_len=2**40)
+    assert count_params(huge) > 2**40 * 32  # its position table, counted on meta

@@ -297,6 +297,11 @@ def _export_config_seq_len(folder: Path) -> None:
     _edit_json(folder / "good" / "config.json", lambda c: {**c, "seq_len": 1e9})
 
 
+def _export_config_seq_len_huge(folder: Path) -> None:
+    _good_export(folder)  # the weights do not hold seq_len (ARMD with RoPE): only memory can
+    _edit_json(folder / "good" / "config.json", lambda c: {**c, "seq_len": 10**15})
+
+
 def _export_no_checksum(folder: Path) -> None:
     _good_export(folder)
     _edit_json(
@@ -508,6 +513,7 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "export-config-nested": (["sample", "good"], {}, _export_config_nested),
     "export-config-infinity": (["sample", "good"], {}, _export_config_infinity),
     "export-config-seq-len-float": (["sample", "good"], {}, _export_config_seq_len),
+    "export-config-seq-len-huge": (["sample", "good"], {}, _export_config_seq_len_huge),
     "export-no-checksum": (["sample", "good"], {}, _export_no_checksum),
     "convert-hub-offline": (
         ["convert", "hf:owner/repo/ckpt_1.pt", "--from", "aogpt-ref", "--out", "ao"],

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from anyorder.config import RunConfig
+from anyorder.config import ModelConfig, RunConfig
 from anyorder.errors import ConfigError
 
 ACT_BYTES_PER_LAYER_TOKEN = 16
@@ -62,6 +62,27 @@ def param_estimate(d_model: int, n_layer: int, vocab: int, seq_len: int) -> int:
     """A lower bound on the parameters of any of the models: 12 d^2 a layer (attention and
     MLP), the token table and the position table (the head may be tied)."""
     return 12 * d_model * d_model * n_layer + (vocab + seq_len) * d_model
+
+
+def check_model_memory(cfg: ModelConfig) -> None:
+    """Refuse a model whose fp32 weights and tables alone cannot fit in this machine's
+    memory, before it is built: a config's size (say a ``seq_len`` of 10**15 in a damaged
+    or hand-edited config.json) would otherwise surface as an allocator error far from its
+    cause, or as an out-of-memory blamed on the request.
+
+    Raises:
+        ConfigError: the estimate, the machine's memory and the fields that set it.
+    """
+    have = machine_memory("cpu")
+    params = param_estimate(cfg.d_model, cfg.n_layer, cfg.vocab_size, cfg.seq_len)
+    if have is None or 4 * params <= have:
+        return
+    raise ConfigError(
+        f"the model's config asks for at least {params:,} parameters ({format_bytes(4 * params)}"
+        f" in fp32: {cfg.n_layer} layers x {cfg.d_model}, vocabulary {cfg.vocab_size:,}, "
+        f"context {cfg.seq_len:,}), more than this machine's {format_bytes(have)}; check "
+        "model.seq_len, model.d_model, model.n_layer and model.vocab_size"
+    )
 
 
 def training_bytes(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from anyorder.config import ModelConfig
+from anyorder.memory import check_model_memory
 from anyorder.models.aogpt import AOGPT
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
@@ -13,7 +14,13 @@ MODELS: dict[str, type[AnyOrderLM]] = {"gpt": GPT, "aogpt": AOGPT, "armd": ARMD,
 
 
 def build_model(cfg: ModelConfig) -> AnyOrderLM:
-    """The model of kind ``cfg.kind``, freshly initialised (on the CPU, fp32)."""
+    """The model of kind ``cfg.kind``, freshly initialised (on the CPU, fp32).
+
+    Raises:
+        ConfigError: its weights and tables cannot fit in this machine's memory
+            (:func:`anyorder.memory.check_model_memory`; nothing is allocated then).
+    """
+    check_model_memory(cfg)
     return MODELS[cfg.kind](cfg)
 
 
@@ -43,7 +50,7 @@ def count_params(cfg: ModelConfig) -> int:
         for name in _INITS:
             setattr(init, name, lambda tensor, *args, **kwargs: tensor)
         with torch.device("meta"):
-            return build_model(cfg).num_params()
+            return MODELS[cfg.kind](cfg).num_params()  # meta tensors: no memory to check
     finally:
         for name, fn in saved.items():
             setattr(init, name, fn)
