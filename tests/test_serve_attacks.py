@@ -406,3 +406,34 @@ def test_the_raw_requests_of_these_tests_are_well_formed(server) -> None:
     # the refusals above come from what each case changes, not from a broken request
     status, _, body = ask(server, post(b'{"mode": "l2r", "length": 8, "seed": 1}'))
     assert status == 200 and body.decode().rstrip().split("\n\n")[-1].startswith("event: done")
+
+
+def test_an_answer_nobody_reads_is_cut_off_at_its_deadline() -> None:
+    """The writer every answer goes through (intake.DeadlineWriter): against a peer that
+    never reads, a write that fills the socket's buffers raises TimeoutError once the
+    deadline passes, instead of blocking its thread for ever (so a stream nobody reads is
+    stopped and its generation slot freed). The reader's buffer is kept small so that the
+    buffers fill."""
+    from anyorder.serve.intake import DeadlineWriter
+
+    ours, theirs = socket.socketpair()
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    outcome: list[BaseException | int] = []
+
+    def write() -> None:
+        try:
+            outcome.append(DeadlineWriter(ours, time.monotonic() + 0.5).write(b"x" * 2**26))
+        except BaseException as e:  # noqa: BLE001 - the test looks at what it was
+            outcome.append(e)
+
+    worker = threading.Thread(target=write, daemon=True)
+    try:
+        worker.start()
+        worker.join(30)  # a writer without a deadline would still be blocked here
+        assert not worker.is_alive(), "the write blocked past its deadline"
+        # the socket's own timeout (set to what is left) or the writer's check between sends
+        assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError), outcome
+    finally:
+        ours.close()
+        theirs.close()
