@@ -235,6 +235,33 @@ def test_speculative_errors() -> None:
         speculative_sample(tiny_model("aogpt"), 8, 0)
 
 
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(
+    n=st.integers(2, 70), K=st.integers(1, 9), rows=st.lists(st.tuples(
+        st.booleans(), st.floats(0, 1, exclude_max=True), st.floats(0, 1)), min_size=1,
+        max_size=5), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_the_gpu_paths_lean_tables_are_the_general_ones(n, K, rows, seed) -> None:
+    """speculative.spec_gpt_table / spec_armd_table (the GPU's passes after the first)
+    equal what speculative._round and rounds.gpt_table / armd_table build for the same rows,
+    at random sizes, K, counts c, draft counts D and finished rows, every entry."""
+    from anyorder.sampling.rounds import armd_table, extend, gpt_table
+    from anyorder.sampling.speculative import _round, spec_armd_table, spec_gpt_table
+
+    g = torch.Generator().manual_seed(seed)
+    ext = extend(torch.stack([torch.randperm(n, generator=g) for _ in rows]))
+    c, D = [], []
+    for live, fc, fd in rows:  # a live row has committed 1..n-1 slots, drafts within room
+        ci = 1 + int(fc * (n - 1)) if live else n
+        c.append(ci)
+        D.append(int(fd * min(K - 1, n - 1 - ci)) if live else 0)
+    c, D = torch.tensor(c), torch.tensor(D)
+    want = gpt_table(ext, _round(ext, c, c, c, D, K, n), 2 * K - 1)
+    assert torch.equal(spec_gpt_table(ext, c, D, c < n, K), want)
+    want, _ = armd_table(ext, _round(ext, c, c, c - 1, D, K, n), (K, 2 * K - 1))
+    assert torch.equal(spec_armd_table(ext, c, D, c < n, K), want)
+
+
 def test_counts_that_break_their_invariants_are_refused() -> None:
     """Every decode's counts are checked as they are made: more passes than tokens, or more
     accepted than drafted, is a sampler bug and raises."""

@@ -259,6 +259,7 @@ class Engine:
         first: bool,
         reach: int | None = None,
         widths: int | tuple[int, int] | None = None,
+        table: Tensor | None = None,
     ) -> Tensor:
         """Logits (B, J, V) of the pass's columns ``start..`` (chain, then queries).
 
@@ -271,13 +272,20 @@ class Engine:
             reach: on a GPU, an upper bound of ``e`` over the rows with entries (from
                 :class:`HostCounts`); None: read from ``r`` (the CPU, the first pass).
             widths: the widths of the first pass, when known (None: read from ``r``).
+            table: on a GPU after the first pass, the pass's table, built by the sampler
+                in fewer ops than :func:`gpt_table`/:func:`armd_table` (``r`` unused).
         """
         fixed = not first and self.static
         widths = self.widths if fixed else widths
         levels = (2 if self.armd else 7) if fixed else None
         used = None if fixed and reach is not None else r.chain + r.queries
+        if table is not None and used is not None:
+            raise RuntimeError("a ready table is for the fixed-width passes only")
         if self.armd:
-            tab, (C, G) = armd_table(ext, r, widths)
+            if table is None:
+                tab, (C, G) = armd_table(ext, r, widths)
+            else:
+                tab, (C, G) = table, widths
             if used is None:  # one level for both caches (cc <= e): two shapes per level
                 kc = kq = _level(reach + max(C, G), self.capacity, levels)
             else:  # exactly the slots the real entries need
@@ -293,7 +301,7 @@ class Engine:
             self.shapes |= {(C + G, kc), (G, kc), (G, kq)}
             queries = slice(start, G)
         else:
-            tab = gpt_table(ext, r, widths)
+            tab = gpt_table(ext, r, widths) if table is None else table
             T = tab.shape[2]
             end = reach + T if used is None else _extent(r.e + used, used)
             kk = _level(end, self.capacity, levels)
