@@ -35,6 +35,7 @@ Design choices:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from types import SimpleNamespace
 
 import numpy as np
@@ -63,11 +64,11 @@ class Round:
     qtop: Tensor  # queries see slots < qtop
     targets: Tensor  # (B, Q) positions the queries predict, a prefix of each row (-1)
 
-    @property
+    @cached_property
     def chain(self) -> Tensor:
         return (self.chain_end - self.e + 1).clamp(min=0)
 
-    @property
+    @cached_property
     def queries(self) -> Tensor:
         return (self.targets >= 0).sum(dim=1)
 
@@ -89,8 +90,8 @@ def _queries(r: Round, j: Tensor, L: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _check_width(need: Tensor, width: int, what: str) -> None:
-    """A sampler bug if a pass outgrows its widths (checked where reading is free: on the
-    CPU, unless it runs the GPU's path)."""
+    """A sampler bug if a pass outgrows the widths it was given (checked where reading is
+    free: on the CPU, unless it runs the GPU's path)."""
     if need.device.type == "cpu" and not STATIC_ON_CPU and int(need.max()) > width:
         raise RuntimeError(f"a pass of {int(need.max())} {what} in width {width}")
 
@@ -100,8 +101,11 @@ def gpt_table(ext: Tensor, r: Round, width: int | None = None) -> Tensor:
     [chain | queries | padding] at cache slots from ``e`` on. ``ext``: :func:`extend`'s."""
     n = ext.shape[1] - 1
     L = r.chain
-    T = int((L + r.queries).max()) if width is None else width
-    _check_width(L + r.queries, T, "entries")
+    if width is None:
+        T = int((L + r.queries).max())
+    else:
+        T = width
+        _check_width(L + r.queries, T, "entries")
     j = torch.arange(T, device=ext.device)[None]
     s = r.e[:, None] + j  # chain slot = cache slot
     chain = j < L[:, None]
@@ -125,9 +129,12 @@ def armd_table(
     n = ext.shape[1] - 1
     Cn = (r.qtop - r.cc).clamp(min=0)
     L = r.chain
-    C, G = (int(Cn.max()), int((L + r.queries).max())) if widths is None else widths
-    _check_width(Cn, C, "content rows")
-    _check_width(L + r.queries, G, "query rows")
+    if widths is None:
+        C, G = int(Cn.max()), int((L + r.queries).max())
+    else:
+        C, G = widths
+        _check_width(Cn, C, "content rows")
+        _check_width(L + r.queries, G, "query rows")
     j = torch.arange(C, device=ext.device)[None]
     s = r.cc[:, None] + j
     creal = j < Cn[:, None]
@@ -257,8 +264,7 @@ class Engine:
         tok: Tensor,
         start: int,
         first: bool,
-        reach: int | None = None,
-        widths: int | tuple[int, int] | None = None,
+        reach: int,
         table: Tensor | None = None,
     ) -> Tensor:
         """Logits (B, J, V) of the pass's columns ``start..`` (chain, then queries).
@@ -269,16 +275,16 @@ class Engine:
             tok: the token buffer.
             start: the first column returned.
             first: the first pass (its own widths and keys).
-            reach: on a GPU, an upper bound of ``e`` over the rows with entries (from
-                :class:`HostCounts`); None: read from ``r`` (the CPU, the first pass).
-            widths: the widths of the first pass, when known (None: read from ``r``).
+            reach: an upper bound of ``e`` over the rows with entries (from
+                :class:`HostCounts`), for the fixed-width passes; the first pass and the
+                CPU read the exact extent from ``r`` instead.
             table: on a GPU after the first pass, the pass's table, built by the sampler
                 in fewer ops than :func:`gpt_table`/:func:`armd_table` (``r`` unused).
         """
         fixed = not first and self.static
-        widths = self.widths if fixed else widths
+        widths = self.widths if fixed else None
         levels = (2 if self.armd else 7) if fixed else None
-        used = None if fixed and reach is not None else r.chain + r.queries
+        used = None if fixed else r.chain + r.queries
         if table is not None and used is not None:
             raise RuntimeError("a ready table is for the fixed-width passes only")
         if self.armd:
