@@ -208,3 +208,28 @@ def _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, static)
             else slot_oracle(model, out.tokens, out.order, out.step_of)
         )
     torch.testing.assert_close(out.logits[:, k:], want[:, k:], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("K", [None, 3])
+def test_the_step_hook_sees_every_committed_token_once(kind, K) -> None:
+    """``on_step`` (it was accepted and never called): every position after the prompt is
+    reported exactly once, with its final token and the pass recorded in ``step_of``."""
+    n, B = 12, 3
+    model = _moved(tiny_model(kind, vocab_size=5), 1)
+    tokens, known = _prompt(n, B, 2)
+    seen = []
+    out = confidence_sample(
+        model, n, 2, speculative=K, batch=B, prompt=tokens, known=known,
+        generator=torch.Generator().manual_seed(0),
+        on_step=lambda pos, tok, step: seen.append((pos.clone(), tok.clone(), step)),
+    )  # fmt: skip
+    assert len(seen) == out.forward_passes
+    count = torch.zeros(B, n + 1, dtype=torch.long)
+    for pos, tok, step in seen:
+        real = pos < n
+        count.scatter_add_(1, pos, real.long())
+        rows = torch.arange(B)[:, None].expand_as(pos)
+        assert torch.equal(tok[real], out.tokens[rows[real], pos[real]])
+        assert bool((out.step_of[rows[real], pos[real]] == step).all())
+    assert torch.equal(count[:, :n], (~known).long())

@@ -168,14 +168,16 @@ def confidence_sample(
     per_pass, subset = min(per_pass, left), None if subset is None else min(subset, left)
     speculative = None if speculative is None else min(speculative, left)
     ctl = (temperature, top_k, top_p)
-    run = _Decode(model, tokens, order, k, ctl, generator, subset, keep_logits)
+    run = _Decode(model, tokens, order, k, ctl, generator, subset, keep_logits, on_step)
     return run.speculative(speculative) if speculative else run.parallel(per_pass)
 
 
 class _Decode:
     """The state of one confidence-ordered decode (on the device)."""
 
-    def __init__(self, model, tokens, order, k, ctl, generator, subset, keep_logits) -> None:
+    def __init__(
+        self, model, tokens, order, k, ctl, generator, subset, keep_logits, on_step
+    ) -> None:
         B, n = tokens.shape
         self.model, self.n, self.k, self.ctl, self.generator = model, n, k, ctl, generator
         self.subset = subset
@@ -186,16 +188,18 @@ class _Decode:
         V = model.cfg.vocab_size
         self.logits = torch.zeros(B, n + 1, V, device=self.device) if keep_logits else None
         self.armd = isinstance(model, ARMD)
+        self.on_step = on_step
 
-    def _record(self, slots: Tensor, logits: Tensor, step: int, on_step=None) -> None:
-        """Note the step and logits of the committed ``slots`` (B, J; padding n)."""
-        pos = extend(self.order).gather(1, slots)
+    def _record(self, ext: Tensor, slots: Tensor, logits: Tensor, step: int) -> None:
+        """Note the step and logits of the committed ``slots`` (B, J; padding n) of the
+        order ``ext`` (:func:`~anyorder.sampling.rounds.extend`'s); call the step hook."""
+        pos = ext.gather(1, slots)
         self.step_of.scatter_(1, pos, step)
         if self.logits is not None:
             V = logits.shape[-1]
             self.logits.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
-        if on_step is not None:
-            on_step(pos, self.tok.gather(1, pos), step)
+        if self.on_step is not None:
+            self.on_step(pos, self.tok.gather(1, pos), step)
 
     def _result(self, passes: int) -> SampleResult:
         n = self.n
@@ -227,7 +231,7 @@ class _Decode:
             new = draw(probabilities(picked, *self.ctl), cols >= 0, self.generator)
             self.tok.scatter_(1, chosen, new)
             slots = c + torch.arange(kk, device=device).expand(B, kk)
-            self._record(slots, picked, passes)
+            self._record(extend(self.order), slots, picked, passes)
             eng.forget(full(c), full(c))
             e, c, passes = c, c + kk, passes + 1
         out = self._result(passes)
@@ -255,17 +259,19 @@ class _Decode:
             targets = _targets(self.order, first, self.subset, self.generator, trim)
             start = k if passes == 0 else 1 if passes == 1 else 0  # the columns of c - e
             r = Round(e, cc, top, qtop, targets)
-            raw = eng.run(extend(self.order), r, self.tok, start, not passes, host.reach())
+            ext = extend(self.order)  # this pass's order (the first pass reorders it)
+            raw = eng.run(ext, r, self.tok, start, not passes, host.reach())
             chain = torch.where(live, D + 1, 0) if head else torch.zeros_like(c)
             colpos = _columns(self.order, c, chain, targets, raw.shape[1])
             if head:
-                m, used = self._verify(raw, p, c, D, live), raw
+                m, used = self._verify(ext, raw, p, c, D, live), raw
             else:  # the first pass: the most confident position is committed at once
                 used, best = self._first(raw, colpos, c, live)
                 m = torch.zeros_like(c)
+                ext = extend(self.order)
             jj = torch.arange(used.shape[1], device=device)
             done = (jj[None] <= m[:, None]) & live[:, None]
-            self._record(torch.where(done, c[:, None] + jj, n), used, passes)
+            self._record(ext, torch.where(done, c[:, None] + jj, n), used, passes)
             jr = torch.arange(raw.shape[1], device=device)[None]
             decided = (jr <= m[:, None]) & (jr < chain[:, None]) if head else jr == best[:, None]
             p, D_next = self._choose(raw, colpos, (colpos >= 0) & ~decided, c, m, K, live)
@@ -282,9 +288,11 @@ class _Decode:
         out.extra["attention_shapes"] = sorted(eng.shapes)
         return out
 
-    def _verify(self, raw: Tensor, p: Tensor, c: Tensor, D: Tensor, live: Tensor) -> Tensor:
+    def _verify(
+        self, ext: Tensor, raw: Tensor, p: Tensor, c: Tensor, D: Tensor, live: Tensor
+    ) -> Tensor:
         """The ratio tests of the drafts at slots c..c+D-1; the closing token written."""
-        n, ext = self.n, extend(self.order)
+        n = self.n
         cols = torch.arange(p.shape[1], device=self.device)
         drafts = self.tok.gather(1, ext.gather(1, (c[:, None] + cols).clamp(max=n)))
         chain = raw[:, : p.shape[1] + 1]  # the verified slots and the closing one
