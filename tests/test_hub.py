@@ -57,7 +57,6 @@ def test_folder_is_uploadable_as_is(tmp_path) -> None:
         "README.md",
         "config.json",
         "model.safetensors",
-        "modeling_anyorder.py",
         "tokenizer",
         "training_config.yaml",
     ]

@@ -50,3 +50,70 @@ def load(path: str | Path, **kwargs: Any) -> Model:
     from anyorder.api import load as _load
 
     return _load(path, **kwargs)
+
+
+# -- transformers' Auto classes ----------------------------------------------------------
+# An export ships no Python: its classes are registered with transformers from here, so
+# AutoModelForCausalLM.from_pretrained(export) needs no trust_remote_code. transformers is
+# not imported for it: each registration runs once transformers has loaded the Auto module
+# it extends (anyorder.hf says why two), at once when it already has.
+
+_AUTO_HOOKS = {
+    "transformers.models.auto.configuration_auto": "register_config",
+    "transformers.models.auto.modeling_auto": "register_models",
+}
+
+
+def _register(module: str) -> None:
+    import warnings
+
+    try:
+        import anyorder.hf as hf
+
+        getattr(hf, _AUTO_HOOKS[module])()
+    except Exception as e:  # never break the user's import of transformers
+        warnings.warn(
+            f"anyorder could not register its transformers classes ({type(e).__name__}: {e}); "
+            "import anyorder.hf and call anyorder.hf.register_models() to see why",
+            stacklevel=2,
+        )
+
+
+class _AfterImport:
+    """A ``sys.meta_path`` finder that runs :func:`_register` after one of :data:`_AUTO_HOOKS`
+    has executed; it finds nothing itself (the other finders do)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in _AUTO_HOOKS:
+            return None
+        for finder in _sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        run = getattr(loader, "exec_module", None)
+        if run is None:
+            return spec
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _register(fullname)
+
+        loader.exec_module = exec_module  # this spec's own loader instance
+        return spec
+
+
+def _hook_transformers() -> None:
+    if not any(isinstance(f, _AfterImport) for f in _sys.meta_path):
+        _sys.meta_path.insert(0, _AfterImport())
+    for module in _AUTO_HOOKS:
+        if module in _sys.modules:
+            _register(module)
+
+
+_hook_transformers()

@@ -64,6 +64,8 @@ WEIGHTS_NAME = "model.safetensors"
 CARD_NAME = "README.md"
 RUN_CONFIG_NAME = "training_config.yaml"
 TOKENIZER_DIR = "tokenizer"
+STORED_DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes an export stores its weights in: ``torch_dtype`` in ``config.json``."""
 
 
 def is_exported(path: str | Path) -> bool:
@@ -171,6 +173,22 @@ def load_state(model: AnyOrderLM, path: Path, expected_sha256: str | None = None
     model.load_state_dict(state, strict=True)
 
 
+def check_stored_dtype(value: Any, key: str = "torch_dtype", where: str = CONFIG_NAME) -> None:
+    """``value`` (a ``config.json`` dtype field ``key``) is None or names a stored dtype.
+
+    Raises:
+        CheckpointError: another value, named with the field (``transformers`` would look
+            any name up as an attribute of ``torch``).
+    """
+    if isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")
+    if value is not None and value not in STORED_DTYPES:
+        raise CheckpointError(
+            f"{where} has {key}={json.dumps(value, default=str)[:40]}, not a dtype an export "
+            f"stores ({', '.join(STORED_DTYPES)}); export again"
+        )
+
+
 def check_kind(kind: str | None) -> None:
     """Refuse a ``kind`` that is not a model kind (None, any kind, is fine).
 
@@ -221,6 +239,8 @@ def load_exported(
             f"{str(spec)!r} holds a {model_cfg.kind} model, not {kind}; load it as "
             f"{model_cfg.kind} or pick an export of a {kind} model"
         )
+    for key in ("torch_dtype", "dtype"):
+        check_stored_dtype(config.get(key), key, str(folder / CONFIG_NAME))
     step = config.get("step") or 0
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(

@@ -108,7 +108,9 @@ print(model.score("Some text to score.", order="l2r"))
 
 or from the shell, on a local copy of this folder: `anyorder sample FOLDER`. The weights
 are `model.safetensors`, `config.json` holds the anyorder model config (`model_type:
-anyorder`: this is not a `transformers` model) and `tokenizer/` the tokenizer.
+anyorder`) and `tokenizer/` the tokenizer. With `transformers`, after `import anyorder`
+(which registers the classes; this folder holds no code and needs no `trust_remote_code`):
+`AutoModelForCausalLM.from_pretrained("PATH_OR_REPO_ID")`.
 """
 
 
@@ -129,22 +131,6 @@ def _prepare_target(folder: Path) -> None:
             f"export target {short_path(folder)} exists and is not an exported anyorder model; "
             "choose a new folder or delete it"
         )
-
-
-MODELING_NAME = "modeling_anyorder.py"
-MODELING_FILE = """\
-# transformers reads this folder through this file:
-#     AutoModel.from_pretrained(folder, trust_remote_code=True)
-# The model code is the anyorder package's (pip install anyorder[hf]); none is copied here.
-from anyorder.interop.transformers_model import AnyorderConfig, AnyorderModel
-
-__all__ = ["AnyorderConfig", "AnyorderModel"]
-"""
-AUTO_MAP = {
-    "AutoConfig": "modeling_anyorder.AnyorderConfig",
-    "AutoModel": "modeling_anyorder.AnyorderModel",
-}
-"""``config.json``'s ``auto_map``: where ``transformers`` finds the classes (MODELING_FILE)."""
 
 
 def save_pretrained(
@@ -213,11 +199,9 @@ def save_pretrained(
             import yaml
 
             (tmp / RUN_CONFIG_NAME).write_text(yaml.safe_dump(to_dict(run_config), sort_keys=False))
-        (tmp / MODELING_NAME).write_text(MODELING_FILE)
         config: dict[str, Any] = {
             "model_type": MODEL_TYPE,
             "architectures": ["AnyorderModel"],
-            "auto_map": AUTO_MAP,
             "anyorder_kind": model.cfg.kind,
             "anyorder_version": _version(),
             "anyorder_format": FORMAT_VERSION,

@@ -87,8 +87,10 @@ class ARMD(AnyOrderLM):
 
     def query_table(self) -> Tensor:
         """``MLP(sinusoid(p))`` of every position p: (seq_len, d)."""
-        pos = torch.arange(self.cfg.seq_len, device=self.tok_emb.weight.device)
-        return self.query_mlp(sinusoidal(pos, self.cfg.d_model))
+        weight = self.tok_emb.weight
+        pos = torch.arange(self.cfg.seq_len, device=weight.device)
+        # in the weights' dtype: float32 under autocast, bf16/fp16 for weights cast to it
+        return self.query_mlp(sinusoidal(pos, self.cfg.d_model).to(weight.dtype))
 
     def embed_query(self, target: Tensor, prefix: Tensor, table: Tensor | None = None) -> Tensor:
         """Query-stream input from the target positions and the prefix aggregate.

@@ -1,0 +1,53 @@
+"""``transformers``' Auto classes for exported folders, with no remote code.
+
+``import anyorder`` arranges for :func:`register_config` and :func:`register_models` to run
+once ``transformers`` loads its Auto modules (at once when it already has), so that
+
+::
+
+    import anyorder
+    from transformers import AutoModelForCausalLM, pipeline
+
+    model = AutoModelForCausalLM.from_pretrained("my-export")  # an AnyorderModel
+    pipe = pipeline("text-generation", model="my-export", tokenizer=tok)
+
+work without ``trust_remote_code``: the classes are this package's, never code from a model
+folder. ``import anyorder`` itself imports neither ``transformers`` nor this package.
+
+* :mod:`anyorder.hf.config`: :class:`AnyorderConfig` (``model_type: anyorder``);
+* :mod:`anyorder.hf.model`: :class:`AnyorderModel` (forward, loss, loading, saving);
+* :mod:`anyorder.hf.generation`: ``generate`` with anyorder's samplers.
+
+Design choices:
+
+* The config class is registered as soon as ``transformers``' ``configuration_auto`` is
+  loaded, the model class once ``modeling_auto`` is: each needs only what its Auto module
+  has just loaded, so ``AutoConfig`` alone does not pay for ``transformers``' model code.
+* Registering twice is harmless (``exist_ok``): the hook and an explicit call may both run.
+"""
+
+from __future__ import annotations
+
+from anyorder.checkpoint.exported import MODEL_TYPE
+
+
+def register_config() -> None:
+    """Register :class:`~anyorder.hf.config.AnyorderConfig` with ``AutoConfig``."""
+    from transformers.models.auto.configuration_auto import AutoConfig
+
+    from anyorder.hf.config import AnyorderConfig
+
+    AutoConfig.register(MODEL_TYPE, AnyorderConfig, exist_ok=True)
+
+
+def register_models() -> None:
+    """Register :class:`~anyorder.hf.model.AnyorderModel` with ``AutoModel`` and
+    ``AutoModelForCausalLM`` (and the config with ``AutoConfig``)."""
+    from transformers.models.auto.modeling_auto import AutoModel, AutoModelForCausalLM
+
+    from anyorder.hf.config import AnyorderConfig
+    from anyorder.hf.model import AnyorderModel
+
+    register_config()
+    AutoModel.register(AnyorderConfig, AnyorderModel, exist_ok=True)
+    AutoModelForCausalLM.register(AnyorderConfig, AnyorderModel, exist_ok=True)
