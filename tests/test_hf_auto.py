@@ -231,6 +231,14 @@ def test_labels_give_the_left_to_right_nll(folders, kind: str) -> None:
     torch.testing.assert_close(loss.double(), by_hand, atol=1e-5, rtol=0)
     with pytest.raises(ConfigError, match=r"^labels have shape \(2, 7\), input_ids \(2, 8\);"):
         hf(input_ids=x, labels=labels[:, :7])
+    with pytest.raises(ConfigError, match=r"^labels hold ids outside 0..256 \(-100 marks an un"):
+        hf(input_ids=x, labels=torch.full_like(x, V))
+    with pytest.raises(ConfigError, match=r"^input_ids hold ids outside 0..256 "):
+        hf(input_ids=torch.full_like(x, -5))
+    with pytest.raises(ConfigError, match=r"^AnyorderModel.forward does not take output_attent"):
+        hf(input_ids=x, output_attentions=True)
+    loss, logits = hf(input_ids=x, labels=labels, return_dict=False)
+    assert torch.equal(loss, hf(input_ids=x, labels=labels).loss)
 
 
 # -- generate ---------------------------------------------------------------------------
@@ -343,6 +351,9 @@ def test_generate_pads_after_eos_and_streams(folders) -> None:
     streamer = Recorder()
     out = hf.generate(prompt, max_new_tokens=10, eos_token_id=None, streamer=streamer, seed=1)
     assert streamer.ended and torch.equal(torch.cat(streamer.parts, 1), out)
+    with pytest.raises(SamplingError, match=r"^a streamer takes one sequence, this call makes 2;"):
+        hf.generate(prompt, max_new_tokens=3, do_sample=True, num_return_sequences=2,
+                    streamer=Recorder())  # fmt: skip
 
 
 ATTACKS = [
@@ -360,7 +371,11 @@ ATTACKS = [
         r"^max_length=3 leaves no new token after the 4-token",
     ),
     (dict(num_beams=2), SamplingError, r"^num_beams=2: anyorder samples, it has no beam search"),
-    (dict(do_sample=True, num_return_sequences=10**6), SamplingError, r"^num_samples=1000000 "),
+    (
+        dict(do_sample=True, num_return_sequences=10**6),
+        SamplingError,
+        r"^1 prompt\(s\) x num_return_sequences=1000000 make",
+    ),
     (dict(num_return_sequences=2), SamplingError, r"^generate\(\): Greedy methods \(do_sample"),
     (dict(repetition_penalty=1.3), SamplingError, r"^generate\(\) does not apply repetition_pe"),
     (dict(output_scores=True), SamplingError, r"^generate\(\) does not apply output_scores"),
@@ -371,6 +386,12 @@ ATTACKS = [
     (dict(order="sideways"), SamplingError, r"^order='sideways': use one of random, l2r, str"),
     (dict(seed=-1), SamplingError, r"^seed=-1 must be a whole number in 0.."),
     (dict(past_key_values=()), SamplingError, r"^generate\(\) does not take past_key_values$"),
+    (dict(max_new_tokens=2.5), SamplingError, r"^max_new_tokens=2.5 must be a whole number >= 1$"),
+    (dict(do_sample=True, top_k=-1), SamplingError, r"^top-k=-1 must be at least 1"),
+    (dict(num_return_sequences=0), SamplingError, r"^num_return_sequences=0 must be a whole"),
+    (dict(min_new_tokens=3), SamplingError, r"^generate\(\) does not apply min_new_tokens"),
+    (dict(assistant_model=torch.nn.Linear(1, 1)), SamplingError, r"^generate\(\) does not tak"),
+    (dict(speculative=2, steps=3), SamplingError, r"^--speculative drafts and verifies along"),
     (dict(eos_token_id=[1, 2]), SamplingError, r"^eos_token_id=\[1, 2\]: anyorder stops at one"),
 ]
 

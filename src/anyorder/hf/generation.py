@@ -92,6 +92,24 @@ def _length(config: Any, prompt_len: int, seq_len: int) -> int:
     return n
 
 
+def _rows(prompts: int, copies: Any) -> int:
+    """Sequences in the batch: each prompt ``copies`` times, within the samplers' bound.
+
+    Raises:
+        SamplingError: not a count >= 1, or too many.
+    """
+    from anyorder.bounds import MAX_NUM_SAMPLES
+
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise SamplingError(f"num_return_sequences={copies} must be a whole number >= 1")
+    if prompts * copies > MAX_NUM_SAMPLES:
+        raise SamplingError(
+            f"{prompts} prompt(s) x num_return_sequences={copies} make {prompts * copies} "
+            f"sequences, more than {MAX_NUM_SAMPLES} in one call; split the batch"
+        )
+    return prompts * copies
+
+
 def _first_id(ids: Any) -> int | None:
     """One token id from ``eos_token_id``/``pad_token_id`` (an int, a list, a tensor)."""
     if ids is None:
@@ -126,7 +144,7 @@ def check_mask(attention_mask: Tensor | None, input_ids: Tensor | None) -> None:
 
 
 def _model_kwargs(model_kwargs: dict[str, Any], input_ids: Tensor | None) -> Any:
-    unknown = sorted(k for k in model_kwargs if k not in _MODEL_KEYS)
+    unknown = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KEYS and v is not None)
     if unknown:
         raise SamplingError(f"generate() does not take {', '.join(unknown)}")
     check_mask(model_kwargs.get("attention_mask"), input_ids)
@@ -185,7 +203,12 @@ def generate(
         )
     if bad:
         raise SamplingError(f"generate() does not apply {', '.join(bad)} (anyorder's samplers)")
-    rows = ids.shape[0] * config.num_return_sequences
+    rows = _rows(ids.shape[0], config.num_return_sequences)
+    if streamer is not None and rows != 1:
+        raise SamplingError(
+            f"a streamer takes one sequence, this call makes {rows}; stream one prompt with "
+            "num_return_sequences=1"
+        )
     n = _length(config, ids.shape[1], model.cfg.seq_len)
     seed = ours.pop("seed", None)
     if seed is None:

@@ -55,7 +55,7 @@ _HARMLESS_LOAD = {
     "_from_auto", "_from_pipeline", "_commit_hash", "trust_remote_code", "low_cpu_mem_usage",
     "use_safetensors", "name_or_path",
 }  # fmt: skip
-_HARMLESS_FORWARD = {"use_cache", "return_dict", "output_attentions", "output_hidden_states"}
+_HARMLESS_FORWARD = {"use_cache"}  # no cache is kept between calls either way
 
 
 def _unused(kwargs: dict[str, Any], harmless: set[str], what: str) -> None:
@@ -198,8 +198,9 @@ class AnyorderModel(PreTrainedModel, GenerationMixin):
         labels: Tensor | None = None,
         order: Tensor | None = None,
         blocks: Tensor | None = None,
+        return_dict: bool | None = None,
         **kwargs: Any,
-    ) -> AnyorderOutput:
+    ) -> AnyorderOutput | tuple:
         """Logits of ``input_ids`` (B, n) generated in ``order`` (B, T), T <= n (default left
         to right); ``blocks`` as :meth:`anyorder.models.base.AnyOrderLM.forward`.
 
@@ -213,6 +214,8 @@ class AnyorderModel(PreTrainedModel, GenerationMixin):
         """
         _unused(kwargs, _HARMLESS_FORWARD, f"{type(self).__name__}.forward")
         check_mask(attention_mask, input_ids)
+        vocab = self.model.cfg.vocab_size
+        _check_ids(input_ids, vocab, "input_ids")
         logits = self.model(input_ids, order, blocks)
         loss = None
         if labels is not None:
@@ -221,12 +224,14 @@ class AnyorderModel(PreTrainedModel, GenerationMixin):
                     f"labels have shape {tuple(labels.shape)}, input_ids "
                     f"{tuple(input_ids.shape)}; give one label per token (-100 for none)"
                 )
+            _check_ids(labels[labels != -100], vocab, "labels")
             targets = labels if order is None else labels.gather(1, order)
             targets = targets[:, : logits.shape[1]]
             loss = F.cross_entropy(
                 logits.flatten(0, 1).float(), targets.flatten().to(logits.device), ignore_index=-100
             )
-        return AnyorderOutput(loss=loss, logits=logits)
+        out = AnyorderOutput(loss=loss, logits=logits)
+        return out.to_tuple() if return_dict is False else out
 
     def generate(self, input_ids: Tensor | None = None, generation_config: Any = None, **kwargs):
         """anyorder's sampler behind ``transformers``' ``generate``: see
@@ -275,6 +280,18 @@ class AnyorderModel(PreTrainedModel, GenerationMixin):
             step=step if isinstance(step, int) and not isinstance(step, bool) else None,
             source=source if isinstance(source, str) else None,
         )
+
+
+def _check_ids(ids: Tensor, vocab: int, name: str) -> None:
+    """Token ids lie in ``0..vocab-1`` (an embedding lookup would fail with a raw error).
+
+    Raises:
+        ConfigError: an id outside.
+    """
+    if ids.is_floating_point() or ids.is_complex():
+        raise ConfigError(f"{name} must be integer token ids, not {ids.dtype}")
+    if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < vocab):
+        raise ConfigError(f"{name} hold ids outside 0..{vocab - 1} (-100 marks an unscored label)")
 
 
 def _stored_dtype(folder: Path) -> str | None:
