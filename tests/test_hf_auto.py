@@ -102,8 +102,11 @@ def test_import_anyorder_then_transformers_registers_for_pipeline(tmp_path) -> N
     code = f"""
 import sys, anyorder, torch
 assert "transformers" not in sys.modules
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, pipeline
 folder = {str(folder)!r}
+from transformers import AutoConfig, AutoTokenizer
+assert "transformers.modeling_utils" not in sys.modules  # a tokenizer user pays nothing
+assert type(AutoConfig.from_pretrained(folder)).__name__ == "AnyorderConfig"
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, pipeline
 hf = AutoModelForCausalLM.from_pretrained(folder)
 x = torch.tensor([[5, 6, 7]])
 greedy = hf.generate(x, max_new_tokens=4)

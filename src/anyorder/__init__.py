@@ -55,13 +55,11 @@ def load(path: str | Path, **kwargs: Any) -> Model:
 # -- transformers' Auto classes ----------------------------------------------------------
 # An export ships no Python: its classes are registered with transformers from here, so
 # AutoModelForCausalLM.from_pretrained(export) needs no trust_remote_code. transformers is
-# not imported for it: each registration runs once transformers has loaded the Auto module
-# it extends (anyorder.hf says why two), at once when it already has.
+# not imported for it: the registration runs once transformers has loaded AutoConfig's
+# module, at once when it already has (the model classes follow with the first anyorder
+# config: anyorder.hf says why).
 
-_AUTO_HOOKS = {
-    "transformers.models.auto.configuration_auto": "register_config",
-    "transformers.models.auto.modeling_auto": "register_models",
-}
+_AUTO_HOOKS = {"transformers.models.auto.configuration_auto": "register_config"}
 
 
 def _register(module: str) -> None:

@@ -1,7 +1,8 @@
 """``transformers``' Auto classes for exported folders, with no remote code.
 
-``import anyorder`` arranges for :func:`register_config` and :func:`register_models` to run
-once ``transformers`` loads its Auto modules (at once when it already has), so that
+``import anyorder`` arranges for :func:`register_config` to run once ``transformers`` loads
+its ``AutoConfig`` (at once when it already has), and that for :func:`register_models`
+once an anyorder config is built, so that
 
 ::
 
@@ -20,15 +21,19 @@ folder. ``import anyorder`` itself imports neither ``transformers`` nor this pac
 
 Design choices:
 
-* The config class is registered as soon as ``transformers``' ``configuration_auto`` is
-  loaded, the model class once ``modeling_auto`` is: each needs only what its Auto module
-  has just loaded, so ``AutoConfig`` alone does not pay for ``transformers``' model code.
+* ``import anyorder`` registers the config class as soon as ``transformers``' small
+  ``configuration_auto`` module is loaded (``AutoTokenizer`` loads it too). The model
+  class needs ``transformers``' model code (``PreTrainedModel``, ``GenerationMixin``: 3x the
+  import time of ``AutoTokenizer``), so it is registered when the first anyorder config is
+  built, which every Auto path does before it looks a model class up: a tokenizer-only user
+  of ``transformers`` never pays for it.
 * Registering twice is harmless (``exist_ok``): the hook and an explicit call may both run.
 """
 
 from __future__ import annotations
 
 from anyorder.checkpoint.exported import MODEL_TYPE
+from anyorder.hf import config as _config
 
 
 def register_config() -> None:
@@ -51,3 +56,6 @@ def register_models() -> None:
     register_config()
     AutoModel.register(AnyorderConfig, AnyorderModel, exist_ok=True)
     AutoModelForCausalLM.register(AnyorderConfig, AnyorderModel, exist_ok=True)
+
+
+_config.ON_FIRST_CONFIG.append(register_models)

@@ -2,7 +2,8 @@
 
 Kept apart from :mod:`anyorder.hf.model` because it needs only ``transformers``'
 configuration module: ``AutoConfig`` gets it as soon as that module is loaded, without the
-cost of ``transformers``' model code (see :func:`anyorder.hf.register_config`).
+cost of ``transformers``' model code, which the model classes load only once the first
+anyorder config is built (:data:`ON_FIRST_CONFIG`, :mod:`anyorder.hf`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from anyorder.errors import ConfigError
 
 __all__ = ["STORED_DTYPES", "AnyorderConfig"]
 
+ON_FIRST_CONFIG: list = []
+"""Called (and dropped) when the first :class:`AnyorderConfig` is built: :mod:`anyorder.hf`
+puts the model classes' registration here, so that they, and ``transformers``' model code
+they import, load only once an anyorder config is read (a list, not an import of
+:mod:`anyorder.hf.model`, which imports this module)."""
+
 
 class AnyorderConfig(PretrainedConfig):
     """The ``config.json`` of an export: the model section's fields and the export's keys.
@@ -35,6 +42,8 @@ class AnyorderConfig(PretrainedConfig):
         for key in ("torch_dtype", "dtype"):
             _check_dtype(kwargs.get(key), key)
         super().__init__(**kwargs)
+        while ON_FIRST_CONFIG:
+            ON_FIRST_CONFIG.pop()()
 
     def to_model_config(self) -> ModelConfig:
         """The :class:`~anyorder.config.ModelConfig` these fields describe."""
