@@ -236,6 +236,10 @@ def test_labels_give_the_left_to_right_nll(folders, kind: str) -> None:
         hf(input_ids=x, labels=labels[:, :7])
     with pytest.raises(ConfigError, match=r"^labels hold ids outside 0..256 \(-100 marks an un"):
         hf(input_ids=x, labels=torch.full_like(x, V))
+    with pytest.raises(
+        ConfigError, match=r"^input_ids must be \(batch, length\), not of shape \(8,\)$"
+    ):
+        hf(input_ids=x[0])
     with pytest.raises(ConfigError, match=r"^input_ids hold ids outside 0..256 "):
         hf(input_ids=torch.full_like(x, -5))
     with pytest.raises(ConfigError, match=r"^AnyorderModel.forward does not take output_attent"):
@@ -413,6 +417,10 @@ def test_generate_refuses_stopping_criteria_and_bad_ids(folders) -> None:
     criteria = transformers.StoppingCriteriaList([transformers.MaxLengthCriteria(6)])
     with pytest.raises(SamplingError, match=r"^generate\(stopping_criteria=...\) is not applied"):
         hf.generate(ids(1, 4), max_new_tokens=4, stopping_criteria=criteria)
+    with pytest.raises(SamplingError, match=r"^input_ids must be \(batch, length\), not of shap"):
+        hf.generate(torch.tensor([1, 2]), max_new_tokens=4)
+    with pytest.raises(SamplingError, match=r"^input_ids must be integer token ids, not torch.fl"):
+        hf.generate(torch.tensor([[1.0, 2.0]]), max_new_tokens=4)
     with pytest.raises(SamplingError, match=r"^input_ids hold ids outside 0..256$"):
         hf.generate(torch.tensor([[1, 300]]), max_new_tokens=4)
     out = hf.generate(ids(1, 4), max_new_tokens=3, return_dict_in_generate=True)

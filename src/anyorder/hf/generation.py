@@ -192,8 +192,10 @@ def generate(
         raise SamplingError(f"generate(): {str(e).strip().splitlines()[0]}") from None
     model = hf_model.model
     ids = torch.zeros(1, 0, dtype=torch.long) if input_ids is None else input_ids
-    if ids.dim() != 2 or ids.dtype not in (torch.long, torch.int32, torch.int64):
-        raise SamplingError(f"input_ids must be (batch, length) token ids, not {ids.dtype}")
+    if ids.dim() != 2:
+        raise SamplingError(f"input_ids must be (batch, length), not of shape {tuple(ids.shape)}")
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise SamplingError(f"input_ids must be integer token ids, not {ids.dtype}")
     streamer = _model_kwargs(model_kwargs, ids if input_ids is not None else None)
     bad = _unsupported(config)
     if config.num_beams != 1:

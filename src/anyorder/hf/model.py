@@ -288,6 +288,8 @@ def _check_ids(ids: Tensor, vocab: int, name: str) -> None:
     Raises:
         ConfigError: an id outside.
     """
+    if name == "input_ids" and ids.dim() != 2:
+        raise ConfigError(f"input_ids must be (batch, length), not of shape {tuple(ids.shape)}")
     if ids.is_floating_point() or ids.is_complex():
         raise ConfigError(f"{name} must be integer token ids, not {ids.dtype}")
     if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < vocab):
