@@ -10,7 +10,8 @@ Design choices:
 
 * ``transformers``' own parameters are read the way its ``generate`` reads them (the call,
   then ``generation_config``, then the model's, then ``transformers``' defaults: greedy,
-  ``max_length`` 20, ``top_k`` 50 when sampling). Greedy is ``top_k=1``: the argmax.
+  ``max_length`` 20, ``top_k`` 50 when sampling). Greedy is ``top_k=1``: the argmax, left
+  to right unless ``order`` says otherwise (a drawn order would make greedy search random).
 * anyorder's own keywords choose the sampler: ``order`` (``random``, the default for the
   any-order kinds, ``l2r``, ``strided``, ``confidence``), ``steps``, ``streams``,
   ``speculative``, ``per_pass``, ``schedule``, ``shared_counts``, ``reveal``, and ``seed``
@@ -216,6 +217,8 @@ def generate(
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
     greedy = not config.do_sample
+    if greedy and ours.get("order") is None and ours.get("streams") is None:
+        ours["order"] = "l2r"  # greedy search is deterministic: not along a drawn order
     temperature, top_k = (1.0, 1) if greedy else (config.temperature, config.top_k)
     top_p = None if greedy or config.top_p == 1.0 else config.top_p
     bounds.check_controls(
