@@ -13,9 +13,9 @@ Design choices:
 
 * An export ships no Python: ``import anyorder`` registers these classes (see
   :mod:`anyorder.hf`), so ``transformers`` never runs code from a model folder and
-  ``trust_remote_code`` is not needed. (Exports written before 0.x carry ``auto_map`` and a
+  ``trust_remote_code`` is not needed. (Earlier exports carry ``auto_map`` and a
   ``modeling_anyorder.py``; once the classes are registered ``transformers`` prefers them and
-  the file is never run.)
+  the file is never run, ``trust_remote_code=True`` or not.)
 * :meth:`AnyorderModel.from_pretrained` reads the folder with anyorder's own loader
   (:func:`anyorder.interop.hub.load_any`: checksums, tied weights, the same model class), so
   the module is ``anyorder.load(folder).model`` and the logits agree bit for bit;
