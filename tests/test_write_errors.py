@@ -171,6 +171,56 @@ def test_a_disk_that_fills_between_checkpoints_stops_the_run_and_keeps_the_last(
     assert ck.latest_checkpoint(w / "run").name == "step_0000006"
 
 
+FULL_DISK = """\
+import errno, os
+_write, _full = os.write, os.environ["ANYORDER_TEST_FULL"]
+def write(fd, data):  # what a full disk answers to a write into the folder
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        target = ""
+    if target.startswith(_full):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return _write(fd, data)
+os.write = write
+"""
+
+
+def full_disk_cli(cwd: Path, full: Path, *args: str) -> subprocess.CompletedProcess:
+    """The CLI with every ``os.write`` into ``full`` failing with ENOSPC (a sitecustomize on
+    PYTHONPATH: RLIMIT_FSIZE gives EFBIG, and a small file system needs root to mount)."""
+    site = cwd.parent / "full_disk_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(FULL_DISK)
+    env = {**_env(), "ANYORDER_TEST_FULL": str(full)}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO / "src"), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "anyorder.cli", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_training_into_a_full_disk_names_the_lock_file_and_removes_it(w) -> None:
+    # a new run folder: made for the lock, removed with it
+    out = full_disk_cli(w, w / "fresh", "train", "cfg.yaml", "--no-progress",
+                        "train.out_dir=fresh")  # fmt: skip
+    assert one_line(out) == (
+        "anyorder train: error: cannot write 'fresh/.lock' (No space left on device); free "
+        "disk space (or raise the file size limit) or pick another train.out_dir"
+    )
+    assert not (w / "fresh").exists()
+    # an existing run: its files as they were, and no lock left to block the next run
+    before = _files(w / "run")
+    out = full_disk_cli(w, w / "run", "train", "cfg.yaml", "--no-progress", "train.steps=4")
+    assert one_line(out) == (
+        "anyorder train: error: cannot write 'run/.lock' (No space left on device); free "
+        "disk space (or raise the file size limit) or pick another train.out_dir"
+    )
+    assert not (w / "run" / ".lock").exists()
+    assert _files(w / "run") == before
+
+
 # ----------------------------------------------------------------------------- killed writers
 
 

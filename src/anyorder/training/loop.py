@@ -33,7 +33,7 @@ from typing import Any
 from anyorder import checkpoint as ckpt_mod
 from anyorder.atomic import check_utf8_path
 from anyorder.config import RunConfig, to_dict
-from anyorder.errors import ConfigError
+from anyorder.errors import AnyorderError, ConfigError, WriteError
 from anyorder.memory import check_training_memory
 from anyorder.runlock import RUN_MARKER, RunLock, check_run_folder, check_writable_dir
 from anyorder.training.bookkeeping import (
@@ -136,10 +136,17 @@ def _lock_run_folder(cfg: RunConfig, env: DistEnv) -> RunLock | None:
             lock = RunLock(cfg.train.out_dir).acquire()
         except ConfigError as e:
             error, holder = e, RunLock(cfg.train.out_dir).holder() or -1
+        except AnyorderError as e:  # the other ranks must hear of it, not wait in from_rank0
+            error, holder = e, -2
     if env.distributed:
         holder = from_rank0(holder, env)
     if error is not None:
         raise error
+    if holder == -2:
+        raise WriteError(
+            f"rank 0 could not write the lock file of train.out_dir={cfg.train.out_dir!r}; "
+            "its error says why"
+        )
     if holder:
         who = f"PID {holder}" if holder > 0 else "another process"
         raise ConfigError(
