@@ -89,6 +89,34 @@ def test_generate_errors_are_sampling_errors(exports) -> None:
         gpt.generate(n=8, temperature=0)
 
 
+@pytest.mark.parametrize(
+    "controls, message",
+    [
+        # an int too large for a float: OverflowError inside the sampler before
+        ({"temperature": 10**400}, "temperature=10000000000000000000... (401 digits) must be a "
+         "finite number > 0, e.g. 1.0"),
+        ({"temperature": True}, "temperature=True must be a number > 0, e.g. 1.0 (0.01 for "
+         "near-greedy)"),
+        # a TypeError from torch.topk before
+        ({"top_k": 2.5}, "top-k=2.5 must be a whole number, at least 1; leave it out to keep "
+         "every token"),
+        ({"top_k": True}, "top-k=True must be a whole number, at least 1; leave it out to keep "
+         "every token"),
+        # counted as top_p=1 (no cut) before
+        ({"top_p": True}, "top-p=True must lie in (0, 1]; use e.g. 0.9, or 1 for no cut"),
+        ({"steps": 2.5}, "steps=2.5 must be a whole number, at least 1"),
+    ],
+)  # fmt: skip
+def test_generate_checks_the_type_of_its_controls(exports, controls, message) -> None:
+    model = anyorder.load(exports["aogpt"])
+    with pytest.raises(SamplingError) as e:
+        model.generate(n=8, **controls)
+    assert str(e.value) == message
+    with pytest.raises(SamplingError) as e:
+        model.infill("ab[MASK:3]", **controls)
+    assert str(e.value) == message
+
+
 def test_score_left_to_right_is_the_exact_nll(exports) -> None:
     model = anyorder.load(exports["aogpt"])
     ids = ByteTokenizer().encode(TEXT)

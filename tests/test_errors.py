@@ -324,6 +324,9 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "config-ill-typed": ([*TRAIN, "train.steps=many"], {}, None),
     "config-file-unknown-key": (["train", "typo.yaml"], {}, None),
     "config-missing-file": (["train", "nope.yaml"], {}, None),
+    # stat only: a named pipe is never opened (opening one blocks until a writer comes)
+    "config-fifo": (["train", "pipe.yaml"], {}, lambda f: os.mkfifo(f / "pipe.yaml")),
+    "config-folder": (["train", "confs"], {}, lambda f: (f / "confs").mkdir()),
     "config-bad-yaml": (["train", "broken.yaml"], {}, None),
     "config-not-key-value": ([*TRAIN, "train.steps"], {}, None),
     "cli-bad-option": (["sample", "run", "--top-p", "abc"], {}, None),
@@ -382,6 +385,12 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "sample-steps-too-many": (["sample", "run", "--steps", "100000000"], {}, None),
     # issue 25: a flag that would be ignored is refused, naming what works
     "sample-step-flags-without-steps": (["sample", "run", "--reveal", "reference"], {}, None),
+    "sample-confidence-flags-without-confidence": (["sample", "run", "--per-pass", "4"], {}, None),
+    "sample-per-pass-with-speculative": (
+        ["sample", "run", "--order", "confidence", "--speculative", "4", "--per-pass", "2"],
+        {},
+        None,
+    ),
     "data-shard-corrupted": (["eval", "run"], {}, _flip_shard_byte),
     "data-token-out-of-range": (["eval", "run"], {}, _token_beyond_vocab),
     "data-manifest-damaged": (["eval", "run"], {}, _shard_dtype),

@@ -113,6 +113,30 @@ def test_wrong_kind_and_missing_files(tmp_path) -> None:
         from_pretrained(folder)
 
 
+def test_an_export_whose_two_kinds_differ_is_refused(tmp_path) -> None:
+    # aogpt and armd share every weight name and shape, so an edited kind loaded without a word
+    import anyorder
+
+    model = tiny_model("armd", vocab_size=257)
+    folder = save_pretrained(model, tmp_path / "m", ByteTokenizer())
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["anyorder_kind"] == cfg["kind"] == "armd"
+    cfg["kind"] = "aogpt"
+    cfg_path.write_text(json.dumps(cfg))
+    message = (
+        f'{cfg_path} has anyorder_kind "armd" but kind "aogpt"; they must agree: export again '
+        "(or set both to the kind the weights were trained as)"
+    )
+    for load in (anyorder.load, from_pretrained, load_any, ckpt_mod.load_model):
+        with pytest.raises(CheckpointError) as e:
+            load(folder)
+        assert str(e.value) == message
+    cfg["kind"] = "armd"
+    cfg_path.write_text(json.dumps(cfg))
+    assert anyorder.load(folder).kind == "armd"
+
+
 def test_corrupt_weights_are_named(tmp_path) -> None:
     folder = save_pretrained(tiny_model("aogpt"), tmp_path / "m")
     weights = folder / "model.safetensors"

@@ -171,6 +171,89 @@ def test_a_disk_that_fills_between_checkpoints_stops_the_run_and_keeps_the_last(
     assert ck.latest_checkpoint(w / "run").name == "step_0000006"
 
 
+FULL_DISK = """\
+import errno, os
+_write, _full = os.write, os.environ["ANYORDER_TEST_FULL"]
+def write(fd, data):  # what a full disk answers to a write into the folder
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        target = ""
+    if target.startswith(_full):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return _write(fd, data)
+os.write = write
+"""
+
+
+def full_disk_cli(
+    cwd: Path, full: Path, *args: str, launch: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """The CLI with every ``os.write`` into ``full`` failing with ENOSPC (a sitecustomize on
+    PYTHONPATH: RLIMIT_FSIZE gives EFBIG, and a small file system needs root to mount);
+    ``launch``: a launcher's module and options (torchrun) before ``-m anyorder.cli``."""
+    site = cwd.parent / "full_disk_site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(FULL_DISK)
+    env = {**_env(), "ANYORDER_TEST_FULL": str(full), "TMPDIR": str(cwd.parent)}
+    env["ANYORDER_DIST_TIMEOUT_S"] = "120"  # a rank left waiting fails, not hangs
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO / "src"), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, *launch, "-m", "anyorder.cli", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_under_torchrun_rank0s_metrics_write_error_stops_every_rank(w) -> None:
+    # only rank 0 writes metrics.jsonl; before, rank 1 went on to the next collective and
+    # waited there for a rank 0 that had left (until gloo's timeout)
+    launch = ("-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}")
+    out = full_disk_cli(w, w / "fresh" / "metrics.jsonl", "train", "cfg.yaml", "--no-progress",
+                        "train.out_dir=fresh", "train.ckpt_every=0", launch=launch)  # fmt: skip
+    line = (
+        "anyorder train: error: cannot write 'fresh/metrics.jsonl' (No space left on device); "
+        "free disk space (or raise the file size limit) or pick another train.out_dir; no "
+        "checkpoint was saved yet"
+    )
+    errors = [x for x in out.stderr.splitlines() if x.startswith("anyorder train: error:")]
+    assert errors == [line, line], out.stderr[-3000:]  # both ranks, the same line
+    frames = [x for x in out.stderr.splitlines() if x.lstrip().startswith('File "')]
+    assert not [x for x in frames if "anyorder" in x], out.stderr[-3000:]  # torchrun's own only
+    assert out.returncode != 0
+    assert not (w / "fresh" / ".lock").exists()
+    assert (w / "fresh" / "metrics.jsonl").read_bytes() == b""  # no partial row
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd")
+def test_training_into_a_full_disk_names_the_lock_file_and_removes_it(w) -> None:
+    # a new run folder: made for the lock, removed with it
+    out = full_disk_cli(w, w / "fresh", "train", "cfg.yaml", "--no-progress",
+                        "train.out_dir=fresh")  # fmt: skip
+    assert one_line(out) == (
+        "anyorder train: error: cannot write 'fresh/.lock' (No space left on device); free "
+        "disk space (or raise the file size limit) or pick another train.out_dir"
+    )
+    assert not (w / "fresh").exists()
+    # an existing run: its files as they were, and no lock left to block the next run
+    before = _files(w / "run")
+    out = full_disk_cli(w, w / "run", "train", "cfg.yaml", "--no-progress", "train.steps=4")
+    assert one_line(out) == (
+        "anyorder train: error: cannot write 'run/.lock' (No space left on device); free "
+        "disk space (or raise the file size limit) or pick another train.out_dir"
+    )
+    assert not (w / "run" / ".lock").exists()
+    assert _files(w / "run") == before
+
+
 # ----------------------------------------------------------------------------- killed writers
 
 

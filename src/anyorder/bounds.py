@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import re
 from collections.abc import Iterator
 
@@ -44,7 +45,26 @@ _HOLE_DIGITS = re.compile(r"\[MASK:([0-9]+)\]")  # ASCII digits only
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    # True is not a temperature of 1: a flag passed by mistake is refused, not counted
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _shown(value: object) -> str:
+    """``value`` for a message: a number of thousands of digits is shown by its length."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 30 else f"{text[:20]}... ({len(text)} digits)"
+
+
+def _as_float(value: numbers.Real) -> float:
+    """``value`` as a float; an int too large for one (10**400) is infinite."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def check_seed(seed: object, name: str = "seed") -> int:
@@ -87,25 +107,47 @@ def check_controls(
     Raises:
         SamplingError: the first value out of range.
     """
-    if isinstance(temperature, (int, float)) and temperature > 0 and not temperature < math.inf:
-        raise SamplingError(f"temperature={temperature} must be a finite number > 0, e.g. 1.0")
-    if not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+    if not _is_real(temperature):
+        raise SamplingError(
+            f"temperature={_shown(temperature)} must be a number > 0, e.g. 1.0 (0.01 for "
+            "near-greedy)"
+        )
+    t = _as_float(temperature)
+    if t > 0 and not t < math.inf:
+        raise SamplingError(
+            f"temperature={_shown(temperature)} must be a finite number > 0, e.g. 1.0"
+        )
+    if not 0 < t < math.inf:
         raise SamplingError(
             f"temperature={temperature} must be > 0 (use e.g. 0.01 for near-greedy)"
         )
-    if temperature < MIN_TEMPERATURE:
+    if t < MIN_TEMPERATURE:
         raise SamplingError(
             f"temperature={temperature} is below {MIN_TEMPERATURE:g}, where the scaled logits "
             "overflow; use e.g. 0.01 for near-greedy"
         )
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise SamplingError(f"top-p={top_p} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut")
+    if top_p is not None and not (_is_real(top_p) and 0.0 < _as_float(top_p) <= 1.0):
+        raise SamplingError(
+            f"top-p={_shown(top_p)} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut"
+        )
+    if top_k is not None and not _is_int(top_k):
+        raise SamplingError(
+            f"top-k={_shown(top_k)} must be a whole number, at least 1; leave it out to keep "
+            "every token"
+        )
     if top_k is not None and top_k < 1:
         raise SamplingError(f"top-k={top_k} must be at least 1; leave it out to keep every token")
     if not _is_int(num_samples) or not 1 <= num_samples <= max_samples:
         note = f" ({limit_note})" if limit_note else ""
         raise SamplingError(f"num_samples={num_samples} must lie in 1..{max_samples}{note}")
     check_seed(seed)
+    if steps is not None and not _is_int(steps):
+        raise SamplingError(f"steps={_shown(steps)} must be a whole number, at least 1")
+    if length is not None and not _is_int(length):
+        raise SamplingError(
+            f"length={_shown(length)} must be a whole number; leave it out for the model's "
+            "full context"
+        )
     if steps is not None and steps < 1:
         raise SamplingError(f"steps={steps} must be at least 1")
     if length is not None and length < 1:
@@ -131,8 +173,10 @@ def check_steps(steps: int | None, n: int) -> None:
     """``steps`` in ``1..n`` (``n`` the sample's length): more steps reveal nothing more.
 
     Raises:
-        SamplingError: out of range.
+        SamplingError: not a whole number, or out of range.
     """
+    if steps is not None and not _is_int(steps):
+        raise SamplingError(f"steps={_shown(steps)} must be a whole number, at least 1")
     if steps is not None and not 1 <= steps <= n:
         raise SamplingError(
             f"steps={steps} must lie in 1..n={n} (at most n reverse steps reveal a token); "

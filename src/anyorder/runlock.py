@@ -26,6 +26,7 @@ import contextlib
 import os
 from pathlib import Path
 
+from anyorder.atomic import write_failed
 from anyorder.errors import ConfigError
 
 LOCK_FILE = ".lock"
@@ -161,6 +162,7 @@ class RunLock:
         Raises:
             ConfigError: another process holds it (its PID in the message), or the folder
                 cannot be created.
+            WriteError: the lock file cannot be written (a full disk); it is removed again.
         """
         try:
             import fcntl
@@ -200,8 +202,15 @@ class RunLock:
             os.close(fd)  # we locked a file that was removed meanwhile: take the new one
         else:
             raise ConfigError(f"cannot lock {self.path}; try again")
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as e:  # a full disk: os.write's error names no file, so name it here
+            with contextlib.suppress(OSError):
+                self.path.unlink()  # while still locked (see the module notes)
+            os.close(fd)
+            self._forget_folders()
+            raise write_failed(self.path, e, f"another {self.key}") from None
         self.fd = fd
         return self
 

@@ -142,11 +142,21 @@ def model_config_of(config: Mapping[str, Any], where: str = CONFIG_NAME) -> Mode
 
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     try:
-        return _build(ModelConfig, {k: v for k, v in config.items() if k in names}, "model")
+        cfg = _build(ModelConfig, {k: v for k, v in config.items() if k in names}, "model")
     except ConfigError as e:
         raise CheckpointError(
             f"{where} holds an invalid model config ({e}); export again"
         ) from None
+    # both are written from one value: a difference is an edited file, and which one the
+    # weights belong to cannot be known (a wrong kind loads and decodes garbage)
+    declared = config.get("anyorder_kind", cfg.kind)
+    if declared != cfg.kind:
+        raise CheckpointError(
+            f"{where} has anyorder_kind {json.dumps(declared)[:40]} but kind "
+            f"{json.dumps(config.get('kind', cfg.kind))[:40]}; they must agree: export again "
+            "(or set both to the kind the weights were trained as)"
+        )
+    return cfg
 
 
 def load_state(model: AnyOrderLM, path: Path, expected_sha256: str | None = None) -> None:

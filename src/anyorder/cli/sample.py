@@ -74,9 +74,9 @@ def _add_decoding(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--per-pass",
         type=int,
-        default=1,
+        default=None,
         help="--order confidence without --speculative: positions committed per pass, drawn "
-        "at once from their parallel conditionals",
+        "at once from their parallel conditionals (default 1)",
     )
     p.add_argument(
         "--score-subset",
@@ -162,6 +162,21 @@ _STEP_FLAGS = (
     ("shared_counts", "--shared-counts"),
 )
 """The flags that shape ``--steps`` sampling and nothing else."""
+_CONFIDENCE_FLAGS = (("per_pass", "--per-pass"), ("score_subset", "--score-subset"))
+"""The flags that shape ``--order confidence`` sampling and nothing else."""
+
+
+def _flags_without(flags: tuple, args: argparse.Namespace, mode: str, fix: str) -> None:
+    """Refuse ``flags`` given (not None/False) where ``mode`` was not asked for."""
+    from anyorder.errors import SamplingError
+
+    given = [flag for name, flag in flags if getattr(args, name) not in (None, False)]
+    if given:
+        raise SamplingError(
+            f"{' and '.join(given)} shape{'s' if len(given) == 1 else ''} {mode} sampling, "
+            f"which was not asked for; add {fix}, or leave "
+            f"{'it' if len(given) == 1 else 'them'} out"
+        )
 
 
 def _check_mode_flags(args: argparse.Namespace, kind: str) -> None:
@@ -169,13 +184,14 @@ def _check_mode_flags(args: argparse.Namespace, kind: str) -> None:
     from anyorder.errors import SamplingError
 
     if args.steps is None:
-        given = [flag for name, flag in _STEP_FLAGS if getattr(args, name) not in (None, False)]
-        if given:
-            raise SamplingError(
-                f"{' and '.join(given)} shape{'s' if len(given) == 1 else ''} --steps sampling, "
-                "which was not asked for; add --steps T, or leave "
-                f"{'it' if len(given) == 1 else 'them'} out"
-            )
+        _flags_without(_STEP_FLAGS, args, "--steps", "--steps T")
+    if args.order != "confidence":
+        _flags_without(_CONFIDENCE_FLAGS, args, "--order confidence", "--order confidence")
+    elif args.per_pass is not None and args.speculative is not None:
+        raise SamplingError(
+            "--per-pass fixes the positions a pass commits, which --speculative K decides "
+            "itself (up to K, each checked); leave out --per-pass or --speculative"
+        )
     if kind == "gpt":
         wrong = [f"--order {args.order}"] if args.order not in (None, "l2r") else []
         wrong += ["--streams"] if args.streams is not None else []
@@ -377,7 +393,8 @@ def _run_sampler(args, model, n, order, streams, prompt, known, gen, stop, strea
     )  # fmt: skip
     if order == "confidence":
         return confidence_sample(
-            model, n, args.per_pass, speculative=args.speculative, subset=args.score_subset,
+            model, n, 1 if args.per_pass is None else args.per_pass,
+            speculative=args.speculative, subset=args.score_subset,
             **controls,
         )  # fmt: skip
     if args.speculative is not None:

@@ -289,6 +289,30 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def _not_a_file(path: Path) -> str:
+    """Why ``path`` cannot be read as a config file (it is not a regular file), and the fix.
+    Only ``stat`` is asked: a named pipe is never opened, so nothing blocks on it."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return f"config file {str(path)!r} does not exist; give a YAML file path"
+    if stat.S_ISDIR(mode):
+        return f"config file {str(path)!r} is a folder, not a file; give the YAML file's path"
+    kinds = (
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+    )
+    what = next((name for test, name in kinds if test(mode)), "a special file")
+    return (
+        f"config file {str(path)!r} is {what}, not a file; save the config to a YAML "
+        "file and give its path"
+    )
+
+
 def load_config(
     source: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> RunConfig:
@@ -307,7 +331,7 @@ def load_config(
     if source is not None:
         path = Path(source)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; give a YAML file path")
+            raise ConfigError(_not_a_file(path))
         try:
             loaded = read_yaml(_decode(path.read_bytes(), path), f"config file {str(path)!r}")
         except yaml.YAMLError as e:

@@ -4,6 +4,7 @@ From the bottom up (each module imports only those above it, and only the core b
 
 * :mod:`~anyorder.data.synthetic`: ``builtin:synthetic``, a corpus of known entropy;
 * :mod:`~anyorder.data.sources`: documents of local files, hub datasets and the builtins;
+* :mod:`~anyorder.data.untrusted`: refusing code from downloaded folders;
 * :mod:`~anyorder.data.tokenizers`: bytes, BPE and ``transformers`` tokenizers;
 * :mod:`~anyorder.data.shards`: a prepared folder (:class:`TokenData`), opened and verified;
 * :mod:`~anyorder.data.split`: packing documents into blocks, the train/validation split;

@@ -258,8 +258,9 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
         import pyarrow.parquet as pq
     except ImportError:  # datasets brings pyarrow, but fall back to it if pyarrow is absent
         ds = _import_datasets().load_dataset(
-            "parquet", data_files=[str(path)], split="train", streaming=True
-        )
+            "parquet", data_files=[str(path)], split="train", streaming=True,
+            trust_remote_code=False,
+        )  # fmt: skip
         for row in ds:
             yield _text_of(row, text_field, str(path))
         return
@@ -342,6 +343,9 @@ def _hf_documents(rest: str, text_field: str, streaming: bool, split: str) -> It
         name, _, config = rest.partition(":")
         args, kwargs = (name, config or None), dict(streaming=streaming)
     where = f"hf:{rest}"
+    # A dataset's loading script is code from the hub (or a folder): never run it. datasets
+    # before 3.0 ran one unasked; since 4.0 it refuses scripts and ignores False.
+    kwargs["trust_remote_code"] = False
     try:
         ds = datasets.load_dataset(*args, split=split, **kwargs)
         for row in ds:

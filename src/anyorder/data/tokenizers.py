@@ -12,6 +12,11 @@ Design choices:
   corpus (see :func:`anyorder.data.build.prepare`).
 * ``transformers`` and ``tokenizers`` are imported only where they are needed. A hub id that
   is not cached fails at once, in one line, when the hub cannot be reached.
+* A tokenizer folder is untrusted input (it comes with a downloaded model): nothing in it may
+  run code. Every ``from_pretrained`` passes ``trust_remote_code=False`` (so transformers
+  never prompts either), and a folder whose JSON asks for code (an ``auto_map``, a
+  ``tokenizer_class`` transformers does not ship) is refused by name before transformers
+  reads it (:mod:`anyorder.data.untrusted`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from anyorder.data.sources import _first_line, _looks_like_path
+from anyorder.data.untrusted import (
+    asks_for_code,
+    hub_code_refusal,
+    refuse_custom_code,
+    refuse_loaded_auto_map,
+)
 from anyorder.errors import DataError
 
 EOT = "<|endoftext|>"
@@ -348,6 +359,7 @@ def _load_folder(path: Path) -> Tokenizer:
             "tokenizer files"
         )
     spec = str(path.resolve())
+    refuse_custom_code(path)
     try:
         meta_file = path / _META
         if meta_file.is_file():
@@ -363,7 +375,10 @@ def _load_folder(path: Path) -> Tokenizer:
             if kind == "transformers":
                 auto = _import_transformers().AutoTokenizer
                 return HFTokenizer(
-                    auto.from_pretrained(str(path)), name=name, spec=spec, eos_id=eos
+                    auto.from_pretrained(str(path), trust_remote_code=False),
+                    name=name,
+                    spec=spec,
+                    eos_id=eos,
                 )
             raise DataError(f"tokenizer folder {spec!r} has an unknown kind {kind!r} in {_META}")
         has = {p.name for p in path.iterdir()}
@@ -371,10 +386,12 @@ def _load_folder(path: Path) -> Tokenizer:
             # GPT-2's own files. In transformers 5 the vocab_file=/merges_file= keywords build
             # an empty tokenizer; from_pretrained(folder) reads them correctly.
             fast = _import_transformers().GPT2TokenizerFast
-            return HFTokenizer(fast.from_pretrained(str(path)), name=path.name, spec=spec)
+            tok = fast.from_pretrained(str(path), trust_remote_code=False)
+            return HFTokenizer(tok, name=path.name, spec=spec)
         if "tokenizer_config.json" in has:
             auto = _import_transformers().AutoTokenizer
-            return HFTokenizer(auto.from_pretrained(str(path)), name=path.name, spec=spec)
+            tok = auto.from_pretrained(str(path), trust_remote_code=False)
+            return HFTokenizer(tok, name=path.name, spec=spec)
         if "tokenizer.json" in has:
             from tokenizers import Tokenizer as RawTokenizer
 
@@ -413,8 +430,10 @@ def _load_hub(spec: str) -> Tokenizer:
     auto = _import_transformers().AutoTokenizer
     try:
         # The local cache first: it answers at once, where a failing hub retries for a minute.
-        tok = auto.from_pretrained(spec, local_files_only=True)
-    except Exception:
+        tok = auto.from_pretrained(spec, local_files_only=True, trust_remote_code=False)
+    except Exception as e:
+        if asks_for_code(e):
+            raise hub_code_refusal(spec) from None
         unreachable = _hub_unreachable()
         if unreachable:  # fail now, not after a minute of retries and a screen of warnings
             raise DataError(
@@ -423,10 +442,13 @@ def _load_hub(spec: str) -> Tokenizer:
                 "local tokenizer folder as data.tokenizer"
             ) from None
         try:
-            tok = auto.from_pretrained(spec)
+            tok = auto.from_pretrained(spec, trust_remote_code=False)
         except Exception as e:
+            if asks_for_code(e):
+                raise hub_code_refusal(spec) from None
             raise DataError(
                 f"tokenizer {spec!r} could not be loaded offline or from the Hugging Face hub "
                 f"({_first_line(e)}); pass a local tokenizer folder as data.tokenizer"
             ) from None
+    refuse_loaded_auto_map(tok, spec)
     return HFTokenizer(tok, name=spec, spec=spec)

@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from anyorder.errors import CheckpointError, ConfigError, SamplingError
+from anyorder.data.untrusted import refuse_custom_code
+from anyorder.errors import CheckpointError, ConfigError, DataError, SamplingError
 
 DEFAULT_JUDGE = "gpt2-large"
 
@@ -154,13 +155,21 @@ class HFJudge:
                 "a transformers judge needs transformers; pip install anyorder[hf]"
             ) from None
         self.name = name_or_path
+        if Path(name_or_path).expanduser().is_dir():  # untrusted: refuse code it asks to run
+            try:
+                refuse_custom_code(Path(name_or_path).expanduser())
+            except DataError as e:
+                raise CheckpointError(f"judge {name_or_path!r}: {e}") from None
         model = tok = None
         errors = []
         for local_only in (True, False):  # the local cache answers at once, the hub retries
             try:
-                tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_only)
+                # never run (nor ask to run) the judge's own code, a hub judge's included
+                tok = AutoTokenizer.from_pretrained(
+                    name_or_path, local_files_only=local_only, trust_remote_code=False
+                )
                 model = AutoModelForCausalLM.from_pretrained(
-                    name_or_path, local_files_only=local_only
+                    name_or_path, local_files_only=local_only, trust_remote_code=False
                 )
                 break
             except Exception as e:

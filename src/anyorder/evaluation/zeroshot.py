@@ -253,8 +253,9 @@ def load_texts(
         ) from None
     try:
         ds = datasets.load_dataset(
-            spec.path, spec.config, split=hub_split, data_files=spec.data_files
-        )
+            spec.path, spec.config, split=hub_split, data_files=spec.data_files,
+            trust_remote_code=False,  # never a loading script (datasets < 3 ran them unasked)
+        )  # fmt: skip
         return [str(t) for t in ds[spec.field]]
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

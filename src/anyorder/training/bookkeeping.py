@@ -164,6 +164,7 @@ def log_step(parts: RunParts, loop: LoopState) -> None:
             "elapsed_s": time.perf_counter() - loop.t0,
         }
     )
+    loop.log.agree(parts.env)  # rank 0's write error, on every rank
     if loop.bar is not None:
         loop.bar.set_postfix_str(
             f"loss {loop.loss:.3f} nats/token = {loop.loss * loop.to_bpb:.3f} bits/byte, "

@@ -14,6 +14,9 @@ Design choices:
   blocks stay in the root unit because the two-stream layer reaches into their submodules.
 * Checkpoints hold full (unsharded) state dicts: under FSDP every rank takes part in
   gathering them to the CPU and only rank 0 writes.
+* Only rank 0 writes (metrics, config): its write error is broadcast at the next point every
+  rank reaches (:func:`raise_rank0_error`), so every rank stops with its line instead of
+  waiting at a collective rank 0 never joins.
 * Decisions taken from a clock (the time limit, the fitted horizon) are rank 0's, broadcast
   with :func:`from_rank0`, so every rank stops at the same step.
 """
@@ -37,7 +40,7 @@ from torch import Tensor, nn
 
 from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig
-from anyorder.errors import ConfigError
+from anyorder.errors import AnyorderError, ConfigError
 
 DIST_TIMEOUT_ENV = "ANYORDER_DIST_TIMEOUT_S"
 """Seconds to wait for the torchrun rendezvous and for collectives (default 1800)."""
@@ -194,6 +197,35 @@ def from_rank0(value: int, env: DistEnv) -> int:
     t = torch.tensor([value], dtype=torch.long, device=env.device)
     dist.broadcast(t, 0)
     return int(t.item())
+
+
+def raise_rank0_error(error: AnyorderError | None, env: DistEnv) -> None:
+    """Raise rank 0's ``error`` (a write that failed there: only rank 0 writes) on every
+    rank, with its message, so no rank waits at the next collective for a rank 0 that left.
+    Every rank calls this at the same point; it costs one broadcast of a flag, and one of
+    the message when there is an error.
+
+    Raises:
+        AnyorderError: rank 0's error (its class and message), on every rank.
+    """
+    if env.distributed:
+        failed = from_rank0(int(error is not None), env)
+        if not failed:
+            return
+        box: list[Any] = [(type(error).__name__, str(error)) if error is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        if error is None:
+            from anyorder import errors
+
+            name, message = box[0]
+            cls = getattr(errors, name, AnyorderError)
+            error = (
+                cls(message)
+                if isinstance(cls, type) and issubclass(cls, AnyorderError)
+                else AnyorderError(message)
+            )
+    if error is not None:
+        raise error
 
 
 # ----------------------------------------------------------------------------- wrapping

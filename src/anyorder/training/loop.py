@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from anyorder import checkpoint as ckpt_mod
-from anyorder.atomic import check_utf8_path
+from anyorder.atomic import check_utf8_path, os_error_line, write_errors
 from anyorder.config import RunConfig, to_dict
-from anyorder.errors import ConfigError
+from anyorder.errors import AnyorderError, ConfigError, WriteError
 from anyorder.memory import check_training_memory
 from anyorder.runlock import RUN_MARKER, RunLock, check_run_folder, check_writable_dir
 from anyorder.training.bookkeeping import (
@@ -47,7 +47,13 @@ from anyorder.training.bookkeeping import (
     say,
     tokens_per_step,
 )
-from anyorder.training.distributed import DistEnv, from_rank0, print0, setup_distributed
+from anyorder.training.distributed import (
+    DistEnv,
+    from_rank0,
+    print0,
+    raise_rank0_error,
+    setup_distributed,
+)
 from anyorder.training.metrics import MetricsLog, config_yaml, write_atomic
 from anyorder.training.resume import check_resume_early, find_resume, step_of
 from anyorder.training.setup import (
@@ -136,10 +142,17 @@ def _lock_run_folder(cfg: RunConfig, env: DistEnv) -> RunLock | None:
             lock = RunLock(cfg.train.out_dir).acquire()
         except ConfigError as e:
             error, holder = e, RunLock(cfg.train.out_dir).holder() or -1
+        except AnyorderError as e:  # the other ranks must hear of it, not wait in from_rank0
+            error, holder = e, -2
     if env.distributed:
         holder = from_rank0(holder, env)
     if error is not None:
         raise error
+    if holder == -2:
+        raise WriteError(
+            f"rank 0 could not write the lock file of train.out_dir={cfg.train.out_dir!r}; "
+            "its error says why"
+        )
     if holder:
         who = f"PID {holder}" if holder > 0 else "another process"
         raise ConfigError(
@@ -255,14 +268,26 @@ def _open_run(
 ) -> LoopState:
     """The run folder exists from here on: its config, its metrics log, the loop's state."""
     env, cfg = parts.env, parts.cfg
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # first: from here on a later training may write into this folder (check_run_folder)
-        (run_dir / RUN_MARKER).write_text("written by anyorder train: this folder is a run's\n")
-        write_atomic(run_dir / "config.yaml", config_yaml(cfg))
-    log = MetricsLog(
-        run_dir, env.is_main, step if resume_from is not None else None, cfg.train.seed
-    )
+    error, log = None, None
+    try:  # rank 0 writes; its error reaches every rank (raise_rank0_error)
+        if env.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            # first: from here on a later training may write into this folder
+            with write_errors(run_dir / RUN_MARKER, "another train.out_dir"):
+                (run_dir / RUN_MARKER).write_text(
+                    "written by anyorder train: this folder is a run's\n"
+                )
+            write_atomic(run_dir / "config.yaml", config_yaml(cfg))
+        log = MetricsLog(
+            run_dir, env.is_main, step if resume_from is not None else None, cfg.train.seed,
+            defer=env.distributed,
+        )  # fmt: skip
+    except AnyorderError as e:
+        error = e
+    except OSError as e:  # the line the CLI's backstop would print, now on every rank
+        error = WriteError(os_error_line(e))
+    raise_rank0_error(error, env)
+    assert log is not None
     return LoopState(
         run_dir=run_dir,
         log=log,
@@ -336,6 +361,7 @@ def _validate(parts: RunParts, loop: LoopState) -> None:
     """Validate (every rank), log the figures and say them."""
     loop.val = evaluate_run(parts, parts.cfg.train.eval_batches, parts.micro)
     loop.log.write({"step": loop.step, **loop.val})
+    loop.log.agree(parts.env)
     figures = format_val(loop.val, loop.unigram)
     say(parts, loop, f"step {loop.step}: loss {loop.loss:.4f} nats/token; {figures}")
 

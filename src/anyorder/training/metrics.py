@@ -20,6 +20,8 @@ from typing import Any
 
 from anyorder.atomic import write_failed, write_text
 from anyorder.config import RunConfig, to_dict
+from anyorder.errors import WriteError
+from anyorder.training.distributed import DistEnv, raise_rank0_error
 
 
 class MetricsLog:
@@ -31,11 +33,18 @@ class MetricsLog:
     """
 
     def __init__(
-        self, run_dir: Path | None, active: bool, resume_step: int | None, seed: int = 0
+        self,
+        run_dir: Path | None,
+        active: bool,
+        resume_step: int | None,
+        seed: int = 0,
+        defer: bool = False,
     ) -> None:
         self.path = run_dir / "metrics.jsonl" if (run_dir and active) else None
         self.seed = seed
         self.tb = None
+        self.defer = defer  # under torchrun: keep a write error for agree(), every rank's
+        self.error: WriteError | None = None
         if self.path is None:
             return
         if resume_step is not None and self.path.exists():
@@ -63,11 +72,20 @@ class MetricsLog:
         try:
             _append(self.path, line)
         except OSError as e:
-            raise write_failed(self.path, e, "another train.out_dir", self._resumable()) from None
+            error = write_failed(self.path, e, "another train.out_dir", self._resumable())
+            if not self.defer:
+                raise error from None
+            self.error, self.path = error, None  # raised by agree(), on every rank at once
+            return
         if self.tb is not None:
             for k, v in row.items():
                 if k not in ("step", "seed") and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, row["step"])
+
+    def agree(self, env: DistEnv) -> None:
+        """After a row (every rank calls this where a row is due): rank 0's write error,
+        raised on every rank (:func:`~anyorder.training.distributed.raise_rank0_error`)."""
+        raise_rank0_error(self.error, env)
 
     def _resumable(self) -> str:
         from anyorder.checkpoint import latest_checkpoint
