@@ -84,7 +84,10 @@ class Limits:
     """Whole requests answered at once (each holds a thread); more get 503."""
     max_waiting: int = 128
     """Connections still sending their request (they hold no thread); a newcomer beyond
-    this drops the one that has waited longest (408)."""
+    this drops the longest-waiting one of the client address that has the most (408)."""
+    max_waiting_per_client: int = 32
+    """Of those, how many one client address may have; its newcomer beyond this drops its
+    own longest-waiting one (408), so one client cannot take every place."""
     request_timeout_s: float = 10.0
     """Seconds from connecting to the end of the request, headers and body together;
     later gets 408."""
