@@ -323,12 +323,17 @@ def test_oversized_and_malformed_headers(server) -> None:
         "the request's headers are over 65536 bytes; send shorter ones",
     )
     many = b"GET /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-A: b\r\n" * 200 + b"\r\n"
-    status, message = error_of(ask(server, many))
-    assert status == 431 and message.startswith("Too many headers")
-    for length in ("-1", "1e3", "5, 5", "0x10", " ", "99999999999"):
+    assert error_of(ask(server, many)) == (
+        431,
+        "the request has 201 header lines; send at most 100",
+    )
+    for length in ("-1", "1e3", "5, 5", "0x10", " ", "+2", "2\xa0", "\u00b2", "2\x0b"):
         status, message = error_of(ask(server, post(b"{}", length=None).replace(
-            b"Content-Length: 2", f"Content-Length: {length}".encode())))  # fmt: skip
-        assert status == 411, length
+            b"Content-Length: 2", f"Content-Length: {length}".encode("latin-1"))))  # fmt: skip
+        assert (status, message) == (
+            411,
+            "send the JSON body with a Content-Length of ASCII digits (not chunked)",
+        ), length
     chunked = post(b"2\r\n{}\r\n0\r\n\r\n", "Transfer-Encoding: chunked")
     assert error_of(ask(server, chunked))[0] == 411
     # a body announced over the limit is refused before it is sent
@@ -338,6 +343,67 @@ def test_oversized_and_malformed_headers(server) -> None:
             413,
             "the request is 1000000000 bytes; this server takes at most 65536",
         )
+    info_within_a_second(server)
+
+
+def test_header_lines_up_to_100_are_taken(server) -> None:
+    """docs/serve.md: more than 100 header lines get 431. http.client counts the blank line
+    that ends them among its 100, so the old server refused exactly 100 (431 "Too many
+    headers")."""
+
+    def with_lines(n: int) -> bytes:  # Host and n - 1 others
+        return b"GET /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-A: b\r\n" * (n - 1) + b"\r\n"
+
+    for n in (99, 100):
+        assert ask(server, with_lines(n))[0] == 200, n
+    assert error_of(ask(server, with_lines(101))) == (
+        431,
+        "the request has 101 header lines; send at most 100",
+    )
+
+
+def test_header_lines_that_are_not_name_value_are_refused(server) -> None:
+    """http.server's email parser takes the first line that is not ``Name: value`` as the
+    start of the body, so the headers after it went unchecked: an Origin after such a line
+    was not seen and the old server answered 200."""
+    for bad, shown in (
+        (b"Not a header", "'Not a header'"),
+        (b"Content-Length : 5", "'Content-Length : 5'"),
+        (b" folded", "' folded'"),
+        (b": no name", "': no name'"),
+    ):
+        request = (
+            b"GET /api/info HTTP/1.1\r\nHost: 127.0.0.1\r\n" + bad + b"\r\n"
+            b"Origin: http://evil.example\r\n\r\n"
+        )
+        assert error_of(ask(server, request)) == (
+            400,
+            f"header line 2 ({shown}) is not Name: value; send one per line",
+        ), bad
+    info_within_a_second(server)
+
+
+def test_content_length_forms(server) -> None:
+    """Digits between spaces or tabs frame the body (the reader and the handler agree); a
+    length longer than any body taken is 413 at once, not 411 "(not chunked)" as before for
+    11 digits or more."""
+    body = b'{"x": 1}'  # 8 bytes: framed right, it is refused for its unknown field
+    for length in (" 8", "8\t", "\t 8 ", "008"):
+        request = post(body).replace(b"Content-Length: 8", f"Content-Length: {length}".encode())
+        status, message = error_of(ask(server, request))
+        assert status == 400 and message.startswith("unknown field(s) x; known:"), length
+    for length, shown in (
+        ("12345678901", "12345678901"),
+        ("000099999999999999999999", "99999999999999999999"),
+        ("9" * 5000, "9" * 80 + "... (5000 characters)"),
+    ):
+        request = post(b"", length=None).replace(
+            b"Content-Length: 0", f"Content-Length: {length}".encode()
+        )
+        assert error_of(ask(server, request)) == (
+            413,
+            f"the request is {shown} bytes; this server takes at most 65536",
+        ), length
     info_within_a_second(server)
 
 
@@ -366,6 +432,34 @@ def test_bad_bodies_get_400(server) -> None:
     for raw, message in cases:
         status, got = error_of(ask(server, post(raw)))
         assert status == 400 and got.startswith(message), (raw[:40], got)
+    info_within_a_second(server)
+
+
+def test_huge_numbers_are_refused_in_one_short_line(server) -> None:
+    """A JSON integer of hundreds or thousands of digits: a temperature no float holds was a
+    500 (OverflowError in the sampler), and the other fields' messages quoted every digit;
+    now a 400 that quotes 60 characters of it (anyorder.errors.preview)."""
+    big, huge = 10**400, 10**3999
+    shown_big = "1" + "0" * 27 + "..." + "0" * 29  # reprlib's cut: 28 + "..." + 29
+    shown_huge = shown_big
+    cases = [
+        ({"temperature": big}, f"temperature={shown_big} is beyond any float; send a finite "
+         "number > 0, e.g. 1.0"),
+        ({"top_p": huge}, f"top-p={shown_huge} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut"),
+        ({"length": huge}, f"length n={shown_huge} must lie in 1..32 (the model's context)"),
+        ({"length": -huge}, f"length=-{shown_huge[:27]}...{'0' * 29} must be at least 1; leave "
+         "it out for the model's full context"),
+        ({"mode": "strided", "streams": huge}, f"streams S={shown_huge} does not divide the "
+         "sequence length n=32; pick S among the divisors of 32"),
+        ({"mode": "lemma1", "steps": huge}, f"steps={shown_huge} must lie in 1..n=32 (at most "
+         "n reverse steps reveal a token); use e.g. steps=8"),
+        ({"num_samples": huge}, f"num_samples={shown_huge} must lie in 1..4 (this server's "
+         "limit)"),
+        ({"delay_ms": huge}, f"delay_ms={shown_huge} must lie in 0..500"),
+    ]  # fmt: skip
+    for body, message in cases:
+        status, got = error_of(ask(server, post(json.dumps(body).encode())))
+        assert (status, got) == (400, message), str(body)[:40]
     info_within_a_second(server)
 
 
@@ -415,6 +509,36 @@ def test_ipv6_loopback(armd) -> None:
         )
         with urllib.request.urlopen(req, timeout=30) as r:
             assert r.read().decode().rstrip().split("\n\n")[-1].startswith("event: done")
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.2", "::1"])
+def test_a_foreign_host_is_sent_to_the_address_bound(armd, host) -> None:
+    """The 403 for a foreign Host names the address the server listens on (the old one
+    always said http://127.0.0.1:PORT/, where a server on ::1 or 127.0.0.2 is not)."""
+    if ":" in host:
+        try:
+            with socket.socket(socket.AF_INET6) as probe:
+                probe.bind(("::1", 0))
+        except OSError:
+            pytest.skip("this machine has no IPv6 loopback")
+    server = Running(armd, Limits(), host=host)
+    try:
+        p = server.server.server_address[1]
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as s:
+            s.settimeout(5.0)
+            s.connect((host, p))
+            s.sendall(b"GET /api/info HTTP/1.1\r\nHost: evil.example\r\n\r\n")
+            status, message = error_of(read_answer(s))
+        url = f"http://[{host}]:{p}/" if ":" in host else f"http://{host}:{p}/"
+        assert (status, message) == (
+            403,
+            f"Host 'evil.example' is not this server's address; open the page at {url}",
+        )
+        with urllib.request.urlopen(url + "api/info", timeout=5) as r:  # and it is there
+            assert json.loads(r.read())["kind"] == "armd"
     finally:
         server.close()
 

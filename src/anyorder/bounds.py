@@ -31,7 +31,7 @@ import math
 import re
 from collections.abc import Iterator
 
-from anyorder.errors import SamplingError
+from anyorder.errors import SamplingError, preview
 
 MAX_SEED = 2**63 - 1
 """Largest seed (the int64 range every generator takes)."""
@@ -99,18 +99,25 @@ def check_controls(
             "overflow; use e.g. 0.01 for near-greedy"
         )
     if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise SamplingError(f"top-p={top_p} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut")
+        raise SamplingError(
+            f"top-p={preview(top_p)} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut"
+        )
     if top_k is not None and top_k < 1:
-        raise SamplingError(f"top-k={top_k} must be at least 1; leave it out to keep every token")
+        raise SamplingError(
+            f"top-k={preview(top_k)} must be at least 1; leave it out to keep every token"
+        )
     if not _is_int(num_samples) or not 1 <= num_samples <= max_samples:
         note = f" ({limit_note})" if limit_note else ""
-        raise SamplingError(f"num_samples={num_samples} must lie in 1..{max_samples}{note}")
+        raise SamplingError(
+            f"num_samples={preview(num_samples)} must lie in 1..{max_samples}{note}"
+        )
     check_seed(seed)
     if steps is not None and steps < 1:
-        raise SamplingError(f"steps={steps} must be at least 1")
+        raise SamplingError(f"steps={preview(steps)} must be at least 1")
     if length is not None and length < 1:
         raise SamplingError(
-            f"length={length} must be at least 1; leave it out for the model's full context"
+            f"length={preview(length)} must be at least 1; leave it out for the model's full "
+            "context"
         )
 
 
@@ -123,7 +130,9 @@ def check_length(length: int | None, seq_len: int) -> int:
     if length is None:
         return seq_len
     if not 1 <= length <= seq_len:
-        raise SamplingError(f"length n={length} must lie in 1..{seq_len} (the model's context)")
+        raise SamplingError(
+            f"length n={preview(length)} must lie in 1..{seq_len} (the model's context)"
+        )
     return length
 
 
@@ -135,8 +144,8 @@ def check_steps(steps: int | None, n: int) -> None:
     """
     if steps is not None and not 1 <= steps <= n:
         raise SamplingError(
-            f"steps={steps} must lie in 1..n={n} (at most n reverse steps reveal a token); "
-            f"use e.g. steps={max(1, n // 4)}"
+            f"steps={preview(steps)} must lie in 1..n={n} (at most n reverse steps reveal a "
+            f"token); use e.g. steps={max(1, n // 4)}"
         )
 
 

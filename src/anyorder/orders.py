@@ -148,7 +148,7 @@ def strided(batch: int, n: int, streams: int, device: torch.device | str | None 
     """
     if streams < 1 or n % streams:
         raise ConfigError(
-            f"streams S={streams} does not divide the sequence length n={n}; "
+            f"streams S={preview(streams)} does not divide the sequence length n={n}; "
             f"pick S among the divisors of {n}"
         )
     length = n // streams

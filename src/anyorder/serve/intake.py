@@ -99,9 +99,9 @@ def request_size(head: bytes, head_len: int) -> int:
     lengths, chunked = [], False
     for line in head.split(b"\n")[1:]:
         name, _, value = line.partition(b":")
-        name = name.strip().lower()
+        name = name.lower()  # "Content-Length : 5" is no header to http.server either
         if name == b"content-length":
-            lengths.append(value.strip())
+            lengths.append(value.strip(b" \t\r"))  # as guard.content_length reads it
         elif name == b"transfer-encoding":
             chunked = True
     if chunked or len(lengths) != 1 or not re.fullmatch(rb"[0-9]{1,10}", lengths[0]):
@@ -357,3 +357,10 @@ def log_line(client: Any, what: str) -> None:
     """One line on stderr about one client (no traceback: the client's doing, not a bug)."""
     host, port = client[:2] if isinstance(client, tuple) else (client, "")
     print(f"anyorder serve: {host}:{port}: {what}", file=sys.stderr, flush=True)
+
+
+def internal_error(e: Exception) -> str:
+    """Print the traceback of an exception that is a bug (not the user's) to stderr; the
+    message the client gets."""
+    traceback.print_exc(file=sys.stderr)
+    return f"internal error: {type(e).__name__}: {e}"
