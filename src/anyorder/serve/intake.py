@@ -17,10 +17,11 @@ Design choices:
   longest-waiting connection of the address with the most goes. So a client that floods
   the server with silent connections only ever drops its own, and a prompt client on
   another address loses nothing.
-* A connection is dropped as slow only once what it sent is read: whatever the kernel
-  holds for it is read first, and if that makes the request whole it is answered, not
-  dropped (a request sent whole in one write is never refused as late, however many
-  connections arrive with it).
+* A connection is dropped as slow, or refused as late, only once what it sent is read:
+  whatever the kernel holds for it is read first, and if that makes the request whole it
+  is answered (a request sent whole in one write is never refused as late, however many
+  connections arrive with it). The reader takes at most :data:`TAKEN_PER_ROUND` queued
+  newcomers between two reads of those it holds, so a flood cannot stretch its rounds.
 * Accepted sockets wait for the reader in a queue of at most :data:`MAX_QUEUED`, of which
   one address may hold :data:`MAX_QUEUED_PER_CLIENT`; beyond either, a newcomer is closed
   at once (a flood fills its own share, not the queue).
@@ -59,6 +60,9 @@ LINGER_S = 1.0
 MAX_QUEUED = 256
 """Accepted connections the reader has not yet taken; more are closed at once."""
 MAX_QUEUED_PER_CLIENT = MAX_QUEUED // 2
+TAKEN_PER_ROUND = 32
+"""Queued connections the reader takes between two reads of those it holds: under a flood
+its rounds stay short, so a request that has arrived is read long before its deadline."""
 """Of those, how many one client address may hold; more of its own are closed at once."""
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 
@@ -127,6 +131,7 @@ class Intake:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._conns: dict[socket.socket, _Conn] = {}
+        self._backlog = False  # newcomers left in the queue for the next round
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="serve-intake", daemon=True)
         self._thread.start()
@@ -173,11 +178,12 @@ class Intake:
     def _round(self) -> None:
         now = time.monotonic()
         soonest = min((c.deadline for c in self._conns.values()), default=now + 1)
-        ready = self._sel.select(min(max(soonest - now, 0.0), 1.0))
+        wait = 0.0 if self._backlog else min(max(soonest - now, 0.0), 1.0)
+        ready = self._sel.select(wait)
         for key, _ in ready:  # what has arrived first, then the newcomers
             if (c := self._conns.get(key.fileobj)) is not None:  # not dropped meanwhile
                 self._read(c)
-        if any(key.fileobj is self._wake_r for key, _ in ready):
+        if self._backlog or any(key.fileobj is self._wake_r for key, _ in ready):
             self._take_new()
         self._expire()
 
@@ -185,10 +191,12 @@ class Intake:
         with contextlib.suppress(OSError):
             while self._wake_r.recv(4096):
                 pass
-        while True:
+        self._backlog = True
+        for _ in range(TAKEN_PER_ROUND):
             try:
                 sock, addr, linger = self._new.get_nowait()
             except queue.Empty:
+                self._backlog = False
                 return
             with self._queued_lock:
                 peer = peer_of(addr)
@@ -321,7 +329,9 @@ class Intake:
         for c in [c for c in self._conns.values() if c.deadline <= now]:
             if c.closing:
                 self._drop(c)
-            else:
+                continue
+            self._read(c)  # what has arrived: whole, it is answered rather than refused
+            if self._conns.get(c.sock) is c and not c.closing:
                 self._refuse(c, 408, "Request Timeout", self._late_message())
 
     def _drop(self, c: _Conn) -> None:
