@@ -31,7 +31,7 @@ import math
 import re
 from collections.abc import Iterator
 
-from anyorder.errors import SamplingError, preview
+from anyorder.errors import PREVIEW_CHARS, SamplingError, preview
 
 MAX_SEED = 2**63 - 1
 """Largest seed (the int64 range every generator takes)."""
@@ -41,6 +41,14 @@ fp32), and anything below 0.01 samples greedily already."""
 MAX_NUM_SAMPLES = 1024
 """Most samples in one batch on the CLI and in the API."""
 _HOLE_DIGITS = re.compile(r"\[MASK:([0-9]+)\]")  # ASCII digits only
+
+
+def shown(value: object) -> str:
+    """A user's number as the message quotes it: as written, or cut by
+    :func:`~anyorder.errors.preview` past :data:`~anyorder.errors.PREVIEW_CHARS` characters
+    (a JSON number may have thousands of digits)."""
+    text = str(value)
+    return text if len(text) <= PREVIEW_CHARS else preview(value)
 
 
 def _is_int(value: object) -> bool:
@@ -100,24 +108,21 @@ def check_controls(
         )
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise SamplingError(
-            f"top-p={preview(top_p)} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut"
+            f"top-p={shown(top_p)} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut"
         )
     if top_k is not None and top_k < 1:
         raise SamplingError(
-            f"top-k={preview(top_k)} must be at least 1; leave it out to keep every token"
+            f"top-k={shown(top_k)} must be at least 1; leave it out to keep every token"
         )
     if not _is_int(num_samples) or not 1 <= num_samples <= max_samples:
         note = f" ({limit_note})" if limit_note else ""
-        raise SamplingError(
-            f"num_samples={preview(num_samples)} must lie in 1..{max_samples}{note}"
-        )
+        raise SamplingError(f"num_samples={shown(num_samples)} must lie in 1..{max_samples}{note}")
     check_seed(seed)
     if steps is not None and steps < 1:
-        raise SamplingError(f"steps={preview(steps)} must be at least 1")
+        raise SamplingError(f"steps={shown(steps)} must be at least 1")
     if length is not None and length < 1:
         raise SamplingError(
-            f"length={preview(length)} must be at least 1; leave it out for the model's full "
-            "context"
+            f"length={shown(length)} must be at least 1; leave it out for the model's full context"
         )
 
 
@@ -131,7 +136,7 @@ def check_length(length: int | None, seq_len: int) -> int:
         return seq_len
     if not 1 <= length <= seq_len:
         raise SamplingError(
-            f"length n={preview(length)} must lie in 1..{seq_len} (the model's context)"
+            f"length n={shown(length)} must lie in 1..{seq_len} (the model's context)"
         )
     return length
 
@@ -144,7 +149,7 @@ def check_steps(steps: int | None, n: int) -> None:
     """
     if steps is not None and not 1 <= steps <= n:
         raise SamplingError(
-            f"steps={preview(steps)} must lie in 1..n={n} (at most n reverse steps reveal a "
+            f"steps={shown(steps)} must lie in 1..n={n} (at most n reverse steps reveal a "
             f"token); use e.g. steps={max(1, n // 4)}"
         )
 

@@ -211,7 +211,7 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
     )  # fmt: skip
     if not 0 <= req.delay_ms <= limits.max_delay_ms:
         raise SamplingError(
-            f"delay_ms={preview(req.delay_ms)} must lie in 0..{limits.max_delay_ms}"
+            f"delay_ms={bounds.shown(req.delay_ms)} must lie in 0..{limits.max_delay_ms}"
         )
     return req
 
