@@ -32,7 +32,7 @@ import numbers
 import re
 from collections.abc import Iterator
 
-from anyorder.errors import SamplingError
+from anyorder.errors import PREVIEW_CHARS, SamplingError, preview
 
 MAX_SEED = 2**63 - 1
 """Largest seed (the int64 range every generator takes)."""
@@ -44,6 +44,14 @@ MAX_NUM_SAMPLES = 1024
 _HOLE_DIGITS = re.compile(r"\[MASK:([0-9]+)\]")  # ASCII digits only
 
 
+def shown(value: object) -> str:
+    """A user's number as the message quotes it: as written, or cut by
+    :func:`~anyorder.errors.preview` past :data:`~anyorder.errors.PREVIEW_CHARS` characters
+    (a JSON number may have thousands of digits)."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= PREVIEW_CHARS else preview(value)
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -51,12 +59,6 @@ def _is_int(value: object) -> bool:
 def _is_real(value: object) -> bool:
     # True is not a temperature of 1: a flag passed by mistake is refused, not counted
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _shown(value: object) -> str:
-    """``value`` for a message: a number of thousands of digits is shown by its length."""
-    text = repr(value) if isinstance(value, str) else str(value)
-    return text if len(text) <= 30 else f"{text[:20]}... ({len(text)} digits)"
 
 
 def _as_float(value: numbers.Real) -> float:
@@ -109,13 +111,13 @@ def check_controls(
     """
     if not _is_real(temperature):
         raise SamplingError(
-            f"temperature={_shown(temperature)} must be a number > 0, e.g. 1.0 (0.01 for "
+            f"temperature={shown(temperature)} must be a number > 0, e.g. 1.0 (0.01 for "
             "near-greedy)"
         )
     t = _as_float(temperature)
     if t > 0 and not t < math.inf:
         raise SamplingError(
-            f"temperature={_shown(temperature)} must be a finite number > 0, e.g. 1.0"
+            f"temperature={shown(temperature)} must be a finite number > 0, e.g. 1.0"
         )
     if not 0 < t < math.inf:
         raise SamplingError(
@@ -128,31 +130,33 @@ def check_controls(
         )
     if top_p is not None and not (_is_real(top_p) and 0.0 < _as_float(top_p) <= 1.0):
         raise SamplingError(
-            f"top-p={_shown(top_p)} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut"
+            f"top-p={shown(top_p)} must lie in (0, 1]; use e.g. 0.9, or 1 for no cut"
         )
     if top_k is not None and not _is_int(top_k):
         raise SamplingError(
-            f"top-k={_shown(top_k)} must be a whole number, at least 1; leave it out to keep "
+            f"top-k={shown(top_k)} must be a whole number, at least 1; leave it out to keep "
             "every token"
         )
     if top_k is not None and top_k < 1:
-        raise SamplingError(f"top-k={top_k} must be at least 1; leave it out to keep every token")
+        raise SamplingError(
+            f"top-k={shown(top_k)} must be at least 1; leave it out to keep every token"
+        )
     if not _is_int(num_samples) or not 1 <= num_samples <= max_samples:
         note = f" ({limit_note})" if limit_note else ""
-        raise SamplingError(f"num_samples={num_samples} must lie in 1..{max_samples}{note}")
+        raise SamplingError(f"num_samples={shown(num_samples)} must lie in 1..{max_samples}{note}")
     check_seed(seed)
     if steps is not None and not _is_int(steps):
-        raise SamplingError(f"steps={_shown(steps)} must be a whole number, at least 1")
+        raise SamplingError(f"steps={shown(steps)} must be a whole number, at least 1")
     if length is not None and not _is_int(length):
         raise SamplingError(
-            f"length={_shown(length)} must be a whole number; leave it out for the model's "
+            f"length={shown(length)} must be a whole number; leave it out for the model's "
             "full context"
         )
     if steps is not None and steps < 1:
-        raise SamplingError(f"steps={steps} must be at least 1")
+        raise SamplingError(f"steps={shown(steps)} must be at least 1")
     if length is not None and length < 1:
         raise SamplingError(
-            f"length={length} must be at least 1; leave it out for the model's full context"
+            f"length={shown(length)} must be at least 1; leave it out for the model's full context"
         )
 
 
@@ -165,7 +169,9 @@ def check_length(length: int | None, seq_len: int) -> int:
     if length is None:
         return seq_len
     if not 1 <= length <= seq_len:
-        raise SamplingError(f"length n={length} must lie in 1..{seq_len} (the model's context)")
+        raise SamplingError(
+            f"length n={shown(length)} must lie in 1..{seq_len} (the model's context)"
+        )
     return length
 
 
@@ -176,11 +182,11 @@ def check_steps(steps: int | None, n: int) -> None:
         SamplingError: not a whole number, or out of range.
     """
     if steps is not None and not _is_int(steps):
-        raise SamplingError(f"steps={_shown(steps)} must be a whole number, at least 1")
+        raise SamplingError(f"steps={shown(steps)} must be a whole number, at least 1")
     if steps is not None and not 1 <= steps <= n:
         raise SamplingError(
-            f"steps={steps} must lie in 1..n={n} (at most n reverse steps reveal a token); "
-            f"use e.g. steps={max(1, n // 4)}"
+            f"steps={shown(steps)} must lie in 1..n={n} (at most n reverse steps reveal a "
+            f"token); use e.g. steps={max(1, n // 4)}"
         )
 
 

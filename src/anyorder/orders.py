@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from anyorder.bounds import shown
 from anyorder.config import OrderConfig
 from anyorder.errors import ConfigError, preview
 
@@ -148,7 +149,7 @@ def strided(batch: int, n: int, streams: int, device: torch.device | str | None 
     """
     if streams < 1 or n % streams:
         raise ConfigError(
-            f"streams S={streams} does not divide the sequence length n={n}; "
+            f"streams S={shown(streams)} does not divide the sequence length n={n}; "
             f"pick S among the divisors of {n}"
         )
     length = n // streams

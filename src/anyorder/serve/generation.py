@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from anyorder import bounds
-from anyorder.errors import CheckpointError, SamplingError
+from anyorder.errors import CheckpointError, SamplingError, preview
 
 if TYPE_CHECKING:
     from anyorder.checkpoint import Loaded
@@ -84,7 +84,10 @@ class Limits:
     """Whole requests answered at once (each holds a thread); more get 503."""
     max_waiting: int = 128
     """Connections still sending their request (they hold no thread); a newcomer beyond
-    this drops the one that has waited longest (408)."""
+    this drops the longest-waiting one of the client address that has the most (408)."""
+    max_waiting_per_client: int = 32
+    """Of those, how many one client address may have; its newcomer beyond this drops its
+    own longest-waiting one (408), so one client cannot take every place."""
     request_timeout_s: float = 10.0
     """Seconds from connecting to the end of the request, headers and body together;
     later gets 408."""
@@ -140,6 +143,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "delay_ms": (int,),
 }
 _OPTIONAL = {"streams", "steps", "speculative", "length", "top_p"}
+_MODE_FIELDS = {"streams": ("strided", "S streams"), "steps": ("lemma1", "T reverse steps")}
+"""The fields only one mode reads: with another they would be ignored, so are refused."""
 
 
 def _encodable(text: str) -> bool:
@@ -177,6 +182,12 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
                 f"field {name!r} is not valid Unicode (it holds an unpaired surrogate such as "
                 "\\ud800); send UTF-8 text"
             )
+        if name == "temperature" and isinstance(value, int) and value > 1e308:
+            # a JSON integer of hundreds of digits: no float holds it (the sampler divides)
+            raise SamplingError(
+                f"temperature={preview(value)} is beyond any float; send a finite number > 0, "
+                "e.g. 1.0"
+            )
         values[name] = value
     req = GenRequest(**values)
     if req.mode not in MODES:
@@ -187,13 +198,21 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
         raise SamplingError("mode lemma1 needs the number of steps T (field steps)")
     if req.speculative is not None:
         _check_speculative(req, limits)
+    for name, (mode, what) in _MODE_FIELDS.items():
+        if getattr(req, name) is not None and req.mode != mode:
+            raise SamplingError(
+                f"{name} sets the {what} of mode {mode}, which was not asked for (mode "
+                f"{req.mode}); set mode {mode}, or leave {name} out"
+            )
     bounds.check_controls(
         temperature=req.temperature, top_p=req.top_p, num_samples=req.num_samples,
         seed=req.seed, steps=req.steps, length=req.length, max_samples=limits.max_samples,
         limit_note="this server's limit",
     )  # fmt: skip
     if not 0 <= req.delay_ms <= limits.max_delay_ms:
-        raise SamplingError(f"delay_ms={req.delay_ms} must lie in 0..{limits.max_delay_ms}")
+        raise SamplingError(
+            f"delay_ms={bounds.shown(req.delay_ms)} must lie in 0..{limits.max_delay_ms}"
+        )
     return req
 
 

@@ -15,8 +15,15 @@ other sites' scripts. These checks keep those scripts out:
 * **One of each**: a second Host, Origin, Content-Length, Content-Type or
   Transfer-Encoding header is refused, not resolved by taking the first (the parts of a
   chain may each take a different one).
-* **Content-Length**: ASCII digits only (``'²'.isdigit()`` is True in Python), at most
-  10 of them; no chunked bodies.
+* **Content-Length**: ASCII digits only (``'²'.isdigit()`` is True in Python), with only
+  spaces and tabs around them (``+5``, ``0x5``, ``5, 5`` are refused); no chunked bodies. A
+  length of more digits than any body the server takes is a body too large (413), not a
+  missing length.
+* **Header lines**: at most :data:`MAX_HEADER_LINES`, counted here (:func:`parse_headers`):
+  :mod:`http.client` counts the blank line that ends them among its 100, so it refused
+  exactly 100. Each must be ``Name: value``: the email parser http.server uses takes the
+  first line that is not (``Name : value``, a folded line) as the start of the body, so
+  every header after it would go unseen by these checks.
 * **Strict JSON**: ``NaN``/``Infinity`` (not JSON, though Python reads them) and a field
   named twice (which Python resolves by taking the last) are refused.
 * **JSON depth**: a request is one flat object; deeper nesting than :data:`MAX_JSON_DEPTH`
@@ -25,6 +32,7 @@ other sites' scripts. These checks keep those scripts out:
 
 from __future__ import annotations
 
+import email.parser
 import ipaddress
 import json
 import re
@@ -39,7 +47,13 @@ SINGLE = ("Host", "Origin", "Content-Length", "Content-Type", "Transfer-Encoding
 """Headers a request may carry once at most."""
 PREVIEW = 80
 """Characters of a client's value quoted in an answer."""
-_LENGTH = re.compile(r"[0-9]{1,10}")
+MAX_HEADER_LINES = 100
+"""Most header lines a request may have; more get 431."""
+TOO_LONG = 10**18
+"""What :func:`content_length` returns for a length of more than 18 digits: over any limit."""
+_LENGTH = re.compile(r"[0-9]+")
+_FIELD = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+:")  # a token (RFC 9110), then the colon
+_OWS = " \t"
 _HOST = re.compile(
     r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[^:\[\]]+))(?::(?P<port>[0-9]{1,5}))?$"
 )
@@ -50,6 +64,11 @@ def preview(value: str | None, limit: int = PREVIEW) -> str:
     if value is None or len(value) <= limit:
         return repr(value)
     return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def cut(text: str, limit: int = PREVIEW) -> str:
+    """A client's path, method or number, cut for an answer (unquoted, unlike :func:`preview`)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def repeated(headers: Any) -> str | None:
@@ -115,10 +134,57 @@ def is_json(content_type: str | None) -> bool:
 
 
 def content_length(value: str | None) -> int | None:
-    """The Content-Length as an int, or None when it is absent or not 1-10 ASCII digits."""
-    if value is None or not _LENGTH.fullmatch(value.strip()):
+    """The Content-Length as an int (:data:`TOO_LONG` past 18 digits), or None when it is
+    absent or not ASCII digits between optional spaces and tabs."""
+    digits = None if value is None else value.strip(_OWS)
+    if digits is None or not _LENGTH.fullmatch(digits):
         return None
-    return int(value.strip())
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 18 else TOO_LONG
+
+
+class Refusal(SamplingError):
+    """A request refused with the HTTP ``status`` given."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def header_lines(rfile: Any) -> list[bytes]:
+    """The header lines at ``rfile``, read up to (and past) the blank line that ends them."""
+    lines = []
+    while (line := rfile.readline()) not in (b"\r\n", b"\n", b""):
+        lines.append(line)
+    return lines
+
+
+def parse_headers(lines: list[bytes], message_class: Any) -> Any:
+    """``lines`` (:func:`header_lines`) parsed as :func:`http.client.parse_headers` does.
+
+    Raises:
+        Refusal: more than :data:`MAX_HEADER_LINES` (431), or a line that is not
+            ``Name: value`` (400).
+    """
+    if len(lines) > MAX_HEADER_LINES:
+        n, most = len(lines), MAX_HEADER_LINES
+        raise Refusal(431, f"the request has {n} header lines; send at most {most}")
+    for i, line in enumerate(lines, 1):
+        if not _FIELD.match(line):
+            shown = preview(line.decode("iso-8859-1").rstrip("\r\n"))
+            raise Refusal(400, f"header line {i} ({shown}) is not Name: value; send one per line")
+    text = b"".join(lines).decode("iso-8859-1") + "\r\n"
+    return email.parser.Parser(_class=message_class).parsestr(text)
+
+
+def page_url(bound: str, port: int) -> str:
+    """Where a client should open the page: the address the server listens on (a loopback
+    address when that is every interface), with brackets for IPv6."""
+    host = bound.strip("[]") or "127.0.0.1"
+    ip = _ip(host)
+    if ip is not None and ip.is_unspecified:
+        host = "::1" if ip.version == 6 else "127.0.0.1"
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
 
 def json_too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:

@@ -55,7 +55,8 @@ from anyorder.serve.generation import (
     plan_request,
     run_generation,
 )
-from anyorder.serve.intake import DeadlineWriter, Intake, log_line
+from anyorder.serve.guard import cut
+from anyorder.serve.intake import DeadlineWriter, Intake, internal_error, log_line
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -122,6 +123,23 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         self.handle_one_request()  # one request per connection
 
+    def parse_request(self) -> bool:
+        # http.server's checks of the request line; the headers are read and checked by
+        # guard.parse_headers (http.client refused exactly 100 header lines)
+        lines = serve_guard.header_lines(self.rfile)
+        body, self.rfile = self.rfile, io.BytesIO(b"\r\n")
+        try:
+            if not super().parse_request():
+                return False
+        finally:
+            self.rfile = body
+        try:
+            self.headers = serve_guard.parse_headers(lines, self.MessageClass)
+        except serve_guard.Refusal as e:
+            self._error(e.status, str(e))
+            return False
+        return True
+
     def finish(self) -> None:
         pass  # the server half-closes and drains the socket
 
@@ -167,11 +185,9 @@ class _Handler(BaseHTTPRequestHandler):
             return True
         host = self.headers.get("Host")
         if not serve_guard.host_allowed(host, self.server.bound_host):
-            self._error(
-                403,
-                f"Host {serve_guard.preview(host)} is not this server's address; open the page at "
-                f"http://127.0.0.1:{self.server.server_address[1]}/",
-            )
+            url = serve_guard.page_url(self.server.bound_host, self.server.server_address[1])
+            shown = serve_guard.preview(host)
+            self._error(403, f"Host {shown} is not this server's address; open the page at {url}")
             return True
         origin = self.headers.get("Origin")
         if not serve_guard.origin_allowed(origin, host):
@@ -201,9 +217,11 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         allow = self._routes(path)
         if allow is None:
-            return self._error(404, f"no page at {_cut(path)}; the page is /")
+            return self._error(404, f"no page at {cut(path)}; the page is /")
         self._error(
-            405, f"{_cut(self.command)} is not served at {path}; use {allow}", {"Allow": allow}
+            405,
+            f"{cut(self.command)} is not served at {path}; use {allow}",
+            {"Allow": allow},
         )
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
@@ -218,7 +236,7 @@ class _Handler(BaseHTTPRequestHandler):
         if path.startswith("/static/"):
             name = path[len("/static/") :]
         if name not in STATIC:  # a fixed list: no path from the client reaches the disk
-            return self._error(404, f"no page at {_cut(path)}; the page is /")
+            return self._error(404, f"no page at {cut(path)}; the page is /")
         body = (resources.files("anyorder") / "web" / name).read_bytes()
         self.send_response(200)
         self.send_header("Content-Type", f"{STATIC[name]}; charset=utf-8")
@@ -232,16 +250,16 @@ class _Handler(BaseHTTPRequestHandler):
         if not serve_guard.is_json(self.headers.get("Content-Type")):
             self._error(415, "send the body as JSON with Content-Type: application/json")
             return None
-        length = serve_guard.content_length(self.headers.get("Content-Length"))
+        value = self.headers.get("Content-Length")
+        length = serve_guard.content_length(value)
         if length is None or self.headers.get("Transfer-Encoding"):
-            self._error(411, "send the JSON body with a Content-Length (not chunked)")
+            self._error(411, "send the JSON body with a Content-Length of ASCII digits (not "
+                        "chunked)")  # fmt: skip
             return None
         if length > app.limits.max_body_bytes:
-            self._error(
-                413,
-                f"the request is {length} bytes; this server takes at most "
-                f"{app.limits.max_body_bytes}",
-            )
+            shown = cut(value.strip(" \t").lstrip("0"))
+            limit = app.limits.max_body_bytes
+            self._error(413, f"the request is {shown} bytes; this server takes at most {limit}")
             return None
         raw = self.rfile.read(length)  # whole: the intake waited for it
         if serve_guard.json_too_deep(raw):
@@ -262,7 +280,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self._refused():
             return
         if self.path.split("?", 1)[0] != "/api/generate":
-            return self._error(404, f"nothing to POST at {_cut(self.path)}; use /api/generate")
+            return self._error(404, f"nothing to POST at {cut(self.path)}; use /api/generate")
         app = self.server.app
         req = self._read_request(app)
         if req is None:
@@ -272,7 +290,7 @@ class _Handler(BaseHTTPRequestHandler):
         except AnyorderError as e:
             return self._error(400, str(e))
         except Exception as e:  # a bug, not the user's: report it, keep serving
-            return self._error(500, _internal_error(e))
+            return self._error(500, internal_error(e))
         if not app.slots.acquire(blocking=False):
             return self._error(
                 429,
@@ -333,25 +351,13 @@ class _Handler(BaseHTTPRequestHandler):
             with contextlib.suppress(OSError):
                 emit("error", {"message": str(e)})
         except Exception as e:  # a bug, not the user's: report it, keep serving
-            message = _internal_error(e)
+            message = internal_error(e)
             free()
             if started:
                 with contextlib.suppress(OSError):
                     emit("error", {"message": message})
             else:
                 self._error(500, message)
-
-
-def _cut(text: str, limit: int = serve_guard.PREVIEW) -> str:
-    """A client's path or method, cut for an answer."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def _internal_error(e: Exception) -> str:
-    """Print the traceback of an exception that is a bug (not the user's) to stderr; the
-    message the client gets."""
-    traceback.print_exc(file=sys.stderr)
-    return f"internal error: {type(e).__name__}: {e}"
 
 
 class _Server(HTTPServer):
