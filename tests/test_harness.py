@@ -133,9 +133,9 @@ def _windows(text: str, seq_len: int) -> list[tuple[list[int], list[int]]]:
 
 
 def _encoded(lm, ctx: str, cont: str) -> tuple[list[int], list[int]]:
-    """The harness's tokenisation of a pair (its own ``_encode_pair``); an empty context is
-    our BOS alone."""
-    return ([], lm.tok_encode(cont)) if ctx == "" else lm._encode_pair(ctx, cont)
+    """The harness's tokenisation of a pair (its own ``_encode_pair``; an empty context is
+    its prefix token, as ``TemplateLM.loglikelihood`` makes it)."""
+    return ([lm.prefix_token_id], lm.tok_encode(cont)) if ctx == "" else lm._encode_pair(ctx, cont)
 
 
 def test_left_to_right_is_a_plain_forward_in_the_harness_windows(
