@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from anyorder.errors import SamplingError
-from anyorder.sample import filter_logits, lemma1_sample, sequential_sample
+from anyorder.sample import lemma1_sample, sequential_sample
 from anyorder.sampling.rounds import HostCounts
 from anyorder.sampling.speculative import speculative_sample
 
@@ -58,6 +58,25 @@ def _check_counts(out, n: int, k: int, static: bool = False) -> None:
 # ----------------------------------------------------------------------------- exactness
 
 
+def _nucleus(logits: torch.Tensor, top_p: float | None) -> torch.Tensor:
+    """Top-p written out token by token (not the library's filter): in each row, tokens by
+    falling probability are kept while the mass of those kept before is below ``top_p``;
+    the rest become -inf."""
+    if top_p is None:
+        return logits
+    out = torch.full_like(logits, float("-inf"))
+    flat, kept = logits.reshape(-1, logits.shape[-1]), out.view(-1, logits.shape[-1])
+    for r, row in enumerate(flat):
+        probs = torch.softmax(row, dim=-1).tolist()
+        mass = 0.0
+        for v in sorted(range(len(probs)), key=lambda v: -probs[v]):
+            if mass >= top_p:
+                break
+            kept[r, v] = row[v]
+            mass += probs[v]
+    return out
+
+
 @torch.no_grad()
 def _sequential_law(model, order: torch.Tensor, temperature: float, top_p: float | None):
     """Exact law over all V^n sequences of the sequential sampler along ``order`` (n,): the
@@ -65,7 +84,7 @@ def _sequential_law(model, order: torch.Tensor, temperature: float, top_p: float
     V, n = model.cfg.vocab_size, len(order)
     seqs = torch.tensor(list(itertools.product(range(V), repeat=n)))  # (V^n, n)
     logits = model(seqs, order.expand(len(seqs), n)).double()  # (V^n, n, V), slot-aligned
-    logp = filter_logits(logits / temperature, None, top_p).log_softmax(-1)
+    logp = _nucleus(logits / temperature, top_p).log_softmax(-1)
     picked = logp.gather(2, seqs.gather(1, order.expand(len(seqs), n))[..., None])[..., 0]
     return seqs, picked.sum(1).exp()
 

@@ -127,34 +127,24 @@ def _numbers(text: str | None, kind: type, name: str) -> list:
         raise ConfigError(f"--{name} {text!r}: give comma-separated numbers") from None
 
 
-MAX_ORDERS = 10_000
-"""The most random orders per block ``--orders`` takes, and the largest ``--ensemble`` (the
-any-order NLL's error bar shrinks as 1/sqrt(K): 16 to 64 are the useful range)."""
-
-
 def _check_ensemble_memory(args: argparse.Namespace, n: int, device) -> None:
-    """An ensemble draws ``M`` orders of ``n`` positions (float64 keys, int64 orders) for a
-    call of rows at once: refuse one that cannot fit, with the estimate and the memory."""
-    from anyorder.errors import ConfigError
+    """The ensemble's draws for a call of blocks against the device's memory."""
     from anyorder.evaluation.corpus import rows_per_call
-    from anyorder.memory import format_bytes, machine_memory
+    from anyorder.evaluation.estimators import check_ensemble_memory
 
     rows = rows_per_call(n, args.batch_size, args.max_tokens)
-    need = rows * args.ensemble * n * 16
-    have = machine_memory(str(device))
-    where = "this GPU" if device.type == "cuda" else "this machine"
-    if args.ensemble > 1 and have is not None and need > have:
-        raise ConfigError(
-            f"--ensemble {args.ensemble} needs at least {format_bytes(need)} for the orders of "
-            f"{rows} block(s) of {n} tokens at once, more than {where}'s {format_bytes(have)}; "
-            "use e.g. --ensemble 8 (or lower --batch-size)"
-        )
+    check_ensemble_memory(
+        args.ensemble, rows, n, device, name=f"--ensemble {args.ensemble}",
+        what=f"{rows} block(s) of {n} tokens",
+        fix="use e.g. --ensemble 8 (or lower --batch-size)",
+    )  # fmt: skip
 
 
 def _check_eval_args(args: argparse.Namespace) -> None:
     """Counts and controls of ``anyorder eval``, before a model is loaded."""
     from anyorder import bounds
     from anyorder.errors import ConfigError
+    from anyorder.evaluation.estimators import check_counts
 
     for name in (
         "orders",
@@ -168,16 +158,8 @@ def _check_eval_args(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.orders > MAX_ORDERS:  # each order is a pass over every block: weeks, not minutes
-        raise ConfigError(
-            f"--orders {args.orders} must be at most {MAX_ORDERS:,} (each order is one pass "
-            "over every block); use e.g. 16"
-        )
-    if args.ensemble > MAX_ORDERS:  # each member is about one pass per block and order
-        raise ConfigError(
-            f"--ensemble {args.ensemble} must be at most {MAX_ORDERS:,} (each member costs "
-            "about one pass per block and order); use e.g. 8"
-        )
+    # each order is a pass over every block: weeks, not minutes
+    check_counts(args.orders, args.ensemble, names=("--orders {}", "--ensemble {}"), unit="block")
     if args.batch_size > bounds.MAX_NUM_SAMPLES:
         raise ConfigError(f"--batch-size must be at most {bounds.MAX_NUM_SAMPLES}")
     bounds.check_seed(args.seed, "--seed")
@@ -409,6 +391,16 @@ def run_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+_HARNESS_FLAGS = {
+    "pretrained": "its first argument (the checkpoint)",
+    "seed": "--seed",
+    "weights": "--weights",
+    "batch_size": "--batch-size",
+    "device": "--device",
+}
+"""The harness model's arguments ``anyorder eval`` passes on from its own flags."""
+
+
 def _eval_harness(args: argparse.Namespace) -> int:
     """``--suite lm-eval``: the harness's tasks through ``lm_eval.simple_evaluate``."""
     import json
@@ -429,6 +421,12 @@ def _eval_harness(args: argparse.Namespace) -> int:
             'pip install "anyorder[eval]"'
         ) from None
     extra = simple_parse_args_string(args.model_args)
+    for key, flag in _HARNESS_FLAGS.items():  # given twice, one would silently win
+        if key in extra:
+            raise ConfigError(
+                f"--model-args {key}: anyorder eval takes it as {flag}; leave it out of "
+                "--model-args"
+            )
     extra.update(seed=args.seed, weights=args.weights)
     results = run_harness(
         args.checkpoint,

@@ -131,7 +131,9 @@ def _members(
     ensemble's non-identity members (the context of each target sorted by the member's keys)."""
     length = ctx + cont
     g = block_generator(seed, 0, 1, k)
-    keys = torch.rand(members - 1, x.shape[0], generator=g, dtype=torch.float64)
+    # keys for the request's own positions: drawn over the padded batch length, the same
+    # generator gave a request different member orders in different batches
+    keys = torch.rand(members - 1, length, generator=g, dtype=torch.float64)
     slot = torch.arange(ctx, length)
     rows = ensemble_orders(
         order[None, :length].expand(cont, length),

@@ -50,7 +50,8 @@ Blocks = Tensor | np.ndarray
 
 def block_generator(seed: int, block: int, stream: int, k: int = 0) -> torch.Generator:
     """A CPU generator for one block's draws: orders (stream 0), ensemble keys (1), target
-    slots (2) and mask levels (3) of replicate ``k``."""
+    slots (2) and mask levels (3) of replicate ``k``; the harness's sampled requests use
+    stream 4 (block: the request's index)."""
     state = np.random.SeedSequence([seed & (2**63 - 1), block, stream, k]).generate_state(2)
     return torch.Generator().manual_seed(int(state[0]) << 31 ^ int(state[1]))
 

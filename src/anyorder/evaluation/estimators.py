@@ -183,6 +183,73 @@ def ensemble_cost(n: int, members: int, targets: int | None = None) -> float:
     return 1.0 + (members - 1) * t * (n + 1) / (2.0 * n)
 
 
+MAX_ORDERS = 10_000
+"""The most random orders (``K``) and ensemble members (``M``) an evaluation takes, on the
+command line and in the harness alike: each order is one pass over the text and each member
+about one more, and the any-order NLL's error bar shrinks as 1/sqrt(K) (16 to 64 are the
+useful range)."""
+
+
+def check_counts(
+    orders: int, ensemble: int, *, names: tuple[str, str], unit: str, fixes=("16", "8")
+) -> None:
+    """Refuse more than :data:`MAX_ORDERS` orders or members, in one line.
+
+    Args:
+        orders, ensemble: ``K`` and ``M``.
+        names: how the caller's surface spells each with its value: ``("--orders {}",
+            "--ensemble {}")`` on the command line.
+        unit: what one pass covers (``block``, ``request``).
+        fixes: the advice for each, after "use e.g.".
+
+    Raises:
+        ConfigError: the first count over the bound.
+    """
+    from anyorder.errors import ConfigError
+
+    if orders > MAX_ORDERS:
+        raise ConfigError(
+            f"{names[0].format(orders)} must be at most {MAX_ORDERS:,} (each order is one pass "
+            f"over every {unit}); use e.g. {fixes[0]}"
+        )
+    if ensemble > MAX_ORDERS:
+        raise ConfigError(
+            f"{names[1].format(ensemble)} must be at most {MAX_ORDERS:,} (each member costs "
+            f"about one pass per {unit} and order); use e.g. {fixes[1]}"
+        )
+
+
+def check_ensemble_memory(members: int, rows: int, n: int, device, *, name: str, what: str,
+                          fix: str) -> None:  # fmt: skip
+    """An ensemble draws ``M`` orders of ``n`` positions (float64 keys, int64 orders: 16 bytes
+    each) for ``rows`` rows at once: refuse one that cannot fit the device's memory, with the
+    estimate and the memory.
+
+    Args:
+        members: ``M``.
+        rows, n: the rows of one call and their length.
+        device: where the orders are drawn.
+        name: how the caller spells ``M`` with its value (``--ensemble 64``).
+        what: the rows, for the message (``2 block(s) of 1024 tokens``).
+        fix: the advice that ends the message.
+
+    Raises:
+        ConfigError: more than the device holds.
+    """
+    from anyorder.errors import ConfigError
+    from anyorder.memory import format_bytes, machine_memory
+
+    device = torch.device(device)
+    need = rows * members * n * 16
+    have = machine_memory(str(device))
+    where = "this GPU" if device.type == "cuda" else "this machine"
+    if members > 1 and have is not None and need > have:
+        raise ConfigError(
+            f"{name} needs at least {format_bytes(need)} for the orders of {what} at once, "
+            f"more than {where}'s {format_bytes(have)}; {fix}"
+        )
+
+
 def ensemble_orders(order: Tensor, keys: Tensor, slot: Tensor, length: int) -> Tensor:
     """Member orders for targets ``slot``: the context sorted by each member's keys.
 

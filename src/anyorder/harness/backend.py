@@ -22,19 +22,26 @@ Design choices:
   AO-GPT Eq. 7 ensemble of ``M`` context orders). The harness gets ``-mean`` over the
   orders; ``is_greedy`` holds when every continuation token is the argmax of what it was
   scored under, in every order.
-* ``loglikelihood_rolling`` scores a document in windows of the model's ``seq_len``, each
-  from scratch (the first token of a window is predicted with no context), exactly as
-  ``Model.score`` (the harness's own ``hf`` model gives later windows the previous tokens as
-  context; here every window is scored as the model was trained, from scratch).
+* ``loglikelihood_rolling`` scores a document in the harness's own windows
+  (``lm_eval.utils.get_rolling_token_windows``, made disjoint): windows of the model's
+  ``seq_len``, a later one seeing the tokens before it as context, as for every other model
+  in the harness; the harness's prefix token (EOT) is our BOS, so the first window starts
+  from scratch. ``rolling=scratch`` scores every window from scratch instead, as
+  :meth:`anyorder.api.Model.score` does. A pair longer than the window is cut from the left,
+  as the harness's ``hf`` model cuts it: the context first, then the continuation's first
+  tokens (a warning says so once).
 * ``generate_until``: the context is a known prefix and ``max_gen_toks`` tokens are decoded
   after it (fewer where the window is full: the context keeps at least half of it), one per
   pass (``gen_order=l2r`` or ``random``) or in ``steps`` Lemma-1 steps; then the text is cut
   at EOS and at the first stop sequence. Any-order decoding cannot stop early, so a stop
-  sequence only cuts the text.
+  sequence only cuts the text. A request that draws at random decodes alone, from a
+  generator seeded from ``(seed, its index)``: repeats are independent samples and the
+  texts do not depend on the batch size.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -44,7 +51,13 @@ from tqdm import tqdm
 
 from anyorder.api import load
 from anyorder.errors import ConfigError
+from anyorder.evaluation.estimators import check_ensemble_memory
 from anyorder.harness.settings import GenSettings, Settings, gen_settings, parse_settings
+
+log = logging.getLogger(__name__)
+GENERATION_STREAM = 4
+"""The stream of :func:`~anyorder.evaluation.corpus.block_generator` a request's sampling
+draws from (block: the request's index)."""
 
 
 class AnyorderLM(TemplateLM):
@@ -62,6 +75,13 @@ class AnyorderLM(TemplateLM):
             )
         self.tok = self.api.tokenizer
         self.model = self.api.model
+        self._warned_long = False
+        n = self.api.seq_len
+        # a request's member orders: (continuation, M - 1, length), a continuation up to n
+        check_ensemble_memory(
+            s.ensemble, n, n, self.model.device, name=f"--model_args order='ensemble:{s.ensemble}'",
+            what=f"a continuation of up to {n} tokens", fix="use e.g. order=ensemble:8",
+        )  # fmt: skip
 
     # -- what TemplateLM needs ---------------------------------------------------------
 
@@ -85,33 +105,67 @@ class AnyorderLM(TemplateLM):
         return self.tok.encode(string)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw):
-        from anyorder.evaluation.conditional import continuation_nll
-
-        pairs = []
-        for (_, cont_text), ctx, cont in requests:
-            if len(cont) > self.max_length:
-                raise ConfigError(
-                    f"a continuation of {len(cont)} tokens ({cont_text[:30]!r}...) is longer "
-                    f"than the model's context of {self.max_length}; use a shorter task"
-                )
-            keep = self.max_length - len(cont)  # the context is cut from the left to fit
-            pairs.append((ctx[max(0, len(ctx) - keep) :] if keep else [], cont))
-        s = self.settings
-        with tqdm(
-            total=len(pairs),
-            desc="Running loglikelihood requests",
-            disable=self._quiet(disable_tqdm),
-        ) as bar:
-            res = continuation_nll(
-                self.model, pairs, order=s.order, num_orders=s.num_orders,
-                ensemble=s.ensemble, seed=s.seed, batch_size=s.batch_size, on_done=bar.update,
-            )  # fmt: skip
+        pairs = [(ctx, cont) for _, ctx, cont in requests]
+        res = self._score(pairs, "Running loglikelihood requests", disable_tqdm)
         means = -res.nll.mean(dim=1)
         return [(float(v), bool(g)) for v, g in zip(means, res.greedy)]
+
+    def _score(self, pairs: list[tuple[list[int], list[int]]], desc: str, disable_tqdm: bool):
+        """:func:`continuation_nll` of ``(context, continuation)`` pairs, each cut from the
+        left to the window as the harness's ``hf`` model cuts them: the context first, then
+        a continuation longer than the window loses its first tokens (said once)."""
+        from anyorder.evaluation.conditional import continuation_nll
+
+        n, fitted = self.max_length, []
+        for ctx, cont in pairs:
+            if len(cont) > n and not self._warned_long:
+                self._warned_long = True
+                log.warning(
+                    "a continuation of %d tokens is longer than the model's context of %d: its "
+                    "first tokens are cut and its last %d scored (as the harness's hf model "
+                    "cuts from the left); said once",
+                    len(cont), n, n,
+                )  # fmt: skip
+            ids = (list(ctx) + list(cont))[-n:]
+            k = len(ids) - min(len(cont), n)
+            fitted.append((ids[:k], ids[k:]))
+        s = self.settings
+        with tqdm(total=len(fitted), desc=desc, disable=self._quiet(disable_tqdm)) as bar:
+            return continuation_nll(
+                self.model, fitted, order=s.order, num_orders=s.num_orders,
+                ensemble=s.ensemble, seed=s.seed, batch_size=s.batch_size, on_done=bar.update,
+            )  # fmt: skip
 
     # -- the other two request types ---------------------------------------------------
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each text in the harness's windows (``get_rolling_token_windows`` with one token
+        of context, made disjoint): a window after the first sees the tokens before it, as
+        for every other model of the harness. The harness's prefix token (EOT, so the first
+        token has something to condition on) is our BOS, which every sequence starts with:
+        the first window's context is empty. ``rolling=scratch``: windows of ``seq_len``
+        each from scratch, the computation of :meth:`anyorder.api.Model.score`."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        if self.settings.rolling == "scratch":
+            return self._rolling_from_scratch(requests, disable_tqdm)
+        pairs, owner = [], []
+        for r, req in enumerate(requests):
+            windows = get_rolling_token_windows(
+                token_list=self.tok.encode(req.args[0]), prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length, context_len=1,
+            )  # fmt: skip
+            for w, (ctx, cont) in enumerate(map(make_disjoint_window, windows)):
+                pairs.append(([] if w == 0 else ctx, cont))
+                owner.append(r)
+        out = [0.0] * len(requests)
+        if pairs:
+            res = self._score(pairs, "Running loglikelihood_rolling windows", disable_tqdm)
+            for r, v in zip(owner, (-res.nll.mean(dim=1)).tolist()):
+                out[r] += v
+        return out
+
+    def _rolling_from_scratch(self, requests, disable_tqdm: bool) -> list[float]:
         from anyorder.evaluation.conditional import window_totals
 
         s, out = self.settings, []
@@ -129,6 +183,11 @@ class AnyorderLM(TemplateLM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy left-to-right requests run in batches; any request that draws at random
+        (sampling, ``gen_order=random``, ``steps``) runs alone, with a generator of its own
+        seeded from ``(seed, its index)``: the harness's repeats (maj@k, pass@k) are
+        independent samples, and a seed gives the same texts at any batch size."""
+        s = self.settings
         out: list[str | None] = [None] * len(requests)
         groups: dict[tuple, list[tuple[int, list[int]]]] = {}
         for i, req in enumerate(requests):
@@ -140,25 +199,30 @@ class AnyorderLM(TemplateLM):
             keep = max(self.max_length - g.max_tokens, min(len(ids), self.max_length // 2))
             ids = ids[max(0, len(ids) - keep) :] if keep else []
             n = min(self.max_length, len(ids) + g.max_tokens)
-            groups.setdefault((len(ids), n, g), []).append((i, ids))
+            drawn = not g.greedy or s.gen_order == "random" or s.steps is not None
+            groups.setdefault((len(ids), n, g, i if drawn else -1), []).append((i, ids))
         bar = tqdm(
             total=len(requests),
             desc="Running generate_until requests",
             disable=self._quiet(disable_tqdm),
         )
         with bar:
-            for (k, n, g), items in groups.items():
-                for start in range(0, len(items), self.settings.batch_size):
-                    chunk = items[start : start + self.settings.batch_size]
-                    texts = self._generate([ids for _, ids in chunk], k, n, g)
+            for (k, n, g, _), items in groups.items():
+                for start in range(0, len(items), s.batch_size):
+                    chunk = items[start : start + s.batch_size]
+                    texts = self._generate([ids for _, ids in chunk], k, n, g, chunk[0][0])
                     for (i, _), text in zip(chunk, texts):
                         out[i] = text
                     bar.update(len(chunk))
         return [t or "" for t in out]
 
-    def _generate(self, prompts: list[list[int]], k: int, n: int, g: GenSettings) -> list[str]:
-        """Decode ``n - k`` tokens after each of the ``k``-token prompts, cut at the stops."""
+    def _generate(
+        self, prompts: list[list[int]], k: int, n: int, g: GenSettings, index: int
+    ) -> list[str]:
+        """Decode ``n - k`` tokens after each of the ``k``-token prompts, cut at the stops;
+        the draws from a generator seeded from ``(seed, index)``."""
         from anyorder import bounds
+        from anyorder.evaluation.corpus import block_generator
         from anyorder.sample import decode_text, sample
 
         s, B = self.settings, len(prompts)
@@ -168,7 +232,8 @@ class AnyorderLM(TemplateLM):
         known = torch.zeros(B, n, dtype=torch.bool)
         known[:, :k] = True
         steps = min(s.steps, n - k) if s.steps is not None else None
-        gen = torch.Generator(self.model.device).manual_seed(s.seed)
+        seed = block_generator(s.seed, index, GENERATION_STREAM).initial_seed()
+        gen = torch.Generator(self.model.device).manual_seed(seed)
         with bounds.out_of_memory_as_error(f"batch_size={B} x {n} tokens"):
             result = sample(
                 self.model, n, order=s.gen_order, steps=steps, schedule=s.schedule, batch=B,

@@ -42,6 +42,12 @@ def run_harness(
     from anyorder.errors import ConfigError
 
     # the model's arguments first: they cost nothing to check, the task index seconds
+    clash = sorted(set(model_args or {}) & {"pretrained", "batch_size", "device"})
+    if clash:
+        raise ConfigError(
+            f"model_args {clash[0]}: run_harness takes it as its own argument; leave it out "
+            "of model_args"
+        )
     args = dict(model_args or {}, batch_size=batch_size, device=device)
     lm = AnyorderLM(pretrained, **args)
     manager = TaskManager(include_path=include_path)
