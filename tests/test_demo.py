@@ -139,7 +139,7 @@ def test_a_stopped_demo_saves_exits_at_once_writes_no_report_and_resumes_bit_exa
     from anyorder.checkpoint import latest_checkpoint
     from anyorder.training.loop import train
 
-    out, steps = tmp_path / "d", 60
+    out, steps = tmp_path / "d", 40
     p = _start_demo(out, steps)
     said, took = _stop(p, signal.SIGINT)
     assert p.returncode == 130 and took < 10, (p.returncode, took)
@@ -171,6 +171,31 @@ def test_a_stopped_demo_saves_exits_at_once_writes_no_report_and_resumes_bit_exa
     assert latest_checkpoint(out).name == f"step_{steps:07d}" and mine.keys() == theirs.keys()
     for k in mine:
         assert torch.equal(mine[k], theirs[k]), k
+    # a demo stopped after training (while evaluating) is only evaluated again
+    (out / "report.md").unlink()
+    third = _run_demo(out, "--steps", str(steps), "--threads", "1", "--no-progress")
+    assert third.returncode == 0, third.stderr
+    assert f"continuing the demo saved at step {steps} of {steps}" in third.stdout
+    assert "resuming from" not in third.stdout and "train:" not in third.stdout
+    assert (out / "report.md").read_text().splitlines() == report
+
+
+def test_what_to_expect_says_what_was_measured() -> None:
+    from anyorder.demo.report import expectation
+
+    info = {"step": 4500, "tokens_seen": 9_216_000, "params": 440_000, "word_share": 0.81,
+            "eval": {"l2r_bpb": 1.904}, "unigram": 4.707}  # fmt: skip
+    learnt = expectation(info)
+    assert learnt.startswith(
+        "**What to expect.** 4,500 training steps (9.2M bytes of text seen) gave a "
+        "0.4M-parameter model: 81% of the words it writes left to right are words of the "
+        "corpus (left to right 1.90 bits/byte, the unigram baseline 4.71); it has learnt the "
+        "spelling, the common words and the layout of Python's documentation"
+    )
+    info |= {"step": 34, "tokens_seen": 69_632, "word_share": 0.12, "eval": {"l2r_bpb": 5.9}}
+    early = expectation(info)
+    assert "12% of the words" in early and "has learnt" not in early
+    assert "most of what it writes is not yet words" in early
 
 
 def test_sigterm_stops_the_demo_and_removes_the_last_report(tmp_path) -> None:

@@ -134,9 +134,10 @@ def demo(
             try:
                 return _run(out, cfg, limit, threads, progress, wall0, cpu0)
             except KeyboardInterrupt:
-                return _say_stopped(out, cfg, stopped[0] if stopped else "SIGINT", again)
+                name = stopped[0] if stopped else "SIGINT"
+                return _say_stopped(out, cfg, name, again, resumes=minutes is None)
             except DemoStopped as e:
-                return _say_stopped(out, cfg, e.signal, again)
+                return _say_stopped(out, cfg, e.signal, again, resumes=minutes is None)
     finally:
         torch.set_num_threads(before)
 
@@ -179,16 +180,17 @@ def _again_command(out: Path, steps: int, minutes: float | None, threads: int) -
     return " ".join(cmd)
 
 
-def _say_stopped(out: Path, cfg: RunConfig, name: str, again: str) -> dict[str, Any]:
-    """The console lines of a stopped demo: where its training is saved, how to go on."""
+def _say_stopped(out: Path, cfg: RunConfig, name: str, again: str, resumes: bool) -> dict[str, Any]:
+    """The console line of a stopped demo: where its training is saved, how to go on (a
+    ``--minutes`` demo starts afresh: its budget was this session's)."""
     from anyorder.checkpoint import latest_checkpoint
     from anyorder.training.resume import step_of
 
     planned = cfg.train.steps
     ckpt = latest_checkpoint(out) if out.is_dir() else None
     step = step_of(ckpt) or 0
-    if ckpt is None:
-        where = "before its first checkpoint; nothing is saved"
+    if ckpt is None or not resumes:
+        where = "before its first checkpoint" if ckpt is None else f"at step {step:,}"
         how = f"run `{again}` to start it again"
     elif step >= planned:
         where = f"after training ({step:,} of {planned:,} steps, saved in {ckpt})"

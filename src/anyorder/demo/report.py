@@ -86,7 +86,8 @@ def this_run(info: dict[str, Any]) -> str:
         return f"**This run** (measured here): {steps}; its training time was not recorded."
     return (
         f"**This run** (measured here): {steps} took {format_duration(train_wall)} of wall "
-        f"time (start-up and data included) and {format_duration(train_cpu)} of CPU time on {info['threads']} thread(s)"
+        f"time (start-up and data included) and {format_duration(train_cpu)} of CPU time "
+        f"on {info['threads']} thread(s)"
         f"{resumed}; evaluation and samples took {format_duration(t['phases_s']['evaluate'])} "
         f"and {format_duration(t['phases_s']['sample'])}."
     )
