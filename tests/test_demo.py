@@ -177,7 +177,9 @@ def test_a_stopped_demo_saves_exits_at_once_writes_no_report_and_resumes_bit_exa
     assert third.returncode == 0, third.stderr
     assert f"continuing the demo saved at step {steps} of {steps}" in third.stdout
     assert "resuming from" not in third.stdout and "train:" not in third.stdout
-    assert (out / "report.md").read_text().splitlines() == report
+    redone = (out / "report.md").read_text().splitlines()
+    assert redone[:2] + redone[3:] == report[:2] + report[3:]  # all but this run's times
+    assert redone[2].split("; evaluation")[0] == report[2].split("; evaluation")[0]
 
 
 def test_what_to_expect_says_what_was_measured() -> None:
