@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -137,6 +138,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="fp32", help="train.dtype of the demo config")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks/results/under_load.json")
     args = ap.parse_args()
+    # a time limit's SIGTERM unwinds, so the competitors are killed (their finally)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cores = len(os.sched_getaffinity(0))
     arms = {a: ARMS[a] for a in args.arms.split(",")}
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,13 +152,20 @@ def main() -> None:
             for arm, (extra, _t) in arms.items():
                 s = train_seconds(extra, args.steps, args.dtype)
                 best[arm]["idle"] = min(best[arm].get("idle", 1e9), s)
+                _progress(arm, "idle", s)
             loads["idle"] = Path("/proc/loadavg").read_text().split()[0]
             for kind, (procs, _k, _what) in kinds.items():
                 for arm, (extra, _t) in arms.items():
                     s = loaded_seconds(procs, extra, args.steps, args.dtype)
                     best[arm][kind] = min(best[arm].get(kind, 1e9), s)
+                    _progress(arm, kind, s)
                 loads[kind] = Path("/proc/loadavg").read_text().split()[0]
     _print(args, arms, kinds, best, loads, cores)
+
+
+def _progress(arm: str, column: str, seconds: float) -> None:
+    load = Path("/proc/loadavg").read_text().split()[0]
+    print(f"  {arm} {column}: {seconds:.2f} s (load {load})", file=sys.stderr, flush=True)
 
 
 def _print(args, arms, kinds, best, loads, cores) -> None:
