@@ -1,16 +1,22 @@
 # Set-up and the two README commands. Everything installs into ./.venv from scratch.
-# torch is pinned here (the CPU build); the package itself only asks for torch>=2.6.
+# torch is pinned here; the package itself only asks for torch>=2.6. It comes from pip's
+# default index unless TORCH_INDEX names another (PyTorch's CPU wheel index for the CPU-only
+# build: make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu) or TORCH_EXTRA_INDEX
+# adds one beside it. Either applies to torch alone, at set-up (a fresh .venv).
 VENV   ?= .venv
 PYTHON ?= python3
 BIN     = $(VENV)/bin
 TORCH  ?= torch==2.13.0
+TORCH_INDEX       ?=
+TORCH_EXTRA_INDEX ?=
+TORCH_PIP = $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))$(if $(TORCH_EXTRA_INDEX), --extra-index-url $(TORCH_EXTRA_INDEX))
 
 .PHONY: setup test demo bench lint format clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q $(strip $(TORCH_PIP) "$(TORCH)")
 	$(BIN)/pip install -q -e ".[hf,plot,eval,dev]"
 	touch $@
 

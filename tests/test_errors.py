@@ -321,6 +321,8 @@ FRESH = [NEW, "data.cache_dir=newcache"]  # and a data cache that must not appea
 # id: (command line, extra environment, setup of the row's folder)
 ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "config-unknown-key": ([*TRAIN, "model.n_layr=2"], {}, None),
+    "config-unknown-key-far": ([*TRAIN, "train.zzzz=1"], {}, None),
+    "config-unknown-section": ([*TRAIN, "trian.steps=1"], {}, None),
     "config-ill-typed": ([*TRAIN, "train.steps=many"], {}, None),
     "config-file-unknown-key": (["train", "typo.yaml"], {}, None),
     "config-missing-file": (["train", "nope.yaml"], {}, None),
@@ -330,6 +332,9 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "config-bad-yaml": (["train", "broken.yaml"], {}, None),
     "config-not-key-value": ([*TRAIN, "train.steps"], {}, None),
     "cli-bad-option": (["sample", "run", "--top-p", "abc"], {}, None),
+    "cli-unknown-command": (["trian"], {}, None),
+    "cli-bad-choice": (["sample", "run", "--order", "rnadom"], {}, None),
+    "cli-unknown-option": (["demo", "--stpes", "3"], {}, None),
     "config-bad-value": ([*TRAIN, "train.lr=0", NEW], {}, None),
     "data-missing": ([*TRAIN, "data.source=missing.txt", *FRESH], {}, None),
     "data-empty-file": ([*TRAIN, "data.source=corpus/empty.txt", *FRESH], {}, None),

@@ -314,7 +314,7 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("model.n_layr=2", "anyorder train: error: unknown config key 'model.n_layr'; known keys"),
+        ("model.n_layr=2", "anyorder train: error: unknown config key 'model.n_layr'; did you"),
         ("train.steps=many", "anyorder train: error: config key 'train.steps' expects int, got"),
         ("data.source=missing/corpus.txt", "anyorder train: error: "),
     ],

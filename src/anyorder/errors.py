@@ -7,6 +7,16 @@ problem and the fix.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(word: str, options: Iterable[str]) -> str | None:
+    """The option closest to ``word`` (a typo's likely fix), or None when none is close
+    (difflib's similarity ratio below 0.6)."""
+    found = difflib.get_close_matches(word, [str(o) for o in options], n=1, cutoff=0.6)
+    return found[0] if found else None
+
 
 class AnyorderError(Exception):
     """A bad input: printed as one line by the CLI, exit code 2."""

@@ -135,16 +135,17 @@ def add_demo(p: argparse.ArgumentParser) -> None:
         "--steps",
         type=int,
         default=None,
-        help="training steps (default: the calibrated budget, about 8 minutes in all on 2 idle "
-        "cores; the same steps give the same report)",
+        help="training steps (default 4500, about 8 minutes in all on 2 idle cores of the "
+        "machine the README names; the same steps give the same report). Stopped by a signal, "
+        "the same command again resumes it",
     )
     p.add_argument(
         "--minutes",
         type=float,
         default=None,
-        help="a wall-clock budget for the whole demo instead of --steps (the steps the "
-        "calibration fits into it, cut short where this machine is slower: the model then "
-        "depends on the machine and its load)",
+        help="a wall-clock budget for the whole demo instead of --steps (the steps fitted to "
+        "this machine's speed measured on the first steps, cut short at the limit: the model "
+        "then depends on the machine and its load)",
     )
     p.add_argument(
         "--threads",
@@ -162,11 +163,15 @@ def run_demo(args: argparse.Namespace) -> int:
         from anyorder.errors import ConfigError
 
         raise ConfigError("give --steps or --minutes, not both")
-    demo(
+    info = demo(
         args.out,
         steps=STEPS if args.steps is None else args.steps,
         minutes=args.minutes,
         threads=THREADS if args.threads is None else args.threads,
         progress=not args.no_progress,
     )
+    if info.get("stopped"):  # SIGINT/SIGTERM: saved, no report; exit 128 + signal number
+        import signal
+
+        return 128 + int(signal.Signals[info["stopped"]])
     return 0

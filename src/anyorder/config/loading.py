@@ -30,7 +30,7 @@ from typing import Any
 
 from anyorder.config.model import PRESETS, VARIANTS, ModelConfig, expand_model_values
 from anyorder.config.run import RunConfig
-from anyorder.errors import ConfigError, preview
+from anyorder.errors import ConfigError, did_you_mean, preview
 
 _EXP_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 """A float in exponent notation without a dot (``1e-3``), which YAML 1.1 leaves a string."""
@@ -252,17 +252,27 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
     for key, value in values.items():
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            raise ConfigError(
-                f"unknown config key {preview(full)}; known keys"
-                f"{' in ' + prefix if prefix else ''}: "
-                f"{', '.join(names)}"
-            )
+            raise unknown_key(full, str(key), names, prefix)
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build_section(tp, value, full)
         else:
             kwargs[key] = _coerce(value, tp, full)
     return cls(**kwargs)
+
+
+def unknown_key(full: str, key: str, names: list[str], prefix: str) -> ConfigError:
+    """The error for an unknown key ``full`` (``key`` in section ``prefix``; "" for a
+    section): the closest known key when one is close (a typo), else every known one."""
+    close = did_you_mean(key, names)
+    if close is not None:
+        fix = f"{prefix}.{close}" if prefix else close
+        return ConfigError(
+            f"unknown config key {preview(full)}; did you mean {fix}? (anyorder info "
+            "--config-keys lists every key)"
+        )
+    known = f"known keys in {prefix}" if prefix else "known sections"
+    return ConfigError(f"unknown config key {preview(full)}; {known}: {', '.join(names)}")
 
 
 def _build_section(cls: type, value: Any, prefix: str) -> Any:
@@ -396,9 +406,7 @@ def _build_run(values: dict[str, Any]) -> RunConfig:
     names = [f.name for f in dataclasses.fields(RunConfig)]
     for key in values:
         if key not in names:
-            raise ConfigError(
-                f"unknown config key {preview(key)}; known sections: {', '.join(names)}"
-            )
+            raise unknown_key(str(key), str(key), names, "")
     hints = typing.get_type_hints(RunConfig)
     return RunConfig(**{k: _build_section(hints[k], v, k) for k, v in values.items()})
 

@@ -1,16 +1,18 @@
 """``anyorder demo``: train a tiny ARMD on Python's own docs, sample, evaluate, report.
 
-The whole job runs on two CPU cores in about 8 minutes and needs no download: the corpus is
+The whole job ran on two idle CPU cores in about 8 minutes on the machine the README names
+(each run measures and reports its own time) and needs no download: the corpus is
 ``pydoc_data.topics`` (shipped with CPython) read as UTF-8 bytes.
 
 Design choices:
 
 * A fixed budget: :data:`STEPS` optimizer steps of the recipe in :data:`RECIPE`, every
   seed fixed and the torch threads pinned (:data:`THREADS`), so the same command gives the
-  same model and the same ``report.md`` on any day, whatever the machine's load (only the
-  time it takes changes; timings go to the console and ``timing.json``, not the report).
-  ``--minutes N`` trades that for a wall-clock budget (the steps the calibration fits into
-  it, cut short where the machine is slower).
+  same model and the same ``report.md`` on any day, whatever the machine's load, but for
+  the one line of this run's measured time. ``--minutes N`` trades that for a wall-clock
+  budget (fitted to this machine's measured speed).
+* A signal stops it within a step: the training is saved, no report is written, and the
+  same command resumes it (bit for bit) and writes the report.
 * The recipe is the one that learnt fastest at this budget among those measured
   (docs/results.md, "The demo's recipe"): its shape, batch, learning rate and schedule, the
   order schedule and bf16 autocast are chosen by measurement, not by the paper presets.
@@ -59,7 +61,6 @@ from anyorder.demo.recipe import (
     THREADS,
     TOP_P,
     demo_config,
-    estimate_s,
 )
 
 __all__ = [
@@ -86,7 +87,6 @@ __all__ = [
     "demo",
     "demo_config",
     "ensemble_bits",
-    "estimate_s",
     "evaluate_bits",
     "sample_tokens",
     "samples",

@@ -1,5 +1,5 @@
 """The demo's fixed budget and recipe: the constants the job and its report share, the run
-config (:func:`demo_config`) and the calibrated cost (:func:`estimate_s`).
+config (:func:`demo_config`) and the planning rate of ``--minutes``.
 
 Design choices:
 
@@ -21,14 +21,15 @@ THREADS = 2
 """torch threads of the demo (pinned, not taken from the load: results then do not depend
 on how busy the machine is)."""
 STEPS = 4500
-"""Optimizer steps of the default demo (calibrated: at most about 8 minutes in all on 2 idle
-cores; see :data:`CALIBRATED_S_PER_STEP`)."""
+"""Optimizer steps of the default demo (about 8 minutes in all on 2 idle cores of the
+machine the README names; the demo measures and reports its own time on every run)."""
 CALIBRATED_S_PER_STEP = 0.105
-"""Wall seconds per training step on 2 idle cores, validations included: the CPU seconds of
-one thread (measured), i.e. no gain assumed from the second thread, so the estimate is an
-upper bound (for the up-front estimate)."""
+"""Wall seconds per training step on 2 idle cores of that machine, validations included:
+only ``--minutes`` uses it, to plan the schedules before ``train`` has measured this
+machine's speed on its first steps (it then fits the steps to the budget)."""
 CALIBRATED_REST_S = 25.0
-"""Wall seconds of everything but training (start-up, data, evaluation, samples)."""
+"""Wall seconds of everything but training on that machine (start-up, data, evaluation,
+samples): what ``--minutes`` keeps back from its budget."""
 ENSEMBLE = 4
 """Members of the context-order ensemble (Eq. 7) in the report."""
 ENSEMBLE_BLOCKS = 32
@@ -100,8 +101,3 @@ def demo_config(out: str | Path, steps: int = STEPS) -> RunConfig:
             f"data.cache_dir={out / 'data_cache'}",
         ],
     )
-
-
-def estimate_s(steps: int) -> float:
-    """The demo's wall seconds on 2 idle cores (calibrated), for ``steps`` training steps."""
-    return steps * CALIBRATED_S_PER_STEP + CALIBRATED_REST_S
