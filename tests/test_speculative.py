@@ -15,6 +15,7 @@ from anyorder.errors import SamplingError
 from anyorder.sample import filter_logits, lemma1_sample, sequential_sample
 from anyorder.sampling.rounds import HostCounts
 from anyorder.sampling.speculative import speculative_sample
+from test_trunk_options import FAMILY_TRUNKS
 
 from conftest import tiny_model
 
@@ -173,10 +174,24 @@ def test_accepted_tokens_use_the_uncached_logits_many(kind, n, batch, K, prompt,
     _check_against_oracle(kind, n, batch, K, prompt, seed, static)
 
 
-def _check_against_oracle(kind, n, batch, K, prompt, seed, static) -> None:
+@settings(max_examples=int(os.environ.get("ANYORDER_SPEC_EXAMPLES", "12")), derandomize=True,
+          **_DIFF)  # fmt: skip
+@given(**_requests(24), trunk=st.sampled_from(sorted(FAMILY_TRUNKS)))
+def test_accepted_tokens_use_the_uncached_logits_on_family_trunks(
+    kind, n, batch, K, prompt, seed, static, trunk
+):
+    """The same on the trunks of Llama 3, Qwen2, Qwen3 and Mistral (issue 33): grouped-query
+    attention with caches of the key/value heads, explicit widths, biases, RoPE scaling."""
+    if kind.endswith("-ref"):
+        kind = kind[: -len("-ref")].replace("sigmagpt", "aogpt")
+    _check_against_oracle(kind, n, batch, K, prompt, seed, static, FAMILY_TRUNKS[trunk])
+
+
+def _check_against_oracle(kind, n, batch, K, prompt, seed, static, trunk=None) -> None:
     from anyorder.sampling import rounds
 
-    model = _moved(_variant(kind, vocab_size=5, seq_len=64, d_model=32), seed % 5)
+    shape = dict(vocab_size=5, seq_len=64, d_model=32, **(trunk or {}))
+    model = _moved(_variant(kind, **shape), seed % 5)
     g = torch.Generator().manual_seed(seed)
     known = torch.zeros(batch, n, dtype=torch.bool)
     if prompt == "prefix":

@@ -49,6 +49,20 @@ MODERN = dict(
     tie_embeddings=False,
 )
 
+# the trunks of the families issue 33 converts, at test sizes (d_model 32), for the other
+# samplers' differential tests (tests/test_speculative.py, tests/test_confidence.py)
+FAMILY_TRUNKS = {
+    "llama3": dict(n_head=4, n_kv_head=1, mlp="swiglu", intermediate_size=24, qk_norm=False,
+                   pos_emb="rope", rope_base=500000.0, rope_scaling="llama3", rope_factor=8.0,
+                   rope_original_max_pos=16, tie_embeddings=False, norm_eps=1e-5),
+    "qwen2": dict(n_head=4, n_kv_head=2, mlp="swiglu", intermediate_size=40, qkv_bias=True,
+                  qk_norm=False, pos_emb="rope", rope_base=1e6, norm_eps=1e-6),
+    "qwen3": dict(n_head=4, n_kv_head=2, head_dim=12, mlp="swiglu", intermediate_size=40,
+                  qk_norm=True, pos_emb="rope", rope_base=1e6, tie_embeddings=False),
+    "mistral": dict(n_head=4, n_kv_head=2, mlp="swiglu", intermediate_size=40, qk_norm=False,
+                    pos_emb="rope", rope_scaling="linear", rope_factor=2.0),
+}  # fmt: skip
+
 
 def _model(kind: str, seed: int = 0, **over):
     torch.manual_seed(seed)
