@@ -395,3 +395,23 @@ def test_armd_decoding_adds_the_output_bias_where_a_query_sees_nothing(gen) -> N
     out = sample(model, 6, batch=2, order="random", generator=gen, keep_logits=True)
     want = slot_oracle(model, out.tokens, out.order, out.step_of)
     assert_close(out.logits, want, atol=1e-5, rtol=0)
+
+
+def test_new_fields_survive_a_training_checkpoints_config(tmp_path) -> None:
+    """A run checkpoint keeps its config as YAML (``to_dict`` -> ``load_config``): the new
+    fields come back as they were, and a config written before them loads with defaults."""
+    import yaml
+
+    from anyorder.config import RunConfig, load_config, to_dict
+
+    for over in FAMILY_TRUNKS.values():
+        cfg = RunConfig(model=ModelConfig(kind="armd", d_model=32, **over))
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        assert load_config(tmp_path / "config.yaml").model == cfg.model
+    old = to_dict(RunConfig(model=ModelConfig(kind="armd", d_model=32)))
+    for name in ("n_kv_head", "head_dim", "intermediate_size", "qkv_bias", "rope_scaling",
+                 "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                 "rope_original_max_pos"):  # fmt: skip
+        del old["model"][name]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    assert load_config(tmp_path / "config.yaml").model == ModelConfig(kind="armd", d_model=32)
