@@ -220,7 +220,8 @@ def _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, static,
             if K
             else slot_oracle(model, out.tokens, out.order, out.step_of)
         )
-    torch.testing.assert_close(out.logits[:, k:], want[:, k:], atol=2e-5, rtol=0)
+    rtol = 1e-5 if trunk else 0  # logits near 10 without QK-norm: see test_speculative.py
+    torch.testing.assert_close(out.logits[:, k:], want[:, k:], atol=2e-5, rtol=rtol)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -214,7 +214,10 @@ def _check_against_oracle(kind, n, batch, K, prompt, seed, static, trunk=None) -
     assert torch.equal(out.tokens[known], tokens[known])
     with torch.no_grad():
         oracle = model(out.tokens, out.order)
-    torch.testing.assert_close(out.logits[:, k:], oracle[:, k:], atol=2e-5, rtol=0)
+    # the family trunks without QK-norm give logits near 10 (weights at 0.5): float32 sums
+    # taken in another order (cached or not) then differ by a few 1e-6 of them
+    rtol = 1e-5 if trunk else 0
+    torch.testing.assert_close(out.logits[:, k:], oracle[:, k:], atol=2e-5, rtol=rtol)
     _check_counts(out, n, k, static)
 
 

@@ -267,7 +267,13 @@ def _hand_attention(attn, x: torch.Tensor, pos: torch.Tensor, cfg: ModelConfig) 
           rope_original_max_pos=8192)],
     ids=["llama3", "linear-no-qknorm", "mqa"],
 )  # fmt: skip
-def test_attention_matches_attention_by_hand(over, gen) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["repeated", "enable_gqa"])
+def test_attention_matches_attention_by_hand(over, native, gen, monkeypatch) -> None:
+    """Both ways of serving the query groups: the heads repeated at attention time (the CPU's
+    and every masked call's) and SDPA's ``enable_gqa`` (the flash kernel's; forced here)."""
+    from anyorder.layers.attention import Attention
+
+    monkeypatch.setattr(Attention, "native_gqa", lambda self, q, mask: native)
     cfg = ModelConfig(kind="gpt", vocab_size=13, seq_len=24, n_layer=1, d_model=32, **over)
     torch.manual_seed(0)
     model = build_model(cfg).eval()
@@ -279,10 +285,23 @@ def test_attention_matches_attention_by_hand(over, gen) -> None:
     assert model.blocks[0].mlp.fc.weight.shape == (2 * 40, 32)  # intermediate_size, gate + up
     x = torch.randn(1, 10, 32, generator=gen)
     pos = torch.tensor([3, 0, 9, 1, 12, 5, 7, 2, 20, 4])
+    causal = torch.ones(10, 10, dtype=torch.bool).tril()[None, None]
     with torch.no_grad():
-        got = attn(x, positions(cfg, pos[None]), "causal")[0]
         want = _hand_attention(attn, x[0], pos, cfg)
-    assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for mask in ("causal", causal):  # SDPA's causal kernel, and a mask tensor
+            got = attn(x, positions(cfg, pos[None]), mask)[0]
+            assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_heads_are_repeated_where_no_fused_kernel_takes_them() -> None:
+    """On the CPU (and in fp32, or with a mask tensor) ``enable_gqa`` would run SDPA's unfused
+    math kernel: the heads are repeated instead."""
+    attn = _model("gpt").blocks[0].attn
+    q = torch.zeros(1, 4, 3, 12)
+    assert not attn.native_gqa(q, None) and not attn.native_gqa(q, "causal")
+    k = v = torch.randn(1, 2, 3, 12)
+    k2, v2, flags = attn._grouped(q, k, v, None)
+    assert flags == {} and torch.equal(k2[:, 1], k[:, 0]) and torch.equal(k2[:, 2], k[:, 1])
 
 
 def test_static_cache_holds_key_value_heads_only() -> None:

@@ -4,9 +4,12 @@ positions.
 Design choices:
 
 * Grouped-query attention (``model.n_kv_head`` below ``n_head``) keeps ``n_kv_head`` key and
-  value heads everywhere they are stored (the KV caches are sized by them); SDPA's
-  ``enable_gqa`` lets each serve its group of query heads without copying them. With as
-  many key/value heads as query heads no flag is passed: the same kernels as before.
+  value heads everywhere they are stored (the KV caches are sized by them). At attention
+  time SDPA's ``enable_gqa`` serves each head's group where a fused kernel takes it
+  (FlexAttention; flash: CUDA, half precision, no mask tensor); elsewhere that flag falls
+  back to the unfused math kernel, so the heads are repeated for the call instead
+  (:meth:`Attention.native_gqa`). With as many key/value heads as query heads nothing
+  changes: the same kernels as before.
 
 * Attention is split into :meth:`Attention.project` and :meth:`Attention.attend` so that
   the two streams of ARMD and the KV cache reuse the same weights and code.
@@ -107,6 +110,25 @@ class Attention(nn.Module):
             v, self.n_kv_head
         )
 
+    def native_gqa(self, q: Tensor, mask: Mask) -> bool:
+        """Whether SDPA serves the query groups itself (``enable_gqa``): FlexAttention, or
+        the flash kernel (CUDA, half precision, no mask tensor). Every other backend falls
+        back to the unfused math kernel under ``enable_gqa`` (scores materialised in fp32),
+        so there the keys and values are repeated instead, at attention time only."""
+        if isinstance(mask, PreparedMask):
+            return mask.flex is not None
+        unmasked = mask is None or isinstance(mask, str)
+        return unmasked and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+    def _grouped(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tensor, dict]:
+        """Keys and values (B, Hkv, Tk, D) as SDPA takes them for ``q`` (B, H, Tq, D) and the
+        flags to pass: as they are with ``enable_gqa``, or each head repeated over its group
+        (query head h reads key/value head h // (H / Hkv) either way)."""
+        if self.native_gqa(q, mask):
+            return k, v, self.gqa
+        G = self.n_head // self.n_kv_head
+        return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), {}
+
     def attend(
         self,
         q: Tensor,
@@ -129,7 +151,9 @@ class Attention(nn.Module):
         (B, 1, Tq, 1) tensor names them; ``None`` checks. A :class:`PreparedMask` names them.
         With a ``packing`` the output is packed (1, N, d).
         """
-        p, g = (self.dropout if self.training else 0.0), self.gqa
+        p, g = (self.dropout if self.training else 0.0), {}
+        if self.gqa:
+            k, v, g = self._grouped(q, k, v, mask)
         if isinstance(mask, PreparedMask):
             if mask.flex is not None:
                 if p > 0:
@@ -139,7 +163,7 @@ class Attention(nn.Module):
                     )
                 plain, compiled, _ = _load_flex()
                 flex = plain if torch.compiler.is_compiling() else compiled
-                y = flex(q, k, v, block_mask=mask.flex, **self.gqa)
+                y = flex(q, k, v, block_mask=mask.flex, **g)
             else:
                 m = mask.sdpa_mask(q.dtype)
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p, **g)
