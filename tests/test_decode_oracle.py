@@ -6,7 +6,9 @@ pass, and a reference schedule that never decided one position. This test draws 
 request at random and compares every decided slot's logits with an independent oracle:
 
 * the model: gpt, aogpt, armd (every ``l2s``), the ``aogpt-ref`` and ``sigmagpt-ref``
-  variants, weights moved off their initialisation;
+  variants, weights moved off their initialisation; and (issue 33) the same kinds on trunks
+  of modern families: grouped-query attention, explicit head and MLP widths, q/k/v biases,
+  RoPE scaling (:func:`trunks`);
 * the request: ``n`` (not only powers of two), the batch, an order per row (random or left
   to right), ``T`` from 1 to above ``n`` with per-row, shared or reference counts and both
   schedules, strided ``S``, prompts (prefix, scattered, suffix, infill templates; shared or
@@ -69,6 +71,59 @@ def _model(kind: str, n_layer: int, l2s: int, vocab: int):
         for p in model.parameters():
             p.add_(0.15 * torch.randn(p.shape, generator=g))
     return model
+
+
+@functools.cache
+def _trunk_model(kind: str, n_layer: int, l2s: int, vocab: int, trunk: tuple):
+    """A model of the trunk options ``trunk`` ((key, value) pairs: issue 33's families)."""
+    torch.manual_seed(n_layer * 10 + l2s)
+    over = dict(vocab_size=vocab, seq_len=SEQ, n_layer=n_layer, d_model=32, **dict(trunk))
+    cfg = preset("tiny", kind=kind, **over, **({"l2s": l2s} if kind == "armd" else {}))
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        for p in model.parameters():
+            p.add_(0.15 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _model_of(req: dict, vocab: int):
+    if req.get("trunk"):
+        return _trunk_model(req["kind"], req["n_layer"], req["l2s"], vocab, req["trunk"])
+    return _model(req["kind"], req["n_layer"], req["l2s"], vocab)
+
+
+@st.composite
+def trunks(draw) -> tuple:
+    """Trunk options of Llama / Qwen2 / Qwen3 / Mistral checkpoints (issue 33): grouped-query
+    attention, an explicit head width, an explicit SwiGLU width, q/k/v biases alone, QK-norm,
+    an untied head, RoPE scaled (linear, llama3) or not, learned positions where no scaling."""
+    n_head = draw(st.sampled_from([2, 4]))
+    n_kv = draw(st.sampled_from([d for d in (1, 2, 4) if n_head % d == 0]))
+    out = dict(n_head=n_head, n_kv_head=n_kv, head_dim=draw(st.sampled_from([None, 6, 12])))
+    out["mlp"] = draw(st.sampled_from(["gelu", "swiglu"]))
+    out["intermediate_size"] = draw(st.sampled_from([None, 24, 40]))
+    out["bias"], out["qkv_bias"] = draw(st.sampled_from([(False, True), (True, None)]))
+    out["qk_norm"] = draw(st.booleans())
+    out["tie_embeddings"] = draw(st.booleans())
+    out["norm_eps"] = draw(st.sampled_from([1e-6, 1e-5]))
+    scaling = draw(st.sampled_from(["none", "none", "linear", "llama3"]))
+    out["pos_emb"] = "rope" if scaling != "none" else draw(st.sampled_from(["rope", "learned"]))
+    if scaling == "linear":
+        out.update(rope_scaling="linear", rope_factor=draw(st.sampled_from([2.0, 8.0])))
+    elif scaling == "llama3":
+        out.update(
+            rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+            rope_high_freq_factor=4.0, rope_original_max_pos=draw(st.sampled_from([16, 64])),
+        )  # fmt: skip
+    return tuple(sorted(out.items()))
+
+
+@st.composite
+def trunk_requests(draw, n_max: int):
+    """:func:`requests` of the plain kinds (gpt, aogpt, armd) on a drawn trunk."""
+    req = draw(requests(n_max).filter(lambda r: not r["kind"].endswith("-ref")))
+    return {**req, "trunk": draw(trunks())}
 
 
 @contextlib.contextmanager
@@ -145,7 +200,7 @@ def _prompt(req: dict, gen: torch.Generator, vocab: int):
 
 def _run(req: dict, path: str):
     vocab = 260 if req["prompt"] == "template" else 11
-    model = _model(req["kind"], req["n_layer"], req["l2s"], vocab)
+    model = _model_of(req, vocab)
     gen = torch.Generator().manual_seed(req["seed"])
     prompt, known, n = _prompt(req, gen, vocab)
     if n > SEQ:
@@ -241,4 +296,22 @@ def test_every_decoding_path_equals_the_uncached_oracle(req: dict) -> None:
 @settings(max_examples=SLOW, **_common)
 @given(req=requests(n_max=SEQ))
 def test_every_decoding_path_equals_the_uncached_oracle_many(req: dict) -> None:
+    _check(req)
+
+
+TRUNK_FAST = int(os.environ.get("ANYORDER_ORACLE_EXAMPLES", "25"))
+
+
+@settings(max_examples=TRUNK_FAST, derandomize=True, **_common)
+@given(req=trunk_requests(n_max=40))
+def test_every_decoding_path_equals_the_oracle_on_modern_trunks(req: dict) -> None:
+    """The same oracle on grouped-query attention, explicit head and MLP widths, q/k/v
+    biases, RoPE scaling (issue 33): the caches are sized by the key/value heads."""
+    _check(req)
+
+
+@pytest.mark.slow
+@settings(max_examples=SLOW, **_common)
+@given(req=trunk_requests(n_max=SEQ))
+def test_every_decoding_path_equals_the_oracle_on_modern_trunks_many(req: dict) -> None:
     _check(req)

@@ -485,6 +485,37 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "cache-dir-empty": ([*TRAIN, NEW, "data.cache_dir="], {}, None),
     "config-number-too-long": ([*TRAIN, "train.steps=" + "9" * 5000], {}, None),
     "config-value-too-long": ([*TRAIN, "model.kind=" + "x" * 5000, NEW], {}, None),
+    "model-kv-heads-not-divisor": ([*TRAIN, "model.n_kv_head=3", NEW], {}, None),
+    "model-head-dim-odd-rope": ([*TRAIN, "model.head_dim=7", NEW], {}, None),
+    "model-rope-scaling-unknown": ([*TRAIN, "model.rope_scaling=yarn", NEW], {}, None),
+    "model-rope-scaling-learned": (
+        [*TRAIN, "model.pos_emb=learned", "model.rope_scaling=linear", "model.rope_factor=2", NEW],
+        {},
+        None,
+    ),
+    "model-rope-factor-alone": ([*TRAIN, "model.rope_factor=2", NEW], {}, None),
+    "model-llama3-field-alone": (
+        [
+            *TRAIN,
+            "model.rope_scaling=linear",
+            "model.rope_factor=2",
+            "model.rope_original_max_pos=4096",
+            NEW,
+        ],
+        {},
+        None,
+    ),  # fmt: skip
+    "model-llama3-band-empty": (
+        [
+            *TRAIN,
+            "model.rope_scaling=llama3",
+            "model.rope_low_freq_factor=4",
+            "model.rope_high_freq_factor=1",
+            NEW,
+        ],
+        {},
+        None,
+    ),  # fmt: skip
     # issue 24: lenient inputs made strict
     "infill-hole-non-ascii-digit": (["sample", "run", "--infill", "a[MASK:\u0663]b"], {}, None),
     "data-not-utf8": (

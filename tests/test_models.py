@@ -85,7 +85,7 @@ def reference_armd(model, tokens: torch.Tensor, order: torch.Tensor, blocks: tor
     """ARMD computed query by query from explicitly built visible sets (no masks)."""
     B, n = tokens.shape
     cfg = model.cfg
-    H, D = cfg.n_head, cfg.head_dim
+    H, D = cfg.n_head, cfg.d_head
     out = []
     for b in range(B):
         o, bl = order[b], blocks[b]
@@ -103,7 +103,9 @@ def reference_armd(model, tokens: torch.Tensor, order: torch.Tensor, blocks: tor
             attn = block.attn
             q, _, _ = attn.project(block.norm1(xq)[None], o[None])
             _, k, v = attn.project(block.norm1(xkv)[None], o[None])
-            q, k, v = q[0], k[0], v[0]  # (H, n, D)
+            q, k, v = q[0], k[0], v[0]  # (H, n, D); keys and values (Hkv, n, D)
+            # grouped-query attention: key/value head j serves query heads j*G .. j*G+G-1
+            k, v = (t.repeat_interleave(H // t.shape[0], dim=0) for t in (k, v))
             rows = []
             for i in range(n):
                 idx = [j for j in range(n) if visible(i, j)]

@@ -424,7 +424,7 @@ def test_paper_configs_have_paper_sizes(name):
     n_layer, d_model, n_head, seq_len, source, tokenizer = PAPER_CONFIGS[name]
     m = cfg.model
     assert (m.n_layer, m.d_model, m.n_head, m.seq_len) == (n_layer, d_model, n_head, seq_len)
-    assert m.kind == name.split("-")[0] and m.head_dim == 64
+    assert m.kind == name.split("-")[0] and m.d_head == 64
     assert cfg.data.source == source and cfg.data.tokenizer == tokenizer
     # ~0.5M tokens per step (SEDD/ARMD); the AO-GPT authors' ~1M (16 x 64 x 1024)
     assert cfg.train.batch_size == (1024 if m.kind == "aogpt" else 512)

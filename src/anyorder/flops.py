@@ -14,17 +14,21 @@ from anyorder.config import ModelConfig
 
 def _mlp_hidden(cfg: ModelConfig) -> tuple[int, int]:
     """(hidden width, number of d x hidden matrices) of the MLP."""
-    if cfg.mlp == "swiglu":
-        hidden = int(cfg.mlp_ratio * cfg.d_model * 2 / 3)
-        return 64 * -(-hidden // 64), 3
-    return int(cfg.mlp_ratio * cfg.d_model), 2
+    return cfg.mlp_hidden, 3 if cfg.mlp == "swiglu" else 2
+
+
+def _widths(cfg: ModelConfig) -> tuple[int, int]:
+    """(query width, key/value width): ``n_head * head_dim`` and ``n_kv_head * head_dim``
+    (both d_model without grouped-query attention or an explicit head_dim)."""
+    return cfg.n_head * cfg.d_head, cfg.kv_heads * cfg.d_head
 
 
 def layer_flops(cfg: ModelConfig, n_ctx: int) -> int:
     """Forward FLOPs of one ordinary layer, per query token attending over ``n_ctx`` keys."""
     d = cfg.d_model
     hidden, mats = _mlp_hidden(cfg)
-    return 2 * 4 * d * d + 4 * n_ctx * d + 2 * mats * d * hidden
+    q, kv = _widths(cfg)
+    return 2 * 2 * d * (q + kv) + 4 * n_ctx * q + 2 * mats * d * hidden
 
 
 def forward_flops_per_token(cfg: ModelConfig, n: int) -> int:
@@ -38,10 +42,11 @@ def forward_flops_per_token(cfg: ModelConfig, n: int) -> int:
             base += L * 2 * cfg.target_dim * 6 * d + 2 * cfg.target_dim * 2 * d
     elif cfg.kind == "armd":
         l2s = cfg.two_stream_layers
+        q, _ = _widths(cfg)
         # query stream per two-stream layer: its own Q and O projections, attention, MLP
-        query = 2 * 2 * d * d + 4 * n * d + 2 * mats * d * hidden
+        query = 2 * 2 * d * q + 4 * n * q + 2 * mats * d * hidden
         # the last two-stream layer needs only K and V of the content stream
-        skipped = 2 * d * d + 2 * d * d + 2 * n * d + 2 * mats * d * hidden
+        skipped = 2 * d * q + 2 * d * q + 2 * n * q + 2 * mats * d * hidden
         base += l2s * query - skipped
         base += 2 * 2 * d * (d // 4)  # the query MLP of prefix aggregation
     return base
@@ -67,8 +72,9 @@ def decode_flops_per_token(cfg: ModelConfig, n_ctx: int) -> int:
     head = 2 * d * cfg.vocab_size
     if cfg.kind == "armd":
         l2s = cfg.two_stream_layers
-        query = l2s * (per_layer - 2 * 2 * d * d) + (L - l2s) * per_layer
-        content = (l2s - 1) * per_layer + 2 * 2 * d * d
+        kv = 2 * 2 * d * _widths(cfg)[1]  # the K and V projections
+        query = l2s * (per_layer - kv) + (L - l2s) * per_layer
+        content = (l2s - 1) * per_layer + kv
         return query + content + 2 * 2 * d * (d // 4) + head
     if cfg.kind == "mdm":
         return n_ctx * L * per_layer + n_ctx * head

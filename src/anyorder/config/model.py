@@ -13,12 +13,14 @@ Design choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 from typing import Any
 
 from anyorder.errors import ConfigError, preview
 
 MODEL_KINDS = ("gpt", "aogpt", "armd", "mdm")
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
 @dataclass
@@ -34,29 +36,54 @@ class ModelConfig:
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4
-    """Attention heads per block."""
+    """Attention heads per block (query heads)."""
+    n_kv_head: int | None = None
+    """Key/value heads per block (grouped-query attention: each serves n_head / n_kv_head
+    query heads; Llama 3, Qwen, Mistral). None: n_head (plain multi-head attention)."""
+    head_dim: int | None = None
+    """Width of one attention head. None: d_model / n_head; Qwen3 sets it apart
+    (n_head * head_dim != d_model)."""
     d_model: int = 256
     """Width of the residual stream."""
     mlp: str = "gelu"
     """MLP kind: gelu (GPT-2 style, 4x) or swiglu (8/3x, rounded to a multiple of 64)."""
     mlp_ratio: float = 4.0
     """Hidden width of the gelu MLP over d_model (swiglu uses 2/3 of it)."""
+    intermediate_size: int | None = None
+    """Hidden width of the MLP, given outright (swiglu: of each of its gate and up
+    projections; a converted checkpoint's intermediate_size). None: from mlp_ratio."""
     pos_emb: str = "auto"
     """Positions: learned (absolute table), rope, or auto (rope for armd as in the paper,
     learned for the others: an encoder given only [MASK]s needs absolute positions; but the
     mdm learns far faster with rope, which configs/tiny-mdm.yaml uses: docs/results.md)."""
     rope_base: float = 10000.0
-    """RoPE frequency base."""
+    """RoPE frequency base (a Hugging Face config's rope_theta)."""
+    rope_scaling: str = "none"
+    """RoPE frequency scaling: none, linear (every frequency over rope_factor) or llama3
+    (Llama 3.1's: low frequencies over rope_factor, high ones kept, a smooth ramp between,
+    set by rope_low_freq_factor, rope_high_freq_factor and rope_original_max_pos)."""
+    rope_factor: float = 1.0
+    """rope_scaling linear or llama3: the factor the (low) frequencies are divided by."""
+    rope_low_freq_factor: float = 1.0
+    """rope_scaling llama3: wavelengths above rope_original_max_pos / this are scaled."""
+    rope_high_freq_factor: float = 4.0
+    """rope_scaling llama3: wavelengths below rope_original_max_pos / this are kept."""
+    rope_original_max_pos: int = 8192
+    """rope_scaling llama3: the context length the model was first trained at."""
     qk_norm: bool = True
-    """RMS-normalise queries and keys per head before attention."""
+    """RMS-normalise queries and keys per head before RoPE: an RMSNorm over head_dim with one
+    learned gain shared by the heads (Qwen3's q_norm and k_norm)."""
     norm: str = "rmsnorm"
     """Normalisation layers: rmsnorm, or layernorm (GPT-2, for converted weights)."""
     bias: bool = False
     """Biases in linear layers and norms (GPT-2 has them)."""
+    qkv_bias: bool | None = None
+    """Biases on the query, key and value projections. None: as model.bias; true with
+    bias false is Qwen2's (no bias on the output projection or the MLP)."""
     tie_embeddings: bool = True
     """Share the input embedding with the output head (GPT-2 does)."""
     norm_eps: float = 1e-6
-    """Epsilon of every RMSNorm."""
+    """Epsilon of every norm (the QK-norm's too)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     dropout: float = 0.0
@@ -99,10 +126,17 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` on an inconsistent model config."""
-        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "target_dim"):
-            if getattr(self, name) < 1:  # first: the checks below divide by these
+        for name in (
+            "vocab_size", "seq_len", "n_layer", "n_head", "d_model", "target_dim",
+            "n_kv_head", "head_dim", "intermediate_size", "rope_original_max_pos",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value < 1:  # first: the checks below divide by these
                 raise ConfigError(f"model.{name} must be a positive integer")
-        for name in ("mlp_ratio", "norm_eps", "rope_base"):
+        for name in (
+            "mlp_ratio", "norm_eps", "rope_base", "rope_factor", "rope_low_freq_factor",
+            "rope_high_freq_factor",
+        ):  # fmt: skip
             if not getattr(self, name) > 0:  # NaN too
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be a positive number")
         if not 0.0 <= self.dropout < 1.0:
@@ -114,10 +148,15 @@ class ModelConfig:
                 f"model.kind={preview(self.kind)} is not a model; use one of "
                 f"{', '.join(MODEL_KINDS)}"
             )
-        if self.d_model % self.n_head:
+        if self.head_dim is None and self.d_model % self.n_head:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}; "
-                "pick a d_model that is a multiple of n_head"
+                "pick a d_model that is a multiple of n_head, or set model.head_dim"
+            )
+        if self.n_head % self.kv_heads:
+            raise ConfigError(
+                f"model.n_head={self.n_head} is not a multiple of model.n_kv_head="
+                f"{self.n_kv_head}; every key/value head serves the same number of query heads"
             )
         if self.pos_emb not in ("auto", "learned", "rope"):
             raise ConfigError(f"model.pos_emb={preview(self.pos_emb)}: use learned, rope or auto")
@@ -136,8 +175,12 @@ class ModelConfig:
                 "model.rope_query=target rotates aogpt's queries: it needs model.kind=aogpt "
                 "and model.pos_emb=rope"
             )
-        if self.positional == "rope" and self.head_dim % 2:
-            raise ConfigError("rope needs an even head dimension (d_model / n_head)")
+        self._validate_rope_scaling()
+        if self.positional == "rope" and self.d_head % 2:
+            raise ConfigError(
+                f"rope needs an even head dimension (model.head_dim, or d_model / n_head), "
+                f"not {self.d_head}"
+            )
         if self.gelu not in ("tanh", "exact"):
             raise ConfigError(f"model.gelu={preview(self.gelu)}: use tanh or exact")
         if self.adaln_init not in ("zero", "normal"):
@@ -162,9 +205,73 @@ class ModelConfig:
                 f"model.l2s={self.l2s} must be between 1 and model.n_layer={self.n_layer}"
             )
 
+    def _validate_rope_scaling(self) -> None:
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ConfigError(
+                f"model.rope_scaling={preview(self.rope_scaling)} is not supported; use "
+                f"{', '.join(ROPE_SCALINGS)} (no other RoPE scaling is implemented)"
+            )
+        if self.rope_scaling != "none" and self.positional != "rope":
+            raise ConfigError(
+                f"model.rope_scaling={self.rope_scaling} scales RoPE; it needs model.pos_emb=rope"
+            )
+        if self.rope_scaling == "none" and self.rope_factor != 1.0:
+            raise ConfigError(
+                f"model.rope_factor={self.rope_factor} does nothing without model.rope_scaling; "
+                "set rope_scaling=linear or llama3, or leave rope_factor at 1"
+            )
+        llama3 = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_pos")
+        if self.rope_scaling != "llama3":
+            for name in llama3:
+                if getattr(self, name) != _DEFAULTS[name]:
+                    raise ConfigError(
+                        f"model.{name} is for model.rope_scaling=llama3; set that, or leave "
+                        f"{name} at its default"
+                    )
+        elif not self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ConfigError(
+                f"model.rope_low_freq_factor={self.rope_low_freq_factor} must be below "
+                f"model.rope_high_freq_factor={self.rope_high_freq_factor}"
+            )
+
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
+    def d_head(self) -> int:
+        """The resolved width of one attention head (``head_dim`` or d_model / n_head)."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """The resolved number of key/value heads (``n_kv_head`` or n_head)."""
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
+
+    @property
+    def attn_bias(self) -> bool:
+        """Whether the query/key/value projections have biases (``qkv_bias`` or bias)."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width: ``intermediate_size``, else from ``mlp_ratio`` (swiglu:
+        2/3 of it, rounded up to a multiple of 64)."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        if self.mlp == "swiglu":
+            hidden = int(self.mlp_ratio * self.d_model * 2 / 3)
+            return 64 * math.ceil(hidden / 64)
+        return int(self.mlp_ratio * self.d_model)
+
+    @property
+    def rope_scale(self) -> tuple[str, float, float, float, int] | None:
+        """The RoPE scaling as one hashable value (None: none), for the rotary tables."""
+        if self.rope_scaling == "none":
+            return None
+        return (
+            self.rope_scaling,
+            self.rope_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+            self.rope_original_max_pos,
+        )
 
     @property
     def positional(self) -> str:
@@ -197,6 +304,8 @@ class ModelConfig:
         """armd: the resolved number of two-stream layers."""
         return self.l2s if self.l2s is not None else max(1, self.n_layer // 2)
 
+
+_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Runs a training step on a laptop CPU in well under a second (byte-level vocabulary).

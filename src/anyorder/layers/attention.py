@@ -3,6 +3,14 @@ positions.
 
 Design choices:
 
+* Grouped-query attention (``model.n_kv_head`` below ``n_head``) keeps ``n_kv_head`` key and
+  value heads everywhere they are stored (the KV caches are sized by them). At attention
+  time SDPA's ``enable_gqa`` serves each head's group where a fused kernel takes it
+  (FlexAttention; flash: CUDA, half precision, no mask tensor); elsewhere that flag falls
+  back to the unfused math kernel, so the heads are repeated for the call instead
+  (:meth:`Attention.native_gqa`). With as many key/value heads as query heads nothing
+  changes: the same kernels as before.
+
 * Attention is split into :meth:`Attention.project` and :meth:`Attention.attend` so that
   the two streams of ARMD and the KV cache reuse the same weights and code.
 * A row with nothing to attend to (the first block under a strict mask) gives a zero output
@@ -33,29 +41,35 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.head_dim = cfg.head_dim
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.kv_heads
+        self.head_dim = cfg.d_head
         self.rope = cfg.positional == "rope"
-        self.rope_base = cfg.rope_base
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.rope_base, self.rope_scale = cfg.rope_base, cfg.rope_scale
+        self.q_width = cfg.n_head * cfg.d_head
+        self.kv_width = cfg.kv_heads * cfg.d_head
+        # grouped-query attention: SDPA repeats each key/value head over its query heads
+        # (no copy in the cache); plain multi-head attention passes no flag (same kernels)
+        self.gqa = {"enable_gqa": True} if self.n_kv_head != self.n_head else {}
+        width = self.q_width + 2 * self.kv_width
+        self.qkv = nn.Linear(cfg.d_model, width, bias=cfg.attn_bias)
+        self.proj = nn.Linear(self.q_width, cfg.d_model, bias=cfg.bias)
         self.proj.residual = True  # scaled init
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(cfg.d_head, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.d_head, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.dropout = cfg.dropout
 
-    def _heads(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
-        """(B, T, d) -> (B, H, T, D), normed per head first when ``norm`` is given (on the
-        (B, T, H, D) view: a norm of the transposed view would copy its output back)."""
+    def _heads(self, x: Tensor, heads: int, norm: nn.Module | None = None) -> Tensor:
+        """(B, T, h * D) -> (B, h, T, D), normed per head first when ``norm`` is given (on
+        the (B, T, h, D) view: a norm of the transposed view would copy its output back)."""
         B, T, _ = x.shape
-        x = x.view(B, T, self.n_head, self.head_dim)
+        x = x.view(B, T, heads, self.head_dim)
         return (x if norm is None else norm(x)).transpose(1, 2)
 
     def _rotate(self, x: Tensor, pos: Positions) -> Tensor:
         if not self.rope:
             return x
         if isinstance(pos, Tensor):
-            pos = rotary(pos, self.head_dim, self.rope_base)
+            pos = rotary(pos, self.head_dim, self.rope_base, self.rope_scale)
         return rotate(x, pos)
 
     def project(
@@ -65,34 +79,55 @@ class Attention(nn.Module):
         packing: Packing | None = None,
         qpos: Positions = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys and values (each (B, H, T, D)), normed and rotated to ``pos``
-        (the queries to ``qpos`` where given; with a ``packing``: ``x`` is packed, the
+        """Queries (B, H, T, D), keys and values (each (B, Hkv, T, D)), normed and rotated to
+        ``pos`` (the queries to ``qpos`` where given; with a ``packing``: ``x`` is packed, the
         outputs are not)."""
         qkv = self.qkv(x)
         if packing is not None:
             qkv = packing.unpack(qkv)
-        q, k, v = qkv.split(x.shape[-1], dim=-1)
-        q = self._rotate(self._heads(q, self.q_norm), pos if qpos is None else qpos)
-        k = self._rotate(self._heads(k, self.k_norm), pos)
-        return q, k, self._heads(v)
+        q, k, v = qkv.split((self.q_width, self.kv_width, self.kv_width), dim=-1)
+        q = self._rotate(self._heads(q, self.n_head, self.q_norm), pos if qpos is None else qpos)
+        k = self._rotate(self._heads(k, self.n_kv_head, self.k_norm), pos)
+        return q, k, self._heads(v, self.n_kv_head)
 
     def project_q(self, x: Tensor, pos: Positions, packing: Packing | None = None) -> Tensor:
         """Queries only (the ARMD query stream reads the content stream's keys and values)."""
-        d = x.shape[-1]
+        d = self.q_width
         bias = self.qkv.bias[:d] if self.qkv.bias is not None else None
         q = F.linear(x, self.qkv.weight[:d], bias)
         q = q if packing is None else packing.unpack(q)
-        return self._rotate(self._heads(q, self.q_norm), pos)
+        return self._rotate(self._heads(q, self.n_head, self.q_norm), pos)
 
     def project_kv(
         self, x: Tensor, pos: Positions, packing: Packing | None = None
     ) -> tuple[Tensor, Tensor]:
         """Keys and values only (the rows whose queries nobody reads)."""
-        d = x.shape[-1]
+        d = self.q_width
         bias = self.qkv.bias[d:] if self.qkv.bias is not None else None
         kv = F.linear(x, self.qkv.weight[d:], bias)
-        k, v = (kv if packing is None else packing.unpack(kv)).split(d, dim=-1)
-        return self._rotate(self._heads(k, self.k_norm), pos), self._heads(v)
+        k, v = (kv if packing is None else packing.unpack(kv)).split(self.kv_width, dim=-1)
+        return self._rotate(self._heads(k, self.n_kv_head, self.k_norm), pos), self._heads(
+            v, self.n_kv_head
+        )
+
+    def native_gqa(self, q: Tensor, mask: Mask) -> bool:
+        """Whether SDPA serves the query groups itself (``enable_gqa``): FlexAttention, or
+        the flash kernel (CUDA, half precision, no mask tensor). Every other backend falls
+        back to the unfused math kernel under ``enable_gqa`` (scores materialised in fp32),
+        so there the keys and values are repeated instead, at attention time only."""
+        if isinstance(mask, PreparedMask):
+            return mask.flex is not None
+        unmasked = mask is None or isinstance(mask, str)
+        return unmasked and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+    def _grouped(self, q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> tuple[Tensor, Tensor, dict]:
+        """Keys and values (B, Hkv, Tk, D) as SDPA takes them for ``q`` (B, H, Tq, D) and the
+        flags to pass: as they are with ``enable_gqa``, or each head repeated over its group
+        (query head h reads key/value head h // (H / Hkv) either way)."""
+        if self.native_gqa(q, mask):
+            return k, v, self.gqa
+        G = self.n_head // self.n_kv_head
+        return k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), {}
 
     def attend(
         self,
@@ -105,7 +140,8 @@ class Attention(nn.Module):
         packing: Packing | None = None,
         project: bool = True,
     ) -> Tensor:
-        """SDPA of (B, H, Tq, D) queries over (B, H, Tk, D) keys/values, merged and projected
+        """SDPA of (B, H, Tq, D) queries over (B, Hkv, Tk, D) keys/values (each key/value head
+        serving H / Hkv consecutive query heads), merged and projected
         (``project=False``: merged only, (B, Tq, d), for a caller that projects several at once).
 
         ``mask`` is ``"causal"`` or ``"strict"`` (key < query; square only), ``None`` (all
@@ -115,7 +151,9 @@ class Attention(nn.Module):
         (B, 1, Tq, 1) tensor names them; ``None`` checks. A :class:`PreparedMask` names them.
         With a ``packing`` the output is packed (1, N, d).
         """
-        p = self.dropout if self.training else 0.0
+        p, g = (self.dropout if self.training else 0.0), {}
+        if self.gqa:
+            k, v, g = self._grouped(q, k, v, mask)
         if isinstance(mask, PreparedMask):
             if mask.flex is not None:
                 if p > 0:
@@ -125,10 +163,10 @@ class Attention(nn.Module):
                     )
                 plain, compiled, _ = _load_flex()
                 flex = plain if torch.compiler.is_compiling() else compiled
-                y = flex(q, k, v, block_mask=mask.flex)
+                y = flex(q, k, v, block_mask=mask.flex, **g)
             else:
                 m = mask.sdpa_mask(q.dtype)
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=p, **g)
             if mask.empty is not None:
                 y = y.masked_fill(mask.empty, 0.0)
         elif isinstance(mask, str) and mask == "strict":
@@ -137,15 +175,15 @@ class Attention(nn.Module):
             # sees nothing and gets zeros
             if q.shape[2] > 1:
                 y = F.scaled_dot_product_attention(
-                    q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], is_causal=True, dropout_p=p
+                    q[:, :, 1:], k[:, :, :-1], v[:, :, :-1], is_causal=True, dropout_p=p, **g
                 )
                 y = F.pad(y, (0, 0, 1, 0))
             else:
                 y = torch.zeros_like(q)
         elif isinstance(mask, str):
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, **g)
         elif mask is None or empty is False:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, **g)
         else:
             if empty is None:
                 empty = ~mask.any(dim=-1, keepdim=True)  # (B, 1, Tq, 1)
@@ -156,10 +194,10 @@ class Attention(nn.Module):
                 first = torch.zeros_like(mask)
                 first[..., 0] = True
                 mask = mask | (empty & first)
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, **g)
                 y = y.masked_fill(empty, 0.0)
             else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, **g)
         B, H, T, D = y.shape
         y = y.transpose(1, 2).reshape(B, T, H * D)
         if not project:

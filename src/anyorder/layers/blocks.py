@@ -31,13 +31,8 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
         self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
-        if self.swiglu:
-            hidden = int(cfg.mlp_ratio * cfg.d_model * 2 / 3)
-            hidden = 64 * math.ceil(hidden / 64)
-            self.fc = nn.Linear(cfg.d_model, 2 * hidden, bias=cfg.bias)
-        else:
-            hidden = int(cfg.mlp_ratio * cfg.d_model)
-            self.fc = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        hidden = cfg.mlp_hidden
+        self.fc = nn.Linear(cfg.d_model, (2 if self.swiglu else 1) * hidden, bias=cfg.bias)
         self.proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
         self.proj.residual = True
         self.drop = nn.Dropout(cfg.dropout)

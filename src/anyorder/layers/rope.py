@@ -6,8 +6,8 @@ Design choices:
   position ``pos[t]``. RoPE and learned position tables are therefore indexed by the given
   positions, never by ``arange`` (that is what makes the models permutation-equivariant).
 * RoPE tables of positions ``0..seq_len-1`` are computed once per (size, head_dim, base,
-  device) and kept; a forward looks up its positions' rows once (:func:`positions`) and every
-  layer shares them.
+  scaling, device) and kept; a forward looks up its positions' rows once
+  (:func:`positions`) and every layer shares them.
 """
 
 from __future__ import annotations
@@ -20,12 +20,41 @@ from torch import Tensor
 
 from anyorder.config import ModelConfig
 
+RopeScale = tuple[str, float, float, float, int] | None
+"""A RoPE scaling as :attr:`anyorder.config.ModelConfig.rope_scale` gives it: (kind,
+factor, low_freq_factor, high_freq_factor, original_max_pos), or None for none."""
 
-def rope_angles(pos: Tensor, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
+
+def inverse_frequencies(
+    head_dim: int, base: float, scale: RopeScale = None, device: torch.device | None = None
+) -> Tensor:
+    """RoPE's (head_dim/2,) inverse frequencies ``base ** (-2i / head_dim)``, scaled.
+
+    ``linear`` divides every frequency by the factor. ``llama3`` (Llama 3.1) divides those
+    whose wavelength ``2 pi / f`` exceeds ``original_max_pos / low_freq_factor`` by the
+    factor, keeps those below ``original_max_pos / high_freq_factor``, and between the two
+    mixes both, ``(1 - s) f / factor + s f`` with ``s = (original_max_pos / wavelength -
+    low) / (high - low)`` rising from 0 to 1 across the band.
+    """
+    half = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+    inv_freq = base ** (-half / head_dim)
+    if scale is None:
+        return inv_freq
+    kind, factor, low, high, original = scale
+    if kind == "linear":
+        return inv_freq / factor
+    wavelength = 2 * math.pi / inv_freq
+    s = (original / wavelength - low) / (high - low)
+    scaled = (1 - s) * inv_freq / factor + s * inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, scaled)
+    return torch.where(wavelength < original / high, inv_freq, scaled)
+
+
+def rope_angles(
+    pos: Tensor, head_dim: int, base: float, scale: RopeScale = None
+) -> tuple[Tensor, Tensor]:
     """cos and sin of RoPE for explicit positions ``pos`` (B, T) -> two (B, 1, T, head_dim/2)."""
-    inv_freq = base ** (
-        -torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim
-    )
+    inv_freq = inverse_frequencies(head_dim, base, scale, pos.device)
     angles = pos.float()[..., None] * inv_freq  # (B, T, D/2)
     return angles.cos()[:, None], angles.sin()[:, None]
 
@@ -44,9 +73,9 @@ Positions = Tensor | Rotary | None
 tables (built once per forward by :func:`positions` and shared by every layer), or None."""
 
 
-def rotary(pos: Tensor, head_dim: int, base: float) -> Rotary:
+def rotary(pos: Tensor, head_dim: int, base: float, scale: RopeScale = None) -> Rotary:
     """RoPE tables for positions (B, T), laid out for :func:`rotate` (one multiply-add)."""
-    cos, sin = rope_angles(pos, head_dim, base)
+    cos, sin = rope_angles(pos, head_dim, base, scale)
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
@@ -71,13 +100,15 @@ def slice_positions(pos: Positions, start: int, stop: int) -> Positions:
 _ROTARY_TABLES: dict[tuple, Rotary] = {}
 
 
-def rotary_table(size: int, head_dim: int, base: float, device: torch.device) -> Rotary:
+def rotary_table(
+    size: int, head_dim: int, base: float, device: torch.device, scale: RopeScale = None
+) -> Rotary:
     """:func:`rotary` of positions ``0..size-1``, each (size, head_dim); computed once per
-    (size, head_dim, base, device) and kept: the same numbers, element by element."""
-    key = (size, head_dim, base, str(device))
+    (size, head_dim, base, scaling, device) and kept: the same numbers, element by element."""
+    key = (size, head_dim, base, scale, str(device))
     table = _ROTARY_TABLES.get(key)
     if table is None:
-        cos, sin = rotary(torch.arange(size, device=device)[None], head_dim, base)
+        cos, sin = rotary(torch.arange(size, device=device)[None], head_dim, base, scale)
         table = _ROTARY_TABLES[key] = (cos[0, 0], sin[0, 0])
     return table
 
@@ -91,10 +122,11 @@ def positions(cfg: ModelConfig, pos: Tensor) -> Positions:
     lookup), or the positions themselves when the model has no RoPE."""
     if cfg.positional != "rope":
         return pos
-    key = (cfg.seq_len, cfg.head_dim, cfg.rope_base, str(pos.device))
+    key = (cfg.seq_len, cfg.d_head, cfg.rope_base, cfg.rope_scale, str(pos.device))
     joint = _ROTARY_JOINT.get(key)
     if joint is None:
-        joint = _ROTARY_JOINT[key] = torch.cat(rotary_table(*key[:3], pos.device), dim=-1)
+        table = rotary_table(*key[:3], pos.device, cfg.rope_scale)
+        joint = _ROTARY_JOINT[key] = torch.cat(table, dim=-1)
     cos, sin = F.embedding(pos, joint)[:, None].chunk(2, dim=-1)
     return cos, sin
 

@@ -304,9 +304,11 @@ class ARMD(AnyOrderLM):
                 rows_pk = None if P is None else P.query
             else:
                 rows_pos, rows_mask = pos, mask
-            if k.shape[2] > 0:  # else nothing to read: a zero attention output
+            if k.shape[2] > 0:
                 q = attn.project_q(xn, rows_pos, rows_pk)
                 x = x + attn.attend(q, k, v, rows_mask, packing=rows_pk)
+            elif attn.proj.bias is not None:  # nothing to read: the projection of zeros
+                x = x + attn.proj.bias.to(x.dtype)
             x = x + block.mlp(block.norm2(x))
         return self.norm_f(x)  # (B, G, d), or the packed query rows
 

@@ -68,7 +68,7 @@ class GPTPasses:
     def __init__(self, model: AnyOrderLM, plan: Plan, batch: int) -> None:
         cfg, dtype = model.cfg, compute_dtype(model)
         self.model = model
-        shape = (cfg.n_head, cfg.head_dim)
+        shape = (cfg.kv_heads, cfg.d_head)
         self.cache = StaticKV(cfg.n_layer, batch, plan.capacity, shape, dtype, model.device)
         self.masks = _Masks(dtype, model.device)
 
@@ -104,7 +104,7 @@ class ARMDPasses:
     def __init__(self, model: ARMD, plan: Plan, batch: int) -> None:
         cfg, dtype, device = model.cfg, compute_dtype(model), model.device
         self.model = model
-        shape, cap = (cfg.n_head, cfg.head_dim), plan.capacity
+        shape, cap = (cfg.kv_heads, cfg.d_head), plan.capacity
         self.cache = ARMDCache(
             StaticKV(model.l2s, batch, cap, shape, dtype, device),
             StaticKV(cfg.n_layer - model.l2s, batch, cap, shape, dtype, device),
