@@ -78,7 +78,7 @@ RECIPE = [
     "train.log_every=25",
     "train.keep_last=1",
     "train.device=cpu",
-    "train.dtype=bf16",
+    "train.dtype=auto",
     "train.seed=0",
 ]
 
