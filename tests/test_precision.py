@@ -191,3 +191,25 @@ def test_the_probe_finds_bf16_slow_on_a_cpu_limited_to_avx2(tmp_path):
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout.split()
     assert float(out[0]) > 1.5 and out[1] == "False"
+
+
+def test_a_run_that_names_bf16_on_a_slow_cpu_says_so_once(probe, tmp_path, capsys):
+    """``anyorder train`` with train.dtype=bf16 where the probe finds bf16 7.5x slower: one
+    line with the cost and the fix, and the run still trains in bf16 as asked."""
+    from anyorder.training import train
+
+    probe.ratio = 7.46
+    values = {
+        "model.kind": "gpt", "model.n_layer": 1, "model.n_head": 2, "model.d_model": 32,
+        "model.seq_len": 16, "data.source": "builtin:synthetic", "train.steps": 1,
+        "train.batch_size": 2, "train.eval_every": 0, "train.ckpt_every": 0,
+        "train.device": "cpu", "train.dtype": "bf16", "train.out_dir": str(tmp_path / "run"),
+        "data.cache_dir": str(tmp_path / "data"),
+    }  # fmt: skip
+    train(load_config(None, [f"{k}={v}" for k, v in values.items()]), progress=False)
+    out = capsys.readouterr().out.splitlines()
+    want = (
+        "train.dtype=bf16: bf16 autocast is 7.5x slower than fp32 on this CPU (its matrix "
+        "products at width 32, measured); train.dtype=auto would use fp32"
+    )
+    assert out.count(want) == 1
