@@ -125,7 +125,7 @@ def child(args, device) -> dict:
         width = load(name, "auto").model.d_model
         probe = precision.bf16_cost(width)  # a fresh cache: measured here
         fns, picked = {}, {}
-        for dtype in ("fp32", "bf16", "auto"):
+        for dtype in args.arms.split(","):
             cfg = load(name, dtype)
             fns[dtype], picked[dtype] = arm(cfg, device, args.at)
         if cfg.train.optimizer == "muon":  # before issue 31: fp32 with torch's bf16 iteration
@@ -191,7 +191,7 @@ def parent(args) -> None:
             if k not in KINDS[kind]:
                 env.pop(k, None)
         cmd = [sys.executable, __file__, "--child", kind, "--configs", args.configs,
-               "--rounds", str(args.rounds), "--at", str(args.at), "--threads",
+               "--rounds", str(args.rounds), "--arms", args.arms, "--at", str(args.at), "--threads",
                str(args.threads), "--clock", args.clock or "cpu", "--stat", args.stat]  # fmt: skip
         print(f"{kind}: load {loadavg()}", file=sys.stderr, flush=True)
         with cache:
@@ -208,21 +208,20 @@ def describe(kind: str, res: dict) -> str:
 
 
 def report(results: dict) -> None:
+    nan = float("nan")
     m = results["machine"]
     print(f"CPU: {m['cpu']}; bf16 flags: {m['bf16_flags']}; torch {m['torch']}; "
           f"{m['threads']} thread(s)")  # fmt: skip
     rows, muon = [], []
     for kind, res in results["kinds"].items():
         for name, r in res["configs"].items():
-            tps = r["tokens_per_s"]
-            best, shipped = (
-                max(tps["fp32"], tps["bf16"]),
-                r.get("shipped") or load(name).train.dtype,
-            )
-            rows.append([name, describe(kind, res), round(tps["fp32"]), round(tps["bf16"]),
+            tps = {"fp32": nan, "bf16": nan, "auto": nan, **r["tokens_per_s"]}
+            best = max(tps["fp32"], tps["bf16"] if tps["bf16"] == tps["bf16"] else 0.0)
+            shipped = r.get("shipped") or load(name).train.dtype
+            rows.append([name, describe(kind, res), tps["fp32"], tps["bf16"],
                          tps["bf16"] / tps["fp32"], r["probe_bf16_over_fp32"], r["auto_picks"],
-                         round(tps["auto"]), tps["auto"] / best, shipped, tps[shipped] / best,
-                round(tps["fp32, bf16 Muon"]) if "fp32, bf16 Muon" in tps else "-",
+                         tps["auto"], tps["auto"] / best, shipped, tps[shipped] / best,
+                         tps.get("fp32, bf16 Muon", "-"),
                          f"{r['load_before']} / {r['load_after']}"])  # fmt: skip
         if "muon" in res:
             ms = res["muon"]["ms"]
@@ -253,6 +252,7 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help="native, avx2")
     ap.add_argument("--rounds", type=int, default=3, help="timed steps per arm (demo: 8x)")
     ap.add_argument("--at", type=int, default=80, help="the step timed, in %% of the run")
+    ap.add_argument("--arms", default="fp32,bf16,auto", help="train.dtype arms (fp32 first)")
     ap.add_argument("--report", type=Path, default=None, help="print the tables of a JSON")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
