@@ -17,7 +17,7 @@ every model, and for armd at L2s = L/2 a peak-memory ratio <= 1.05 x the archite
 ratio of stored activations, ``(L + L2s) / L`` (two streams in L2s of L layers).
 
     python benchmarks/train_step.py                   # d=768, 12 heads, 4 layers, n=256, batch 4
-    python benchmarks/train_step.py --dtype bf16      # bf16 autocast (a win on this CPU)
+    python benchmarks/train_step.py --dtype bf16      # bf16 autocast (wins only with bf16 units)
     python benchmarks/train_step.py --compile         # torch.compile every model (warm-up first)
     python benchmarks/train_step.py --compile both    # eager and compiled side by side
     python benchmarks/train_step.py --paper --device cuda   # 12 layers, n=1024, GPT-2 vocab

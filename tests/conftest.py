@@ -30,6 +30,11 @@ def has_gpt2_tokenizer() -> bool:
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
+# train.dtype=auto on the CPU measures whether this CPU computes bf16 faster than fp32
+# (anyorder.precision): the suite runs as on a CPU without bf16 units, alike everywhere
+# (subprocesses of the CLI inherit it); tests/test_precision.py measures and mocks.
+os.environ.setdefault("ANYORDER_CPU_BF16", "0")
+
 if not os.environ.get("ANYORDER_CACHE"):
     # data.cache_dir=auto (the default) writes under the cache home: a folder of this
     # session's, not the user's ~/.cache (subprocesses of the CLI inherit it)

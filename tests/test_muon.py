@@ -217,3 +217,126 @@ def test_the_adaln_linears_take_adamw_and_older_muon_checkpoints_are_refused():
     )
     with pytest.raises(CheckpointError, match="written before the adaLN linears moved to AdamW"):
         ours.load_state_dict(older.state_dict())
+
+
+# ---- Newton-Schulz in fp32, for a CPU without bf16 units (issue 31) ----
+
+
+def _steps(opt, ws, grads_per_step):
+    for grads in grads_per_step:
+        for w, g in zip(ws, grads):
+            w.grad = g.clone()
+        opt.step()
+
+
+def _problem(seed: int, shapes, n_steps: int):
+    gen = torch.Generator().manual_seed(seed)
+    w0 = [torch.randn(s, generator=gen) * 0.05 for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(n_steps)]
+    return w0, grads
+
+
+@pytest.mark.parametrize("shape", [(48, 160), (160, 48)])
+def test_fp32_iteration_is_the_update_to_fp32_round_off(shape):
+    """ns_dtype=float32: the float64 update written out above, to fp32's round-off (50x
+    closer than torch's bf16 iteration gets to it, so the iteration really ran in fp32)."""
+    (w0,), grads = _problem(0, [shape], 6)
+    w = torch.nn.Parameter(w0.clone())
+    opt = MuonAdamW(
+        [{"params": [w], "muon": True, "weight_decay": 0.1}],
+        lr=1e-2,
+        momentum=0.9,
+        ns_dtype=torch.float32,
+    )
+    _steps(opt, [w], grads)
+    want = previous_update([g for (g,) in grads], 1e-2, 0.9, 0.1, w0).float()
+    assert (w.detach() - want).norm() < 2e-4 * (want - w0).norm()
+
+
+def test_fp32_iteration_matches_torch_muon_to_bf16_round_off():
+    """Against torch.optim.Muon itself (bf16 iteration), several matrices and steps: the
+    same weights to bf16's round-off of the step, the same momentum buffers to fp32's."""
+    shapes = [(24, 40), (40, 24), (32, 32)]
+    w0, grads = _problem(3, shapes, 5)
+    ps = [torch.nn.Parameter(w.clone()) for w in w0]
+    qs = [torch.nn.Parameter(w.clone()) for w in w0]
+    ref = torch.optim.Muon(
+        ps, lr=3e-3, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw"
+    )
+    group = {"params": qs, "muon": True, "weight_decay": 0.1}
+    ours = MuonAdamW([group], lr=3e-3, momentum=0.9, ns_dtype=torch.float32)
+    _steps(ref, ps, grads)
+    _steps(ours, qs, grads)
+    for p, q, w in zip(ps, qs, w0):
+        assert (q - p).norm() < 0.02 * (p - w).norm()  # bf16 iterations: about 1% apart
+        torch.testing.assert_close(
+            ours.state[q]["momentum_buffer"], ref.state[p]["momentum_buffer"]
+        )
+
+
+def test_bf16_iteration_is_torch_muon_exactly():
+    """ns_dtype=bfloat16 (the default, where bf16 is fast) is torch's Muon: bit for bit."""
+    w0, grads = _problem(4, [(24, 40), (40, 24)], 4)
+    ps = [torch.nn.Parameter(w.clone()) for w in w0]
+    qs = [torch.nn.Parameter(w.clone()) for w in w0]
+    ref = torch.optim.Muon(
+        ps, lr=3e-3, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw"
+    )
+    ours = MuonAdamW(
+        [{"params": qs, "muon": True, "weight_decay": 0.1}],
+        lr=3e-3,
+        momentum=0.9,
+        ns_dtype=torch.bfloat16,
+    )
+    _steps(ref, ps, grads)
+    _steps(ours, qs, grads)
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+
+
+@pytest.mark.parametrize("first,then", [("float32", "float32"), ("bfloat16", "float32"),
+                                        ("float32", "bfloat16")])  # fmt: skip
+def test_fp32_iteration_resumes_exactly_and_checkpoints_cross_over(first, then, tmp_path):
+    """A run stepped by the fp32 iteration, saved and resumed, ends on the weights of an
+    uninterrupted one, bit for bit; a checkpoint written by either iteration loads into the
+    other (the same keys) and continues to that iteration's round-off."""
+    a, b = getattr(torch, first), getattr(torch, then)
+    (w0, v0), grads = _problem(5, [(16, 32), (32,)], 6)
+
+    def make(dtype):
+        w, v = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(v0.clone())
+        opt = MuonAdamW([{"params": [w], "muon": True}, {"params": [v]}], 1e-2, ns_dtype=dtype)
+        return opt, [w, v]
+
+    straight, ws = make(b)
+    _steps(straight, ws, grads[:3])
+    before = straight.state_dict()
+    _steps(straight, ws, grads[3:])
+    part, us = make(a)
+    _steps(part, us, grads[:3])
+    torch.save(part.state_dict(), tmp_path / "opt.pt")
+    assert part.state_dict()["param_groups"] == before["param_groups"]  # nothing records it
+    resumed, rs = make(b)
+    for r, u in zip(rs, us):
+        r.data.copy_(u.data)
+    resumed.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    _steps(resumed, rs, grads[3:])
+    if a == b:
+        assert all(torch.equal(r, w) for r, w in zip(rs, ws))
+    else:
+        assert (rs[0] - ws[0]).norm() < 0.02 * (ws[0] - w0).norm()
+        torch.testing.assert_close(rs[1], ws[1], rtol=0, atol=1e-5)
+
+
+def test_make_optimizer_iterates_in_fp32_where_bf16_is_slow(monkeypatch):
+    """training.setup.make_optimizer asks anyorder.precision: fp32 where this CPU's bf16 is
+    slow, torch's bf16 where it is fast, bf16 on CUDA whatever the CPU."""
+    from anyorder.config import load_config
+    from anyorder.training.setup import make_optimizer
+
+    cfg = load_config(None, ["model.preset=tiny", "model.n_layer=1", "train.optimizer=muon"])
+    model = build_model(cfg.model)
+    for flag, want in (("0", torch.float32), ("1", torch.bfloat16)):
+        monkeypatch.setenv("ANYORDER_CPU_BF16", flag)
+        assert make_optimizer(model, cfg, torch.device("cpu")).ns_dtype == want
+    monkeypatch.setenv("ANYORDER_CPU_BF16", "0")
+    assert make_optimizer(model, cfg, torch.device("cuda")).ns_dtype == torch.bfloat16

@@ -150,7 +150,8 @@ class TrainConfig:
     device: str = "auto"
     """cpu, cuda, cuda:N or auto."""
     dtype: str = "auto"
-    """Autocast dtype: auto (bf16 on CUDA, fp32 on CPU), bf16 or fp32."""
+    """Autocast dtype: auto (bf16 on CUDA and on a CPU that computes bf16 faster than fp32,
+    measured once per CPU; else fp32), bf16 or fp32."""
     compile: bool | str = "auto"
     """torch.compile the model and its loss: true, false, or auto (per device, as measured:
     off everywhere until a GPU measurement says otherwise; see docs/performance.md)."""

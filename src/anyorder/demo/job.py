@@ -42,6 +42,7 @@ from anyorder.demo.recipe import (
     demo_config,
 )
 from anyorder.errors import ConfigError
+from anyorder.precision import use_bf16
 
 _MARKER = ".anyorder-demo"
 _OWN_FILES = (
@@ -401,9 +402,11 @@ def _measure(out: Path, cfg: RunConfig, phases: dict[str, float]) -> tuple[dict,
     data = prepare(cfg.data, cfg.model.seq_len, progress=False)  # the cache train() made
     val = data.batch("val", range(data.num_blocks("val")))
     bpt = data.bytes_per_token("val")
+    # bf16 where training used it: where this CPU computes it faster (anyorder.precision)
+    bf16 = use_bf16(cfg.train.dtype, torch.device("cpu"), cfg.model.d_model)
     t = time.perf_counter()
     print(f"demo: evaluating on {len(val)} validation blocks", flush=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         ev = evaluate_bits(model, val, bpt)
         print(f"demo: context-order ensemble x{ENSEMBLE} on {ENSEMBLE_BLOCKS} blocks", flush=True)
         ens = ensemble_bits(model, val, bpt)
@@ -411,7 +414,7 @@ def _measure(out: Path, cfg: RunConfig, phases: dict[str, float]) -> tuple[dict,
     t = time.perf_counter()
     print(f"demo: sampling ({len(DECODERS)} decoders x {PROMPTS} prompts, and an infill)")
     words = corpus_words(data)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         smp = samples(model, tok, val, words)
     phases["sample"] = time.perf_counter() - t
     return ev, ens, smp, data

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig
 from anyorder.errors import AnyorderError, ConfigError
+from anyorder.precision import use_bf16
 
 DIST_TIMEOUT_ENV = "ANYORDER_DIST_TIMEOUT_S"
 """Seconds to wait for the torchrun rendezvous and for collectives (default 1800)."""
@@ -243,8 +244,7 @@ def wrap_model(model: nn.Module, wrapper: nn.Module, cfg: RunConfig, env: DistEn
     if is_fsdp(cfg, env):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        t = cfg.train
-        bf16 = t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda")
+        bf16 = use_bf16(cfg.train.dtype, device, cfg.model.d_model)
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
         )

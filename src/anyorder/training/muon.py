@@ -21,6 +21,16 @@ Design choices:
   group) kept the momentum as a plain sum ``B = mu B + g``; torch keeps ``(1 - mu) B``, an
   average. :meth:`MuonAdamW.load_state_dict` rescales such buffers once, so those runs resume
   with the same updates (up to bf16 round-off in the iteration).
+* The Newton-Schulz iteration runs in a dtype the machine computes fast. torch's is fixed
+  to bf16 (there is no hook for it in torch 2.13), and a CPU without bf16 units (AVX2
+  only: most laptops) takes 7-13x fp32's time for it: one step of tiny-armd's optimizer
+  costs more than its forward and backward. There (``ns_dtype=torch.float32``, chosen by
+  :func:`anyorder.precision.bf16_is_fast` in ``make_optimizer``) the Muon groups step by
+  :meth:`MuonAdamW._fp32_muon`: torch's update written out with the iteration in fp32
+  (equal to torch's up to bf16's round-off, tests/test_muon.py); elsewhere torch's Muon
+  steps them. The choice is the machine's, not the run's, so checkpoints do not record it:
+  a run resumed on the same CPU continues exactly, one resumed on another kind of CPU
+  continues up to bf16 round-off in the iteration.
 * ``torch.optim.Muon`` is in torch 2.9 and later; on an older torch (the package's floor is
   2.6) ``train.optimizer=muon`` is refused in one line instead of keeping a copy of it here.
 """
@@ -73,6 +83,7 @@ class MuonAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.95),
         momentum: float = 0.95,
         eps: float = 1e-8,
+        ns_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -88,6 +99,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 raise ValueError("Muon takes matrices only (2-D parameters)")
         muon = [p for g in self.param_groups if g["muon"] for p in g["params"]]
         adamw = [p for g in self.param_groups if not g["muon"] for p in g["params"]]
+        if ns_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"ns_dtype={ns_dtype}: use torch.bfloat16 or torch.float32")
+        self.ns_dtype = ns_dtype
         self._muon = _torch_muon(muon, lr) if muon else None
         self._adamw = torch.optim.AdamW(adamw, lr=lr) if adamw else None
         self._fill_groups()
@@ -109,10 +123,34 @@ class MuonAdamW(torch.optim.Optimizer):
         # the torch optimizers step over this optimizer's own group dicts and state, which
         # the schedule and load_state_dict may have replaced since the last step
         for opt, muon in ((self._muon, True), (self._adamw, False)):
-            if opt is not None:
-                opt.param_groups = [g for g in self.param_groups if g["muon"] is muon]
-                opt.state = self.state
-                opt.step()
+            if opt is None:
+                continue
+            groups = [g for g in self.param_groups if g["muon"] is muon]
+            if muon and self.ns_dtype == torch.float32:
+                self._fp32_muon(groups)
+                continue
+            opt.param_groups = groups
+            opt.state = self.state
+            opt.step()
+
+    def _fp32_muon(self, groups: list[dict[str, Any]]) -> None:
+        """torch.optim.Muon's update (its momentum buffer, Nesterov step, decoupled weight
+        decay and ``match_rms_adamw`` scale) with the Newton-Schulz iteration in fp32."""
+        for g in groups:
+            assert g["adjust_lr_fn"] == "match_rms_adamw", g["adjust_lr_fn"]
+            mu, lr = g["momentum"], g["lr"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - mu)  # torch's (1 - mu)-weighted average
+                update = p.grad.lerp(buf, mu) if g["nesterov"] else buf
+                update = orthogonalise(update, g["ns_coefficients"], g["ns_steps"], g["eps"])
+                p.mul_(1 - lr * g["weight_decay"])
+                p.add_(update, alpha=-lr * 0.2 * max(p.shape) ** 0.5)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, this version's or an earlier one (see the module notes)."""
@@ -133,6 +171,22 @@ class MuonAdamW(torch.optim.Optimizer):
                 buf = self.state.get(p, {}).get("momentum_buffer")
                 if buf is not None:
                     buf.mul_(1 - g["momentum"])
+
+
+def orthogonalise(
+    m: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+) -> torch.Tensor:
+    """The nearest semi-orthogonal matrix to ``m``, roughly: ``steps`` quintic Newton-Schulz
+    iterations ``X <- a X + (b S + c S^2) X``, ``S = X X^T``, from ``m`` over its Frobenius
+    norm, in fp32 and on the wide orientation (so that ``S`` is the smaller Gram matrix)."""
+    a, b, c = coefficients
+    tall = m.size(0) > m.size(1)
+    x = m.float().T if tall else m.float()  # (short, long)
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        s = x @ x.T
+        x = torch.addmm(x, torch.addmm(s, s, s, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
 
 
 def _torch_muon(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:

@@ -14,9 +14,10 @@ Design choices:
   in distribution only.)
 * The loss goes through :class:`LossModule`'s ``__call__``, the one forward DDP and FSDP
   wrap (see :mod:`anyorder.training.distributed`).
-* Mixed precision: bf16 autocast on CUDA by default; fp32 on the CPU unless
-  ``train.dtype=bf16`` (this CPU has bf16 units: about 2x faster for the tiny models).
-  Losses are computed in fp32 (the models upcast the logits).
+* Mixed precision: ``train.dtype=auto`` is bf16 autocast on CUDA and, on the CPU, bf16
+  where that CPU computes bf16 faster than fp32 (measured once: :mod:`anyorder.precision`;
+  about 1.5-2x faster for the tiny models on a CPU with AMX, 7-13x slower on one with
+  AVX2 only), else fp32. Losses are computed in fp32 (the models upcast the logits).
 * ``torch.compile`` works in place, after wrapping (:func:`compile_modules`), and is off by
   default until measured (:data:`COMPILE_AUTO`).
 * Rank 0 tokenizes; the other ranks wait and read its folder. A dry run without a prepared
@@ -38,6 +39,7 @@ from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig
 from anyorder.errors import ConfigError, preview
 from anyorder.orders import OrderSampler
+from anyorder.precision import bf16_is_fast, slower_note, use_bf16
 from anyorder.training.distributed import DistEnv, barrier, is_fsdp, print0, wrap_model
 from anyorder.training.muon import MuonAdamW, muon_matrices
 from anyorder.training.state import EMA, RunParts
@@ -215,8 +217,14 @@ def make_optimizer(model: nn.Module, cfg: RunConfig, device: torch.device) -> to
     ]
     if muon:
         muon_group = {"params": muon, "weight_decay": t.weight_decay, "muon": True}
+        # Newton-Schulz in bf16 (torch's) where bf16 is fast, else in fp32 (see muon.py)
+        ns = torch.bfloat16 if bf16_is_fast(device, cfg.model.d_model) else torch.float32
         return MuonAdamW(
-            [muon_group, *groups], lr=t.lr, betas=(t.beta1, t.beta2), momentum=t.muon_momentum
+            [muon_group, *groups],
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            momentum=t.muon_momentum,
+            ns_dtype=ns,
         )
     # fused AdamW on CUDA; the CPU keeps the default (foreach) implementation.
     extra = {"fused": True} if device.type == "cuda" else {}
@@ -266,12 +274,12 @@ def compile_modules(model: nn.Module, train_module: nn.Module) -> None:
 
 
 def autocast_context(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA (``auto``) or when asked for; fp32 otherwise."""
+    """bf16 autocast where ``train.dtype`` asks for it or ``auto`` finds it faster
+    (:func:`anyorder.precision.use_bf16`); fp32 otherwise."""
     dtype = cfg.train.dtype
     if dtype not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"train.dtype={preview(dtype)}: use auto, bf16 or fp32")
-    use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
-    if not use_bf16:
+    if not use_bf16(dtype, device, cfg.model.d_model):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -292,6 +300,10 @@ def build_parts(
     from anyorder.models import build_model
 
     t, device = cfg.train, env.device
+    if t.dtype == "bf16" and device.type == "cpu":
+        note = slower_note("train.dtype", cfg.model.d_model)
+        if note:
+            print0(note)
     torch.manual_seed(t.seed)
     model = build_model(cfg.model).to(device)
     if t.init_from and resume_from is None:  # start from converted or exported weights
