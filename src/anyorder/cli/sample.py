@@ -45,7 +45,10 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-stop-at-eos",
         action="store_true",
-        help="keep the text after the first EOS (default: cut there; l2r decoding stops)",
+        help=(
+            "keep the text after the first generated EOS (default: cut there; l2r decoding "
+            "stops; an EOS in the prompt ends nothing)"
+        ),
     )
     p.add_argument("--json", action="store_true", help="print tokens, orders and pass counts")
     p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="default: ema")
