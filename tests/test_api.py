@@ -190,4 +190,8 @@ def test_a_prompt_holding_eos_is_kept_by_the_cli_and_the_api(tmp_path, capsys) -
     assert tokens[:k] == ids and eos in tokens[k:]
     assert s["text"] == tok.decode(tokens[: tokens.index(eos, k)])
     assert s["text"].startswith("abcd")
-    assert anyorder.load(tmp_path / "aogpt").generate(n=n, prompt=text, seed=1) == [s["text"]]
+    model = anyorder.load(tmp_path / "aogpt")
+    assert model.generate(n=n, prompt=text, seed=1) == [s["text"]]
+    for kw in (dict(speculative=3), dict(order="confidence"), dict(steps=5)):  # cut alike
+        (t,) = model.generate(n=n, prompt=text, seed=2, **kw)
+        assert t.startswith("abcd"), kw
