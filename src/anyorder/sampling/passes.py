@@ -331,6 +331,6 @@ def _after_eos(
     after = (hit.cumsum(dim=1) > hit.long()) & (step_of != -1)  # strictly after the first
     tokens = tokens.masked_fill(after, eos)
     step_of = step_of.masked_fill(after, -2)
-    if logits is not None:  # slot-aligned
-        logits = logits.masked_fill(after.gather(1, order)[..., None], 0.0)
+    if logits is not None:  # slot-aligned; in place: no second (B, n, V) buffer
+        logits.masked_fill_(after.gather(1, order)[..., None], 0.0)
     return tokens, step_of, logits
