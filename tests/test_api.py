@@ -171,3 +171,55 @@ def test_import_stays_light() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def _newline_eos_run(run, kind: str):
+    """A run whose tokenizer ends documents with the newline, an ordinary token, so that a
+    text prompt can hold EOS; its head favours EOS, so samples end by a generated one too."""
+    from anyorder.checkpoint import save_checkpoint
+    from anyorder.config import RunConfig
+    from anyorder.data.tokenizers import BPETokenizer
+
+    raw = BPETokenizer.train(["ab cd\nef gh\n" * 20], 300).tok
+    tok = BPETokenizer(raw, name="newline-eos", spec="newline-eos", eos_id=raw.token_to_id("Ċ"))
+    model = tiny_model(kind, vocab_size=tok.vocab_size, seq_len=32, head_bias=True)
+    with torch.no_grad():
+        model.head.bias[tok.eos_id] = 4.0
+    save_checkpoint(run, 1, model=model, config=RunConfig(model=model.cfg), tokenizer=tok)
+    return tok
+
+
+def test_a_prompt_holding_eos_is_kept_by_the_cli_and_the_api(tmp_path, capsys) -> None:
+    """Issue 32 (4): stopping at EOS (the default) cut the text and overwrote the tokens from
+    the prompt's own EOS on. Only a generated EOS ends a sample."""
+    from anyorder.cli import main
+
+    tok = _newline_eos_run(tmp_path / "gpt", "gpt")
+    _newline_eos_run(tmp_path / "aogpt", "aogpt")
+    eos, n, text = tok.eos_id, 20, "ab\ncd"
+    ids = tok.encode(text)
+    k = len(ids)
+    assert eos in ids[:-1]  # the prompt holds EOS, with text after it
+    argv = ["--prompt", text, "--length", str(n), "--seed", "1"]
+    # gpt, left to right: decoding stops at the first generated EOS
+    (s,) = cli_sample(capsys, str(tmp_path / "gpt"), *argv)["samples"]
+    tokens, steps = s["tokens"], s["step_of"]
+    assert tokens[:k] == ids and steps[:k] == [-1] * k
+    end = tokens.index(eos, k)  # the first generated EOS (the head's bias makes one)
+    assert tokens[end:] == [eos] * (n - end)
+    assert steps[k:] == list(range(end + 1 - k)) + [-2] * (n - 1 - end)
+    assert s["text"] == tok.decode(tokens[:end]) and s["text"].startswith("abcd")
+    assert main(["sample", str(tmp_path / "gpt"), *argv, "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == s["text"] + "\n"  # streamed: the same text
+    assert anyorder.load(tmp_path / "gpt").generate(n=n, prompt=text, seed=1) == [s["text"]]
+    # aogpt, any order: no early stop, the text is cut at the first generated EOS
+    (s,) = cli_sample(capsys, str(tmp_path / "aogpt"), *argv)["samples"]
+    tokens = s["tokens"]
+    assert tokens[:k] == ids and eos in tokens[k:]
+    assert s["text"] == tok.decode(tokens[: tokens.index(eos, k)])
+    assert s["text"].startswith("abcd")
+    model = anyorder.load(tmp_path / "aogpt")
+    assert model.generate(n=n, prompt=text, seed=1) == [s["text"]]
+    for kw in (dict(speculative=3), dict(order="confidence"), dict(steps=5)):  # cut alike
+        (t,) = model.generate(n=n, prompt=text, seed=2, **kw)
+        assert t.startswith("abcd"), kw

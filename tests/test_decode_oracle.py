@@ -41,7 +41,7 @@ import anyorder.sampling.plan as plan_mod
 from anyorder import build_model, preset
 from anyorder.data import ByteTokenizer
 from anyorder.orders import strided
-from anyorder.sample import parse_template, sample, strided_sample
+from anyorder.sample import naive_sample, parse_template, sample, strided_sample
 from test_sample import slot_oracle
 
 KINDS = ["gpt", "aogpt", "aogpt", "armd", "armd", "armd", "aogpt-ref", "sigmagpt-ref"]
@@ -315,3 +315,134 @@ def test_every_decoding_path_equals_the_oracle_on_modern_trunks(req: dict) -> No
 @given(req=trunk_requests(n_max=SEQ))
 def test_every_decoding_path_equals_the_oracle_on_modern_trunks_many(req: dict) -> None:
     _check(req)
+
+
+# ----------------------------------------------------------------------------- stop at EOS
+# Issue 32 (4): a prompt holding EOS was overwritten from that EOS on, and step_of / the kept
+# logits described draws made after a row's EOS. Drawn here: stop_at_eos on every decoder,
+# prompts and templates whose known tokens hold EOS anywhere (after holes too), against the
+# naive uncached sampler with the same rule (its tokens and steps) and the slot oracle (the
+# logits of every generated slot; zeros after the stop). Only sequential left-to-right
+# decoding takes stop_at_eos (``sample`` refuses it with steps, streams or an mdm).
+
+EOS_KINDS = ["gpt", "aogpt", "armd", "armd", "aogpt-ref", "sigmagpt-ref"]
+EOS_VOCAB = 11
+EOS_FAST = int(os.environ.get("ANYORDER_EOS_EXAMPLES", "30"))
+EOS_SLOW = int(os.environ.get("ANYORDER_EOS_EXAMPLES", "1500"))
+
+
+@st.composite
+def eos_requests(draw, n_max: int):
+    kind = draw(st.sampled_from(EOS_KINDS))
+    n_layer = draw(st.integers(1, 3))
+    l2s = draw(st.integers(1, n_layer)) if kind == "armd" else 0
+    n = draw(st.one_of(st.integers(1, 12), st.integers(13, n_max)))
+    batch = draw(st.integers(1, 4))
+    eos = draw(st.integers(0, EOS_VOCAB - 1))
+    # a gpt conditions on a prefix only; the others on any known set (a template)
+    prompts = ["none", "prefix"] + ([] if kind == "gpt" else ["template", "template"])
+    prompt = draw(st.sampled_from(prompts))
+    k = draw(st.integers(0, n - 1)) if prompt != "none" else 0
+    return dict(
+        kind=kind, n_layer=n_layer, l2s=l2s, n=n, batch=batch, eos=eos, prompt=prompt, k=k,
+        shared=draw(st.booleans()), eos_rate=draw(st.sampled_from([0.0, 0.3, 0.7])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )  # fmt: skip
+
+
+def _eos_prompt(req: dict, gen: torch.Generator):
+    """(prompt, known) (B, n) or (None, None): known tokens hold EOS at ``eos_rate``."""
+    n, B, k = req["n"], req["batch"], req["k"]
+    if k == 0:
+        return None, None
+    rows = 1 if req["shared"] else B
+    known = torch.zeros(rows, n, dtype=torch.bool)
+    for r in range(rows):
+        where = torch.arange(k) if req["prompt"] == "prefix" else torch.randperm(n, generator=gen)
+        known[r, where[:k]] = True
+    tokens = torch.randint(0, EOS_VOCAB, (rows, n), generator=gen)
+    is_eos = torch.rand(rows, n, generator=gen) < req["eos_rate"]
+    tokens = torch.where(is_eos, req["eos"], tokens)
+    return tokens.expand(B, n), known.expand(B, n)
+
+
+def _check_eos(req: dict) -> None:
+    model = _model(req["kind"], req["n_layer"], req["l2s"], EOS_VOCAB)
+    n, B, eos = req["n"], req["batch"], req["eos"]
+    prompt, known = _eos_prompt(req, torch.Generator().manual_seed(req["seed"]))
+    kw = dict(batch=B, prompt=prompt, known=known, stop_at_eos=eos)
+    if known is None:
+        prompt, known = torch.zeros(B, n, dtype=torch.long), torch.zeros(B, n, dtype=torch.bool)
+    k = int(known[0].sum())
+    pos = torch.arange(n).expand(B, n)
+    l2r = torch.where(known, pos, pos + n).argsort(dim=1)  # the known, then the rest, in order
+    gen = torch.Generator().manual_seed(req["seed"])
+    want = naive_sample(model, n, order=l2r, generator=gen, **kw)
+    slots = want.step_of.gather(1, want.order)
+    ref = slot_oracle(model, want.tokens, want.order, want.step_of)
+    for path in PATHS:
+        with _path(path) as graphs:
+            out = sample(
+                model, n, order="l2r", keep_logits=True, graphs=graphs,
+                generator=torch.Generator().manual_seed(req["seed"]), **kw,
+            )  # fmt: skip
+        RAN[f"eos/{req['kind']}/{req['prompt']}/{path}"] += 1
+        assert torch.equal(out.order, want.order)
+        assert torch.equal(out.tokens, want.tokens), (out.tokens, want.tokens)
+        assert torch.equal(out.step_of, want.step_of), (out.step_of, want.step_of)
+        assert torch.equal(out.tokens[known], prompt[known])  # never overwritten
+        # the rule, row by row: the text after the first generated EOS is EOS, never generated
+        for b in range(B):
+            holes = [p for p in range(n) if not known[b, p]]
+            hits = [p for p in holes if out.step_of[b, p] >= 0 and out.tokens[b, p] == eos]
+            after = [p for p in holes if hits and p > hits[0]]
+            assert [p for p in holes if out.step_of[b, p] == -2] == after
+            assert all(int(out.tokens[b, p]) == eos for p in after)
+        generated = int((out.step_of >= 0).sum(dim=1).max())
+        assert generated <= out.forward_passes <= n - k + 1  # + a shared prompt's prefill
+        torch.testing.assert_close(out.logits[slots >= 0], ref[slots >= 0], atol=ATOL, rtol=0)
+        assert bool((out.logits[slots == -2] == 0).all())
+
+
+@settings(max_examples=EOS_FAST, derandomize=True, **_common)
+@given(req=eos_requests(n_max=40))
+@example(  # issue 32's report: a gpt, a 6-token prefix holding EOS = 3 (twice, this seed),
+    # one row drawing EOS at once and the other never
+    req=dict(
+        kind="gpt",
+        n_layer=2,
+        l2s=0,
+        n=12,
+        batch=2,
+        eos=3,
+        prompt="prefix",
+        k=6,
+        shared=True,
+        eos_rate=0.3,
+        seed=1,
+    )  # fmt: skip
+)
+@example(  # a template: EOS known after the holes, rows stopping at different steps
+    req=dict(
+        kind="armd",
+        n_layer=2,
+        l2s=1,
+        n=16,
+        batch=3,
+        eos=2,
+        prompt="template",
+        k=6,
+        shared=False,
+        eos_rate=0.7,
+        seed=5,
+    )  # fmt: skip
+)
+def test_stop_at_eos_equals_the_naive_sampler(req: dict) -> None:
+    _check_eos(req)
+
+
+@pytest.mark.slow
+@settings(max_examples=EOS_SLOW, **_common)
+@given(req=eos_requests(n_max=SEQ))
+def test_stop_at_eos_equals_the_naive_sampler_many(req: dict) -> None:
+    _check_eos(req)

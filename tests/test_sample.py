@@ -619,6 +619,66 @@ def test_stop_at_eos_truncates_left_to_right() -> None:
         sequential_sample(tiny_model("aogpt"), N, stop_at_eos=eos, generator=torch.Generator())
 
 
+def test_stop_at_eos_keeps_a_prompt_that_holds_eos() -> None:
+    """Issue 32 (4): the prompt [5, 6, 3, 7, 8, 9] with EOS = 3 came back as [5, 6, 3, 3, ...].
+    Only a generated EOS ends a row; the rest of the row is EOS, never generated (step -2,
+    zero logits), whichever pass the loop stopped at. The expectation is built from the same
+    seed's sample without the stop, which draws the same tokens up to each row's EOS."""
+    model, eos = tiny_model("gpt"), 3
+    prompt = torch.tensor([5, 6, 3, 7, 8, 9] + [0] * 6)
+    known = torch.arange(N) < 6
+    kw = dict(batch=2, prompt=prompt, known=known, keep_logits=True)
+    full = sequential_sample(model, N, generator=torch.Generator().manual_seed(17), **kw)
+    out = sequential_sample(
+        model, N, generator=torch.Generator().manual_seed(17), stop_at_eos=eos, **kw
+    )
+    first = [6 + row[6:].index(eos) for row in full.tokens.tolist()]
+    assert first == [10, 7]  # this seed: the rows end at different steps
+    for b, f in enumerate(first):
+        drawn = full.tokens[b, 6 : f + 1].tolist()  # up to and with the EOS
+        assert out.tokens[b].tolist() == [5, 6, 3, 7, 8, 9] + drawn + [eos] * (N - 1 - f)
+        assert out.step_of[b].tolist() == [-1] * 6 + list(range(f - 5)) + [-2] * (N - 1 - f)
+        torch.testing.assert_close(out.logits[b, : f + 1], full.logits[b, : f + 1])
+        assert bool((out.logits[b, f + 1 :] == 0).all())
+
+
+def test_stop_at_eos_along_holes_keeps_known_text_after_them() -> None:
+    """Known tokens after the holes (EOS among them) stay; the holes after a row's first
+    generated EOS are EOS. Any other order, and the samplers that would ignore the stop,
+    refuse it."""
+    model, eos = tiny_model("aogpt"), 3
+    known = torch.zeros(N, dtype=torch.bool)
+    known[[0, 1, 8, 9, 11]] = True
+    prompt = torch.tensor([4, 3, 0, 0, 0, 0, 0, 0, 3, 5, 0, 3])
+    kw = dict(order="l2r", batch=3, prompt=prompt, known=known)
+    full = sequential_sample(model, N, generator=torch.Generator().manual_seed(2), **kw)
+    out = sequential_sample(
+        model, N, generator=torch.Generator().manual_seed(2), stop_at_eos=eos, **kw
+    )
+    holes = [2, 3, 4, 5, 6, 7, 10]
+    ended = 0
+    for b in range(3):
+        hits = [p for p in holes if int(full.tokens[b, p]) == eos]
+        after = [p for p in holes if hits and p > hits[0]]
+        ended += bool(after)
+        want = full.tokens[b].clone()
+        want[after] = eos
+        assert torch.equal(out.tokens[b], want)
+        assert [p for p in range(N) if out.step_of[b, p] == -2] == after
+    assert ended >= 1  # this seed: a row ends inside the holes
+    with pytest.raises(SamplingError, match=r"stop at EOS needs a left-to-right order \(order="):
+        sequential_sample(model, N, prompt=prompt, known=known, stop_at_eos=eos)
+    refusal = (
+        "stop at EOS is for one-token-per-pass decoding (no steps, no streams, not mdm); "
+        "truncate the text at EOS instead"
+    )
+    for m, extra in [(model, dict(steps=4)), (tiny_model("armd"), dict(streams=2))]:
+        with pytest.raises(SamplingError, match=re.escape(refusal)):
+            sample(m, N, stop_at_eos=eos, generator=torch.Generator(), **extra)
+    with pytest.raises(SamplingError, match=re.escape(refusal)):
+        sample(tiny_model("mdm"), N, stop_at_eos=eos, generator=torch.Generator())
+
+
 def test_dispatch_errors() -> None:
     armd, aogpt = tiny_model("armd"), tiny_model("aogpt")
     with pytest.raises(SamplingError, match="give steps .* or streams .*, not both"):
@@ -698,6 +758,10 @@ def test_decode_text_cuts_at_eos() -> None:
     ids = torch.tensor([72, 105, 256, 65, 66])
     assert decode_text(BYTES, ids) == "HiAB"
     assert decode_text(BYTES, ids, eos_id=256) == "Hi"
+    # a prompt's EOS ends nothing: the text is cut at the first generated one
+    ids = torch.tensor([72, 256, 105, 65, 256, 66])
+    known = torch.tensor([True, True, True, False, False, False])
+    assert decode_text(BYTES, ids, eos_id=256, known=known) == "HiA"
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -194,8 +194,9 @@ class Model:
             top_p: nucleus sampling mass in (0, 1].
             top_k: keep the ``k`` most likely tokens.
             seed: seed of every random draw (orders and tokens).
-            stop_at_eos: cut each text at its first EOS (left-to-right one-token decoding
-                then stops early); False keeps everything (EOS tokens are dropped).
+            stop_at_eos: cut each text at its first generated EOS (left-to-right one-token
+                decoding then stops early; an EOS in the prompt ends nothing); False keeps
+                everything (EOS tokens are dropped).
             reveal: with ``steps``, how many tokens each step reveals: ``binomial`` (the
                 exact reverse process, per sample) or ``reference`` (the AO-GPT reference
                 code's deterministic counts, never an empty step).
@@ -343,7 +344,8 @@ class Model:
                     stop_at_eos=stop, **controls,
                 )  # fmt: skip
         eos = tok.eos_id if stop_at_eos else None
-        return [decode_text(tok, row, eos) for row in result.tokens.cpu()]
+        given = result.step_of.cpu() == -1  # a prompt's EOS ends no text
+        return [decode_text(tok, row, eos, g) for row, g in zip(result.tokens.cpu(), given)]
 
     def score(
         self,

@@ -45,7 +45,10 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-stop-at-eos",
         action="store_true",
-        help="keep the text after the first EOS (default: cut there; l2r decoding stops)",
+        help=(
+            "keep the text after the first generated EOS (default: cut there; l2r decoding "
+            "stops; an EOS in the prompt ends nothing)"
+        ),
     )
     p.add_argument("--json", action="store_true", help="print tokens, orders and pass counts")
     p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="default: ema")
@@ -344,7 +347,8 @@ def run_sample(args: argparse.Namespace) -> int:
         result = _run_sampler(args, model, n, order, streams, prompt, known, gen, stop, stream)
     seconds = time.perf_counter() - start
     tokens = result.tokens.cpu()
-    texts = [decode_text(tok, row, tok.eos_id if cut else None) for row in tokens]
+    given = result.step_of.cpu() == -1  # a prompt's EOS ends no text
+    texts = [decode_text(tok, r, tok.eos_id if cut else None, g) for r, g in zip(tokens, given)]
     generated = int((result.step_of >= 0).sum())
     mode = "encoder" if model.kind == "mdm" else "strided" if streams else "lemma1"
     mode = "sequential" if sequential and model.kind != "mdm" else mode

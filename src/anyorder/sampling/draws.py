@@ -40,7 +40,8 @@ class SampleResult:
     """Number of model calls made."""
     step_of: Tensor | None = None
     """(B, n) the step that decided each position (-1 for prompt positions, -2 for positions
-    never generated because decoding stopped at EOS)."""
+    never generated because their row ended at a generated EOS: they hold EOS, and their
+    kept logits are zeros)."""
     extra: dict = field(default_factory=dict)
     logits: Tensor | None = None
     """(B, n, V) slot-aligned logits each token was drawn from (``keep_logits=True``)."""

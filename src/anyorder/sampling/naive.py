@@ -6,6 +6,9 @@ Design choices:
   enough to be obviously right.
 * It draws the order and the tokens from the generator exactly as the fast sequential
   sampler does, so the same seed gives the same sample on both.
+* ``stop_at_eos`` is applied after the loop, in the order: a row's draws after its first
+  generated EOS become EOS, never generated (step -2). It draws every token (a stopped row
+  still consumes its draws, as the fast sampler's rows do until the whole batch stops).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ def naive_sample(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    stop_at_eos: int | None = None,
 ) -> SampleResult:
     """Generate ``n`` tokens one at a time, a full forward pass per token, no cache.
 
@@ -55,6 +59,10 @@ def naive_sample(
         known: (B, n) boolean mask of the known positions.
         temperature, top_k, top_p: sampling controls.
         generator: the source of randomness.
+        stop_at_eos: the EOS id: in each row, every slot of the order after the row's first
+            generated EOS (a prompt's EOS does not count) is EOS with step -2. The fast
+            samplers stop early only along a left-to-right order, where this is the text
+            after its first generated EOS.
 
     Returns:
         A :class:`SampleResult`; ``forward_passes`` is the number of generated tokens.
@@ -85,4 +93,10 @@ def naive_sample(
         new = sample_logits(logits, generator, temperature, top_k, top_p)
         tokens = tokens.scatter(1, order[:, t, None], new[:, None])
         step_of = step_of.scatter(1, order[:, t, None], t - k)
+    if stop_at_eos is not None:
+        drawn = order[:, k:]  # (B, n - k) the generated positions, in the order
+        eos = tokens.gather(1, drawn) == stop_at_eos
+        later = eos.long().cumsum(dim=1) - eos.long() > 0  # strictly after the first
+        tokens = tokens.scatter(1, drawn, tokens.gather(1, drawn).masked_fill(later, stop_at_eos))
+        step_of = step_of.scatter(1, drawn, step_of.gather(1, drawn).masked_fill(later, -2))
     return SampleResult(tokens, order, forward_passes=n - k, step_of=step_of)

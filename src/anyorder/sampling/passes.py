@@ -10,10 +10,13 @@ Design choices:
 * Sampling stays outside the pass (and outside a CUDA graph): the float64 draw, the scatter
   of the tokens into the buffer, ``step_of`` and the logits kept on request, all on the
   device. Nothing is read back to the host inside the loop.
-* The early stop at EOS is opt-in (``stop_at_eos``) and never waits for the device: every
-  few passes a flag is copied to pinned host memory behind an event, and read once the
-  event has completed (on the CPU at once), so decoding stops a few passes late at worst.
-  The tokens after the first EOS are EOS either way.
+* The early stop at EOS is opt-in (``stop_at_eos``, left-to-right orders) and never waits
+  for the device: every few passes a flag is copied to pinned host memory behind an event,
+  and read once the event has completed (on the CPU at once), so decoding stops a few passes
+  late at worst. Only a generated EOS stops a row (a prompt's EOS is context), and what the
+  row returns after it does not depend on when the loop stopped: every generated position
+  after its first generated EOS is EOS, with step -2 and zero logits (never generated; a
+  token drawn there before the loop stopped is discarded). Known tokens are never touched.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor
 
 from anyorder.cache import ARMDCache, StaticKV
+from anyorder.errors import SamplingError
 from anyorder.layers import Packing, PreparedMask, StreamPacking
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
@@ -298,13 +302,35 @@ def run_plan(
             on_step(q_pos, new, p.step)
         if watch is not None and watch.stop(new, i):
             break
-    out = tok[:, :n]
-    if stop_at_eos is not None:  # left to right: everything after the first EOS is EOS
-        out = out.masked_fill((out == stop_at_eos).cumsum(dim=1) > 0, stop_at_eos)
-    return SampleResult(
-        out,
-        order,
-        forward_passes=passes,
-        step_of=step_of[:, :n],
-        logits=None if logits_buf is None else logits_buf[:, :n],
-    )
+    out, step_of = tok[:, :n], step_of[:, :n]
+    logits = None if logits_buf is None else logits_buf[:, :n]
+    if stop_at_eos is not None:
+        out, step_of, logits = _after_eos(out, step_of, logits, order, stop_at_eos)
+    return SampleResult(out, order, forward_passes=passes, step_of=step_of, logits=logits)
+
+
+def check_stop_order(order: Tensor, k: int) -> None:
+    """Refuse an early stop at EOS unless the unknown positions are decoded left to right
+    (after the known ones, wherever those are): then "after the first generated EOS" means
+    the same in the order and in the text."""
+    rest = order[:, k:]
+    if not bool((rest[:, 1:] > rest[:, :-1]).all()):
+        raise SamplingError(
+            "stop at EOS needs a left-to-right order (order='l2r'); truncate the text at EOS "
+            "instead"
+        )
+
+
+def _after_eos(
+    tokens: Tensor, step_of: Tensor, logits: Tensor | None, order: Tensor, eos: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A row ends at its first generated EOS: every unknown position after it (in the text,
+    which is the order: :func:`check_stop_order`) becomes EOS, step -2, zero logits. Known
+    positions keep their tokens, and their EOS stops nothing. All on the device, once."""
+    hit = (tokens == eos) & (step_of >= 0)  # (B, n) generated EOS
+    after = (hit.cumsum(dim=1) > hit.long()) & (step_of != -1)  # strictly after the first
+    tokens = tokens.masked_fill(after, eos)
+    step_of = step_of.masked_fill(after, -2)
+    if logits is not None:  # slot-aligned; in place: no second (B, n, V) buffer
+        logits.masked_fill_(after.gather(1, order)[..., None], 0.0)
+    return tokens, step_of, logits

@@ -43,7 +43,7 @@ from anyorder.sampling.draws import (
     sample_logits,
 )
 from anyorder.sampling.graphs import resolve_mode
-from anyorder.sampling.passes import Controls, run_plan
+from anyorder.sampling.passes import Controls, check_stop_order, run_plan
 from anyorder.sampling.plan import Plan
 from anyorder.sampling.schedules import RevealPlan, check_reveal, draw_reveals
 
@@ -161,9 +161,12 @@ def sequential_sample(
             prefilled in one pass (once for the whole batch when every row shares them).
         temperature, top_k, top_p: sampling controls (float64 draws).
         generator: every random draw; the same seed gives the same sample.
-        stop_at_eos: with a left-to-right order, the EOS id: stop once every row has drawn
-            it (looked at every few passes, without waiting for the device) and set every
-            later position to EOS.
+        stop_at_eos: with a left-to-right order (the unknown positions left to right, the
+            known ones anywhere), the EOS id: a row ends at its first *generated* EOS (a
+            prompt's EOS does not count); every later unknown position becomes EOS with
+            ``step_of`` -2 and zero kept logits, and decoding stops once every row has
+            ended (looked at every few passes, without waiting for the device). Known
+            tokens are never changed.
         keep_logits: return the logits each token was drawn from (slot-aligned).
         on_step: called after each pass with the decided positions and tokens, (B, Q) each
             (padding positions are ``n``), and their step (:data:`StepHook`).
@@ -177,13 +180,8 @@ def sequential_sample(
     _decoder_only(model, "sequential sampling")
     tokens, _, order, k = _prepare(model, n, batch, prompt, known, order, generator)
     B = tokens.shape[0]
-    if stop_at_eos is not None and not torch.equal(
-        order, torch.arange(n, device=order.device).expand_as(order)
-    ):
-        raise SamplingError(
-            "stop at EOS needs a left-to-right order with a prefix prompt; truncate the "
-            "text at EOS instead"
-        )
+    if stop_at_eos is not None:
+        check_stop_order(order, k)
     reveals = RevealPlan(n - k, np.arange(n - k), np.ones((n - k, B), dtype=np.int64))
     return _decode(
         model, tokens, order, k, reveals, None, Controls(temperature, top_k, top_p), generator,
@@ -458,24 +456,24 @@ def sample(
     * ``steps=T`` (``aogpt``, ``armd``): :func:`lemma1_sample`;
     * otherwise :func:`sequential_sample` (``gpt``: left to right).
 
-    ``stop_at_eos`` applies to sequential left-to-right decoding only; ``graphs`` (CUDA
-    graphs) to the decoders, ``reveal`` (the count mode) to ``steps``.
+    ``stop_at_eos`` applies to sequential left-to-right decoding only (refused elsewhere);
+    ``graphs`` (CUDA graphs) to the decoders, ``reveal`` (the count mode) to ``steps``.
     """
     common = dict(
-        batch=batch,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        generator=generator,
-        keep_logits=keep_logits,
-        on_step=on_step,
-    )
+        batch=batch, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
+        keep_logits=keep_logits, on_step=on_step,
+    )  # fmt: skip
     diffusion = dict(
         schedule=schedule, shared_counts=shared_counts, reveal=reveal, order=order,
         prompt=prompt, known=known,
     )  # fmt: skip
     if streams is not None and steps is not None:
         raise SamplingError("give steps (Lemma-1 sampling) or streams (strided), not both")
+    if stop_at_eos is not None and (isinstance(model, MDM) or (steps, streams) != (None, None)):
+        raise SamplingError(
+            "stop at EOS is for one-token-per-pass decoding (no steps, no streams, not mdm); "
+            "truncate the text at EOS instead"
+        )
     if isinstance(model, MDM):
         if streams is not None:
             raise SamplingError("strided decoding is ARMD's; mdm takes --steps")

@@ -103,11 +103,17 @@ def parse_template(
     return torch.tensor(ids, dtype=torch.long), torch.tensor(known, dtype=torch.bool)
 
 
-def decode_text(tokenizer: Tokenizer, tokens: Tensor, eos_id: int | None = None) -> str:
-    """Text of one sequence (n,), cut at the first ``eos_id`` when given."""
+def decode_text(
+    tokenizer: Tokenizer, tokens: Tensor, eos_id: int | None = None, known: Tensor | None = None
+) -> str:
+    """Text of one sequence (n,), cut at the first ``eos_id`` when given; with ``known``
+    (n,), the prompt's positions, only a generated EOS cuts it (a prompt's EOS is text the
+    caller gave, dropped like every EOS but never the end)."""
     ids = tokens.tolist()
-    if eos_id is not None and eos_id in ids:
-        ids = ids[: ids.index(eos_id)]
+    if eos_id is not None:
+        given = [False] * len(ids) if known is None else known.tolist()
+        ends = [i for i, (t, g) in enumerate(zip(ids, given)) if t == eos_id and not g]
+        ids = ids[: ends[0]] if ends else ids
     return tokenizer.decode(ids)
 
 

@@ -475,7 +475,7 @@ def _done_event(tok: Any, result: Any, eos: int | None, seconds: float) -> dict[
     tokens = result.tokens.cpu()
     generated = int((result.step_of >= 0).sum())
     out = {
-        "texts": [decode_text(tok, row, eos) for row in tokens],
+        "texts": [decode_text(tok, r, eos, s == -1) for r, s in zip(tokens, result.step_of.cpu())],
         "tokens": tokens.tolist(),
         "step_of": result.step_of.cpu().tolist(),
         "order": result.order.cpu().tolist(),
