@@ -110,10 +110,10 @@ def trunks(draw) -> tuple:
     scaling = draw(st.sampled_from(["none", "none", "linear", "llama3"]))
     out["pos_emb"] = "rope" if scaling != "none" else draw(st.sampled_from(["rope", "learned"]))
     if scaling == "linear":
-        out.update(rope_scaling="linear", rope_factor=draw(st.sampled_from([2.0, 8.0])))
+        out.update(rope_scaling_type="linear", rope_factor=draw(st.sampled_from([2.0, 8.0])))
     elif scaling == "llama3":
         out.update(
-            rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+            rope_scaling_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
             rope_high_freq_factor=4.0, rope_original_max_pos=draw(st.sampled_from([16, 64])),
         )  # fmt: skip
     return tuple(sorted(out.items()))

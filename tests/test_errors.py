@@ -487,9 +487,15 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "config-value-too-long": ([*TRAIN, "model.kind=" + "x" * 5000, NEW], {}, None),
     "model-kv-heads-not-divisor": ([*TRAIN, "model.n_kv_head=3", NEW], {}, None),
     "model-head-dim-odd-rope": ([*TRAIN, "model.head_dim=7", NEW], {}, None),
-    "model-rope-scaling-unknown": ([*TRAIN, "model.rope_scaling=yarn", NEW], {}, None),
+    "model-rope-scaling-unknown": ([*TRAIN, "model.rope_scaling_type=yarn", NEW], {}, None),
     "model-rope-scaling-learned": (
-        [*TRAIN, "model.pos_emb=learned", "model.rope_scaling=linear", "model.rope_factor=2", NEW],
+        [
+            *TRAIN,
+            "model.pos_emb=learned",
+            "model.rope_scaling_type=linear",
+            "model.rope_factor=2",
+            NEW,
+        ],
         {},
         None,
     ),
@@ -497,7 +503,7 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "model-llama3-field-alone": (
         [
             *TRAIN,
-            "model.rope_scaling=linear",
+            "model.rope_scaling_type=linear",
             "model.rope_factor=2",
             "model.rope_original_max_pos=4096",
             NEW,
@@ -508,7 +514,7 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "model-llama3-band-empty": (
         [
             *TRAIN,
-            "model.rope_scaling=llama3",
+            "model.rope_scaling_type=llama3",
             "model.rope_low_freq_factor=4",
             "model.rope_high_freq_factor=1",
             NEW,

@@ -68,6 +68,27 @@ def test_auto_classes_load_an_export_without_remote_code(folders, kind: str) -> 
                 )
 
 
+def test_every_model_field_survives_transformers_config(tmp_path) -> None:
+    """A model field whose name transformers' config also uses (rope_scaling is a property of
+    PretrainedConfig in transformers 5: it crashed AutoConfig on every export) must reach the
+    model unchanged: a trunk with every option of issue 33 away from its default."""
+    torch.manual_seed(3)
+    cfg = anyorder.preset(
+        "tiny", kind="aogpt", vocab_size=V, seq_len=N, n_layer=2, n_head=4, n_kv_head=2,
+        d_model=64, head_dim=8, intermediate_size=40, qkv_bias=True, pos_emb="rope",
+        rope_base=5000.0, rope_scaling_type="llama3", rope_factor=4.0,
+        rope_low_freq_factor=1.5, rope_high_freq_factor=3.0, rope_original_max_pos=8,
+        norm_eps=1e-6, tie_embeddings=False,
+    )  # fmt: skip
+    model = anyorder.build_model(cfg).eval()
+    folder = save_pretrained(model, tmp_path / "modern", ByteTokenizer())
+    assert transformers.AutoConfig.from_pretrained(folder).to_model_config() == cfg
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), atol=1e-5, rtol=0)
+
+
 def test_an_older_export_with_code_runs_none_of_it(tmp_path) -> None:
     """Exports written before carried auto_map and modeling_anyorder.py: the registered
     classes win, even with trust_remote_code=True, so the folder's file is never run."""

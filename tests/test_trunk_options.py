@@ -40,7 +40,7 @@ MODERN = dict(
     qk_norm=True,
     pos_emb="rope",
     rope_base=5000.0,
-    rope_scaling="llama3",
+    rope_scaling_type="llama3",
     rope_factor=4.0,
     rope_low_freq_factor=1.0,
     rope_high_freq_factor=2.0,
@@ -53,14 +53,14 @@ MODERN = dict(
 # samplers' differential tests (tests/test_speculative.py, tests/test_confidence.py)
 FAMILY_TRUNKS = {
     "llama3": dict(n_head=4, n_kv_head=1, mlp="swiglu", intermediate_size=24, qk_norm=False,
-                   pos_emb="rope", rope_base=500000.0, rope_scaling="llama3", rope_factor=8.0,
+                   pos_emb="rope", rope_base=500000.0, rope_scaling_type="llama3", rope_factor=8.0,
                    rope_original_max_pos=16, tie_embeddings=False, norm_eps=1e-5),
     "qwen2": dict(n_head=4, n_kv_head=2, mlp="swiglu", intermediate_size=40, qkv_bias=True,
                   qk_norm=False, pos_emb="rope", rope_base=1e6, norm_eps=1e-6),
     "qwen3": dict(n_head=4, n_kv_head=2, head_dim=12, mlp="swiglu", intermediate_size=40,
                   qk_norm=True, pos_emb="rope", rope_base=1e6, tie_embeddings=False),
     "mistral": dict(n_head=4, n_kv_head=2, mlp="swiglu", intermediate_size=40, qk_norm=False,
-                    pos_emb="rope", rope_scaling="linear", rope_factor=2.0),
+                    pos_emb="rope", rope_scaling_type="linear", rope_factor=2.0),
 }  # fmt: skip
 
 
@@ -127,9 +127,9 @@ def _cfg_scaling(s: dict | None) -> dict:
     if s is None:
         return {}
     if s["type"] == "linear":
-        return dict(rope_scaling="linear", rope_factor=s["factor"])
+        return dict(rope_scaling_type="linear", rope_factor=s["factor"])
     return dict(
-        rope_scaling="llama3",
+        rope_scaling_type="llama3",
         rope_factor=s["factor"],
         rope_low_freq_factor=s["low"],
         rope_high_freq_factor=s["high"],
@@ -261,9 +261,9 @@ def _hand_attention(attn, x: torch.Tensor, pos: torch.Tensor, cfg: ModelConfig) 
 
 @pytest.mark.parametrize(
     "over",
-    [MODERN, dict(MODERN, rope_scaling="linear", rope_factor=3.0, rope_low_freq_factor=1.0,
+    [MODERN, dict(MODERN, rope_scaling_type="linear", rope_factor=3.0, rope_low_freq_factor=1.0,
                   rope_high_freq_factor=4.0, rope_original_max_pos=8192, qk_norm=False),
-     dict(MODERN, n_kv_head=1, rope_scaling="none", rope_factor=1.0, rope_high_freq_factor=4.0,
+     dict(MODERN, n_kv_head=1, rope_scaling_type="none", rope_factor=1.0, rope_high_freq_factor=4.0,
           rope_original_max_pos=8192)],
     ids=["llama3", "linear-no-qknorm", "mqa"],
 )  # fmt: skip
@@ -336,21 +336,21 @@ def test_static_cache_holds_key_value_heads_only() -> None:
         (dict(rope_original_max_pos=0), "model.rope_original_max_pos must be a positive integer"),
         (dict(kind="armd", head_dim=7),
          "rope needs an even head dimension (model.head_dim, or d_model / n_head), not 7"),
-        (dict(kind="armd", rope_scaling="yarn"),
-         "model.rope_scaling='yarn' is not supported; use none, linear, llama3 (no other RoPE "
+        (dict(kind="armd", rope_scaling_type="yarn"),
+         "model.rope_scaling_type='yarn' is not supported; use none, linear, llama3 (no other RoPE "
          "scaling is implemented)"),
-        (dict(kind="aogpt", rope_scaling="linear", rope_factor=2.0),
-         "model.rope_scaling=linear scales RoPE; it needs model.pos_emb=rope"),
+        (dict(kind="aogpt", rope_scaling_type="linear", rope_factor=2.0),
+         "model.rope_scaling_type=linear scales RoPE; it needs model.pos_emb=rope"),
         (dict(kind="armd", rope_factor=2.0),
-         "model.rope_factor=2.0 does nothing without model.rope_scaling; set "
-         "rope_scaling=linear or llama3, or leave rope_factor at 1"),
-        (dict(kind="armd", rope_scaling="linear", rope_high_freq_factor=8.0),
-         "model.rope_high_freq_factor is for model.rope_scaling=llama3; set that, or leave "
+         "model.rope_factor=2.0 does nothing without model.rope_scaling_type; set "
+         "rope_scaling_type=linear or llama3, or leave rope_factor at 1"),
+        (dict(kind="armd", rope_scaling_type="linear", rope_high_freq_factor=8.0),
+         "model.rope_high_freq_factor is for model.rope_scaling_type=llama3; set that, or leave "
          "rope_high_freq_factor at its default"),
-        (dict(kind="armd", rope_scaling="llama3", rope_low_freq_factor=4.0,
+        (dict(kind="armd", rope_scaling_type="llama3", rope_low_freq_factor=4.0,
               rope_high_freq_factor=4.0),
          "model.rope_low_freq_factor=4.0 must be below model.rope_high_freq_factor=4.0"),
-        (dict(kind="armd", rope_scaling="llama3", rope_factor=0.0),
+        (dict(kind="armd", rope_scaling_type="llama3", rope_factor=0.0),
          "model.rope_factor=0.0 must be a positive number"),
     ],
 )  # fmt: skip
@@ -399,7 +399,7 @@ def test_new_fields_survive_an_export(kind, tmp_path, gen) -> None:
     old = {k: v for k, v in config.items() if k not in MODERN or k in ("n_head", "mlp")}
     cfg = model_config_of({**old, "pos_emb": "rope", "bias": False})
     assert (cfg.n_kv_head, cfg.head_dim, cfg.intermediate_size, cfg.qkv_bias) == (None,) * 4
-    assert (cfg.rope_scaling, cfg.rope_factor) == ("none", 1.0)
+    assert (cfg.rope_scaling_type, cfg.rope_factor) == ("none", 1.0)
 
 
 def test_armd_decoding_adds_the_output_bias_where_a_query_sees_nothing(gen) -> None:
@@ -428,7 +428,7 @@ def test_new_fields_survive_a_training_checkpoints_config(tmp_path) -> None:
         (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         assert load_config(tmp_path / "config.yaml").model == cfg.model
     old = to_dict(RunConfig(model=ModelConfig(kind="armd", d_model=32)))
-    for name in ("n_kv_head", "head_dim", "intermediate_size", "qkv_bias", "rope_scaling",
+    for name in ("n_kv_head", "head_dim", "intermediate_size", "qkv_bias", "rope_scaling_type",
                  "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                  "rope_original_max_pos"):  # fmt: skip
         del old["model"][name]

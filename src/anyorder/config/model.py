@@ -58,18 +58,18 @@ class ModelConfig:
     mdm learns far faster with rope, which configs/tiny-mdm.yaml uses: docs/results.md)."""
     rope_base: float = 10000.0
     """RoPE frequency base (a Hugging Face config's rope_theta)."""
-    rope_scaling: str = "none"
+    rope_scaling_type: str = "none"
     """RoPE frequency scaling: none, linear (every frequency over rope_factor) or llama3
     (Llama 3.1's: low frequencies over rope_factor, high ones kept, a smooth ramp between,
     set by rope_low_freq_factor, rope_high_freq_factor and rope_original_max_pos)."""
     rope_factor: float = 1.0
-    """rope_scaling linear or llama3: the factor the (low) frequencies are divided by."""
+    """rope_scaling_type linear or llama3: the factor the (low) frequencies are divided by."""
     rope_low_freq_factor: float = 1.0
-    """rope_scaling llama3: wavelengths above rope_original_max_pos / this are scaled."""
+    """rope_scaling_type llama3: wavelengths above rope_original_max_pos / this are scaled."""
     rope_high_freq_factor: float = 4.0
-    """rope_scaling llama3: wavelengths below rope_original_max_pos / this are kept."""
+    """rope_scaling_type llama3: wavelengths below rope_original_max_pos / this are kept."""
     rope_original_max_pos: int = 8192
-    """rope_scaling llama3: the context length the model was first trained at."""
+    """rope_scaling_type llama3: the context length the model was first trained at."""
     qk_norm: bool = True
     """RMS-normalise queries and keys per head before RoPE: an RMSNorm over head_dim with one
     learned gain shared by the heads (Qwen3's q_norm and k_norm)."""
@@ -206,26 +206,28 @@ class ModelConfig:
             )
 
     def _validate_rope_scaling(self) -> None:
-        if self.rope_scaling not in ROPE_SCALINGS:
+        if self.rope_scaling_type not in ROPE_SCALINGS:
             raise ConfigError(
-                f"model.rope_scaling={preview(self.rope_scaling)} is not supported; use "
+                f"model.rope_scaling_type={preview(self.rope_scaling_type)} is not supported; use "
                 f"{', '.join(ROPE_SCALINGS)} (no other RoPE scaling is implemented)"
             )
-        if self.rope_scaling != "none" and self.positional != "rope":
+        if self.rope_scaling_type != "none" and self.positional != "rope":
             raise ConfigError(
-                f"model.rope_scaling={self.rope_scaling} scales RoPE; it needs model.pos_emb=rope"
+                f"model.rope_scaling_type={self.rope_scaling_type} scales RoPE; it needs "
+                "model.pos_emb=rope"
             )
-        if self.rope_scaling == "none" and self.rope_factor != 1.0:
+        if self.rope_scaling_type == "none" and self.rope_factor != 1.0:
             raise ConfigError(
-                f"model.rope_factor={self.rope_factor} does nothing without model.rope_scaling; "
-                "set rope_scaling=linear or llama3, or leave rope_factor at 1"
+                f"model.rope_factor={self.rope_factor} does nothing without "
+                "model.rope_scaling_type; "
+                "set rope_scaling_type=linear or llama3, or leave rope_factor at 1"
             )
         llama3 = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_pos")
-        if self.rope_scaling != "llama3":
+        if self.rope_scaling_type != "llama3":
             for name in llama3:
                 if getattr(self, name) != _DEFAULTS[name]:
                     raise ConfigError(
-                        f"model.{name} is for model.rope_scaling=llama3; set that, or leave "
+                        f"model.{name} is for model.rope_scaling_type=llama3; set that, or leave "
                         f"{name} at its default"
                     )
         elif not self.rope_low_freq_factor < self.rope_high_freq_factor:
@@ -263,10 +265,10 @@ class ModelConfig:
     @property
     def rope_scale(self) -> tuple[str, float, float, float, int] | None:
         """The RoPE scaling as one hashable value (None: none), for the rotary tables."""
-        if self.rope_scaling == "none":
+        if self.rope_scaling_type == "none":
             return None
         return (
-            self.rope_scaling,
+            self.rope_scaling_type,
             self.rope_factor,
             self.rope_low_freq_factor,
             self.rope_high_freq_factor,
