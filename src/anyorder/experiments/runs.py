@@ -119,6 +119,16 @@ OURS_FIELDS: dict[str, Any] = dict(
     adaln_gate_offset=True,
     adaln_init="zero",
     rope_query="input",
+    # the trunk options of pretrained families (issue 33) came later: off, as these runs had
+    n_kv_head=None,
+    head_dim=None,
+    intermediate_size=None,
+    qkv_bias=None,
+    rope_scaling_type="none",
+    rope_factor=1.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_pos=8192,
 )
 """Our AO-GPT parameterization as of these experiments: adaLN gates centred on one and
 zero-initialised modulation, the target embedding at unit scale, and our GPT trunk (no
