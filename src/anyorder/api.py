@@ -46,6 +46,27 @@ GENERATE_ORDERS = ("random", "l2r", "strided", "confidence")
 SCORE_ORDERS = ("l2r", "any")
 
 
+def decode_mode(
+    kind: str, order: str | None, steps: int | None, streams: int | None, speculative: int | None
+) -> tuple[str, bool]:
+    """The order a generation request decodes in, and whether it is sequential (one token a
+    pass): ``order`` checked, its default for ``kind``, ``strided`` when ``streams`` is given.
+    Shared by :meth:`Model.generate` and ``transformers``' ``generate`` (:mod:`anyorder.hf`).
+
+    Raises:
+        SamplingError: an order with options that do not go together.
+    """
+    from anyorder.sampling.speculative import check_request
+
+    check_request(speculative, steps, streams, order)
+    order = order or ("l2r" if kind == "gpt" else "random")
+    if order == "strided" and streams is None:
+        raise SamplingError("order='strided' needs streams=S")
+    if streams is not None:
+        order = "strided"
+    return order, steps is None and streams is None
+
+
 def _device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -308,16 +329,10 @@ class Model:
         from anyorder import bounds
         from anyorder.sample import decode_text, sample
         from anyorder.sampling.confidence import confidence_sample
-        from anyorder.sampling.speculative import check_request, speculative_sample
+        from anyorder.sampling.speculative import speculative_sample
 
         model, tok = self.model, self._tok()
-        check_request(speculative, steps, streams, order)
-        order = order or ("l2r" if model.kind == "gpt" else "random")
-        if order == "strided" and streams is None:
-            raise SamplingError("order='strided' needs streams=S")
-        if streams is not None:
-            order = "strided"
-        sequential = steps is None and streams is None
+        order, sequential = decode_mode(model.kind, order, steps, streams, speculative)
         stop = (
             tok.eos_id
             if stop_at_eos and sequential and order == "l2r" and model.kind != "mdm"

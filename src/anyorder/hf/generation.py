@@ -268,20 +268,14 @@ def _sample(
 ) -> Tensor:
     """The sampler ``anyorder.load(...).generate`` picks for the same request (api.py)."""
     from anyorder import bounds
-    from anyorder.api import GENERATE_ORDERS
+    from anyorder.api import GENERATE_ORDERS, decode_mode
     from anyorder.sample import sample
     from anyorder.sampling.confidence import confidence_sample
-    from anyorder.sampling.speculative import check_request, speculative_sample
+    from anyorder.sampling.speculative import speculative_sample
 
     if order is not None and order not in GENERATE_ORDERS:
         raise SamplingError(f"order={order!r}: use one of {', '.join(GENERATE_ORDERS)}")
-    check_request(speculative, steps, streams, order)
-    order = order or ("l2r" if model.kind == "gpt" else "random")
-    if order == "strided" and streams is None:
-        raise SamplingError("order='strided' needs streams=S")
-    if streams is not None:
-        order = "strided"
-    sequential = steps is None and streams is None
+    order, sequential = decode_mode(model.kind, order, steps, streams, speculative)
     stop = eos if sequential and order == "l2r" and model.kind != "mdm" else None
     gen = torch.Generator(model.device).manual_seed(seed)
     if prompt is not None:
