@@ -4,7 +4,9 @@ Each row runs ``python -m anyorder.cli`` in a folder of its own (a copy of a pre
 world: a trained tiny ARMD run, its data cache, a tokenizer of another vocabulary, bad
 corpora and configs) with relative paths, so the messages are stable and the documented
 message can be matched whole: ``<...>`` in the table stands for any text. The rows run
-four at a time (each is mostly interpreter start-up); every test then checks its own row:
+four at a time, each forked from an interpreter that has imported the CLI
+(tests/cli_zygote.py: most of a row's time was torch's start-up), or in a fresh interpreter
+where the row sets environment variables of its own. Every test then checks its own row:
 
 * stderr is exactly one line, the documented message, and holds no ``Traceback``;
 * the exit code is the documented one (2);
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shutil
 import socket
@@ -26,6 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from cli_zygote import Zygote
 
 from conftest import REPO
 
@@ -660,7 +665,7 @@ def world(tmp_path_factory) -> Path:
     return root
 
 
-def _run_row(ident: str, world: Path, base: Path) -> dict:
+def _run_row(ident: str, world: Path, base: Path, zygotes: queue.Queue) -> dict:
     args, extra, setup = ROWS[ident]
     folder = base / ident
     shutil.copytree(world, folder, symlinks=True)
@@ -672,18 +677,28 @@ def _run_row(ident: str, world: Path, base: Path) -> dict:
         env.pop(key, None)
     env.update({k: v.replace("CLOSED_PORT", str(_closed_port())) for k, v in extra.items()})
     before = _tree(folder)
-    out = subprocess.run(
-        [sys.executable, "-m", "anyorder.cli", *args],
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    if extra:  # variables of its own, perhaps read at import time: a fresh interpreter
+        out = subprocess.run(
+            [sys.executable, "-m", "anyorder.cli", *args],
+            cwd=folder,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        code, stdout, stderr = out.returncode, out.stdout, out.stderr
+    else:  # the same CLI, forked from an interpreter that has imported it (tests/cli_zygote.py)
+        zygote = zygotes.get()
+        try:
+            outs = base / f"{ident}.stdout", base / f"{ident}.stderr"
+            code = zygote.run(args, folder, env, *outs)
+        finally:
+            zygotes.put(zygote)
+        stdout, stderr = (p.read_text() for p in outs)
     return {
-        "code": out.returncode,
-        "stderr": out.stderr,
-        "stdout": out.stdout,
+        "code": code,
+        "stderr": stderr,
+        "stdout": stdout,
         "before": before,
         "after": _tree(folder),
     }
@@ -691,11 +706,19 @@ def _run_row(ident: str, world: Path, base: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def outcomes(world, tmp_path_factory) -> dict[str, dict]:
-    """Every row, run four at a time."""
+    """Every row, four at a time, each forked from one of four interpreters that have
+    imported the CLI (most of a row's time was interpreter and torch start-up)."""
     base = tmp_path_factory.mktemp("errors_rows")
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {i: pool.submit(_run_row, i, world, base) for i in ROWS}
-        results = {i: f.result() for i, f in futures.items()}
+    zygotes: queue.Queue = queue.Queue()
+    for _ in range(4):
+        zygotes.put(Zygote())
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            futures = {i: pool.submit(_run_row, i, world, base, zygotes) for i in ROWS}
+            results = {i: f.result() for i, f in futures.items()}
+    finally:
+        while not zygotes.empty():
+            zygotes.get().close()
     report = base / "outcomes.json"
     clean = sum(r["code"] == 2 and len(r["stderr"].splitlines()) == 1 for r in results.values())
     report.write_text(json.dumps({"rows": len(results), "clean": clean}) + "\n")
