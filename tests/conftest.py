@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,32 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> AnyOrderLM:
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
+
+
+_ZYGOTE = None
+
+
+def run_cli(
+    *args: str, cwd: Path | str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m anyorder.cli ARGS`` in ``cwd`` with ``env`` (default: this process's),
+    forked from one interpreter that has imported the CLI (tests/cli_zygote.py: torch's
+    2 s start-up paid once per session, not per call). For checks of interpreter start-up,
+    signals, launchers or resource limits, run a real subprocess instead."""
+    global _ZYGOTE
+    import tempfile
+
+    from cli_zygote import Zygote
+
+    if _ZYGOTE is None:
+        import atexit
+
+        _ZYGOTE = Zygote()
+        atexit.register(_ZYGOTE.close)
+    cwd = Path.cwd() if cwd is None else Path(cwd)
+    with tempfile.TemporaryDirectory(prefix="anyorder-cli-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        code = _ZYGOTE.run(list(args), cwd, dict(os.environ if env is None else env), out, err)
+        return subprocess.CompletedProcess(
+            ["anyorder", *args], code, out.read_text(), err.read_text()
+        )

@@ -11,6 +11,8 @@ import pytest
 from anyorder.config import ModelConfig, describe, field_docs, load_config, parse_override
 from anyorder.errors import ConfigError
 
+from conftest import run_cli
+
 
 def test_layers_defaults_file_overrides(tmp_path) -> None:
     f = tmp_path / "c.yaml"
@@ -74,12 +76,6 @@ def test_help_comes_from_field_docstrings() -> None:
     keys = {k for k, _, _ in describe()}
     assert {"model.kind", "train.lr", "order.rho", "data.source"} <= keys
     assert all(h for _, _, h in describe())  # every field documented
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "anyorder.cli", *args], capture_output=True, text=True, timeout=120
-    )
 
 
 def test_import_is_light_and_cpu_only() -> None:

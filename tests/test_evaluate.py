@@ -7,7 +7,6 @@ import itertools
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +42,7 @@ from anyorder.evaluation.zeroshot_table import table_markdown, write_table, zero
 from anyorder.models.base import AnyOrderLM
 
 from conftest import GPT2_TOKENIZER_DIR, REPO, has_gpt2_tokenizer, tiny_model
+from conftest import run_cli as conftest_run_cli
 
 # ----------------------------------------------------------------------------- a known model
 
@@ -623,11 +623,8 @@ def test_plots_write_pngs(tmp_path: Path) -> None:
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "anyorder.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return conftest_run_cli(
+        *args,
         cwd=cwd,
         env={"OMP_NUM_THREADS": "1", "PATH": "", "PYTHONPATH": str(REPO / "src")},
     )

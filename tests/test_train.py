@@ -24,6 +24,8 @@ from anyorder.training.metrics import read_metrics
 from anyorder.training.setup import check_config
 from anyorder.training.state import EMA, lr_at
 
+from conftest import run_cli
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 PAPER_CONFIGS = {
@@ -300,15 +302,7 @@ def test_torchrun_cli(tmp_path, cache):
 
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "anyorder.cli", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_cli(*args, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
+
 CONFIG = """\
 # my notes: these comments must survive
 model: {kind: armd, n_layer: 2, n_head: 2, d_model: 32, seq_len: 32}
@@ -39,10 +41,7 @@ def _env() -> dict[str, str]:
 
 
 def cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "anyorder.cli", *args],
-        cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    return run_cli(*args, cwd=cwd, env=_env())
 
 
 def one_line(out: subprocess.CompletedProcess) -> str:
