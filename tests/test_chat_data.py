@@ -156,6 +156,9 @@ def test_one_block_per_example_with_its_prompt_length(tmp_path):
         idx = np.arange(d.num_blocks(split))
         assert d.prompt_lengths(split, idx).tolist() == d.lengths[split][:, 0].tolist()
     assert got == expected
+    answers = [r for _, r in PAIRS] + ["a long answer " * 4]
+    total = sum(d.manifest["splits"][s]["bytes"] for s in ("train", "val"))
+    assert total == sum(len(a.encode()) for a in answers)
     assert d.num_blocks("val") >= 1 and d.num_blocks("train") >= 1
     assert (
         d.manifest["splits"]["train"]["cut_answers"] + d.manifest["splits"]["val"]["cut_answers"]
@@ -163,6 +166,8 @@ def test_one_block_per_example_with_its_prompt_length(tmp_path):
     )
     for split in ("train", "val"):  # the lengths are checksummed like the blocks
         info = d.manifest["splits"][split]
+        assert info["answer_positions"] == int((seq_len - d.lengths[split][:, 0]).sum())
+        assert info["tokens"] == d.num_blocks(split) * seq_len
         digest = hashlib.sha256((d.path / info["lengths_file"]).read_bytes()).hexdigest()
         assert info["lengths_sha256"] == digest
     again = prepare(cfg(tmp_path, src, val_fraction=0.25), seq_len, progress=False)

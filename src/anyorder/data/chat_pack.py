@@ -15,8 +15,9 @@ Design choices:
 * A bad record stops the build with one line naming its file and line, and the build
   writes into the temporary folder :func:`anyorder.data.build.prepare` renames at the end:
   nothing is left half-written.
-* Bytes per token (for bits per byte) is the answers' UTF-8 bytes over the answer blocks'
-  tokens (padding included): the bits of a whole answer block over the bytes of its text.
+* Bytes per token (for bits per byte) is the answers' UTF-8 bytes over the answers'
+  positions (padding included, ``answer_positions`` in the manifest): the bits of a whole
+  answer block over the bytes of its text.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def lengths_file(split: str) -> str:
 class _ChatWriter:
     """Appends one split's blocks and lengths, and counts examples, answer tokens and bytes."""
 
-    def __init__(self, folder: Path, split: str, dtype: np.dtype) -> None:
+    def __init__(self, folder: Path, split: str, dtype: np.dtype, seq_len: int) -> None:
+        self.seq_len = seq_len
         self.path = folder / f"{split}.bin"
         self.lengths_path = folder / lengths_file(split)
         self.dtype = dtype
@@ -69,13 +71,14 @@ class _ChatWriter:
         self.lengths.close()
 
     def stats(self) -> dict[str, Any]:
-        seq = self.answer_positions  # tokens the loss and validation cover
+        seq = self.answer_positions  # the tokens the loss and validation cover
         return {
             "file": self.path.name,
             "documents": self.blocks,
-            "tokens": seq,
+            "tokens": self.blocks * self.seq_len,
             "blocks": self.blocks,
-            "kept_tokens": seq,
+            "kept_tokens": self.blocks * self.seq_len,
+            "answer_positions": seq,
             "bytes": self.bytes,
             "bytes_per_token": self.bytes / seq if seq else 0.0,
             "sha256": sha256_file(self.path),
@@ -134,7 +137,7 @@ def pack_examples(
         DataError: a bad record (one line naming it), or fewer than two examples.
     """
     dtype = token_dtype(tok.vocab_size)
-    writers = {s: _ChatWriter(folder, s, dtype) for s in SPLITS}
+    writers = {s: _ChatWriter(folder, s, dtype, seq_len) for s in SPLITS}
     last: tuple[int, int, int] | None = None  # the last train block's answer positions etc.
     try:
         for record, where in records:
