@@ -101,6 +101,7 @@ def test_mix_and_the_orders_that_cannot_take_a_prompt():
 # ----------------------------------------------------------------------------- losses
 
 
+@torch.no_grad()
 def sequential_answer_nll(model, x, plen, order) -> torch.Tensor:
     """Independent: each answer slot scored by a forward over the order's prefix up to it
     (the decoders see nothing later), summed over the answer: (B,)."""
@@ -220,7 +221,7 @@ def test_any_order_estimate_is_per_answer_token():
     g = torch.Generator().manual_seed(4)
     o = prompt_first(orders_mod.uniform(len(x), N, g).order, plen)
     want = sequential_answer_nll(model, x, plen, o).sum() / int((N - plen).sum())
-    assert est.mean == pytest.approx(float(want.detach()), rel=1e-5)
+    assert est.mean == pytest.approx(float(want), rel=1e-5)
 
 
 def write_chat(path, count: int = 40) -> None:
@@ -297,3 +298,34 @@ def test_resume_is_bit_exact_with_the_prompt_first(tmp_path):
     losses = [[r["loss"] for r in read_metrics(tmp_path / run) if "loss" in r]
               for run in ("straight", "split")]  # fmt: skip
     assert losses[0] == losses[1] and len(losses[0]) == 4
+
+
+def test_validation_reports_the_answers_given_their_prompts(tmp_path):
+    from anyorder.config import DataConfig, load_config
+    from anyorder.data import prepare
+    from anyorder.training.validation import format_val, validate
+
+    write_chat(tmp_path / "chat.jsonl")
+    data = prepare(
+        DataConfig(source=str(tmp_path / "chat.jsonl"), cache_dir=str(tmp_path / "c"),
+                   val_fraction=0.3),
+        32,
+        progress=False,
+    )  # fmt: skip
+    cfg = load_config(None, ["model.kind=aogpt", "order.condition=prompt"])
+    model = tiny_model("aogpt", 0, vocab_size=257, seq_len=32, d_model=32)
+    val = validate(model, data, cfg, torch.device("cpu"), batches=1, batch_size=3)
+    x = data.batch("val", [0, 1, 2])
+    plen = data.prompt_lengths("val", [0, 1, 2])
+    # independent: each answer position scored from its prefix, left to right
+    total = 0.0
+    for b in range(3):
+        with torch.no_grad():
+            logp = F.log_softmax(model(x[b : b + 1])[0].double(), -1)
+        total -= sum(float(logp[t, x[b, t]]) for t in range(int(plen[b]), 32))
+    answer_tokens = int((32 - plen).sum())
+    assert val["val/answer_tokens"] == answer_tokens
+    assert val["val/l2r_nll"] == pytest.approx(total / answer_tokens, rel=1e-5)
+    assert val["val/l2r_bpt"] == pytest.approx(total / answer_tokens / math.log(2), rel=1e-5)
+    assert val["val/ao_bpt_se"] >= 0 and math.isfinite(val["val/ao_bpt"])
+    assert format_val(val).startswith("validation of the answers: left to right ")
