@@ -157,7 +157,7 @@ def test_one_block_per_example_with_its_prompt_length(tmp_path):
         assert d.prompt_lengths(split, idx).tolist() == d.lengths[split][:, 0].tolist()
     assert got == expected
     answers = [r for _, r in PAIRS] + ["a long answer " * 4]
-    total = sum(d.manifest["splits"][s]["bytes"] for s in ("train", "val"))
+    total = sum(d.manifest["splits"][s]["answer_bytes"] for s in ("train", "val"))
     assert total == sum(len(a.encode()) for a in answers)
     assert d.num_blocks("val") >= 1 and d.num_blocks("train") >= 1
     assert (
@@ -166,8 +166,13 @@ def test_one_block_per_example_with_its_prompt_length(tmp_path):
     )
     for split in ("train", "val"):  # the lengths are checksummed like the blocks
         info = d.manifest["splits"][split]
-        assert info["answer_positions"] == int((seq_len - d.lengths[split][:, 0]).sum())
+        positions = int((seq_len - d.lengths[split][:, 0]).sum())
+        assert info["answer_positions"] == positions
+        assert d.answer_bytes_per_token(split) == info["answer_bytes"] / positions
+        # whole blocks, as text data: the bytes their tokens stand for (ASCII: one a byte id)
         assert info["tokens"] == d.num_blocks(split) * seq_len
+        assert info["bytes"] == int((d.split(split) < 256).sum())
+        assert d.bytes_per_token(split) == info["bytes"] / info["tokens"]
         digest = hashlib.sha256((d.path / info["lengths_file"]).read_bytes()).hexdigest()
         assert info["lengths_sha256"] == digest
     again = prepare(cfg(tmp_path, src, val_fraction=0.25), seq_len, progress=False)

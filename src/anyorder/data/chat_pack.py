@@ -15,9 +15,11 @@ Design choices:
 * A bad record stops the build with one line naming its file and line, and the build
   writes into the temporary folder :func:`anyorder.data.build.prepare` renames at the end:
   nothing is left half-written.
-* Bytes per token (for bits per byte) is the answers' UTF-8 bytes over the answers'
-  positions (padding included, ``answer_positions`` in the manifest): the bits of a whole
-  answer block over the bytes of its text.
+* Bytes per token, for bits per byte: ``bytes_per_token`` is what the blocks decode to (EOS
+  and special tokens left out) over their tokens, as for text, so whole-block figures
+  (``anyorder eval``) keep their meaning; ``answer_bytes_per_token`` is the answers' text
+  over the answers' positions (padding included), for the answers' figures: the bits of a
+  whole answer over the bytes of its text.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -45,6 +47,16 @@ def lengths_file(split: str) -> str:
     return f"{split}.lengths.bin"
 
 
+class _Counts(NamedTuple):
+    """What one block adds to its split's counts."""
+
+    positions: int  # the answer's positions, padding included
+    answer: int  # the answer's tokens with its EOS
+    answer_bytes: int  # the answer's text in UTF-8
+    block_bytes: int  # what the block's tokens decode to, in UTF-8
+    cut: int  # 1 for an answer cut at the block's end
+
+
 class _ChatWriter:
     """Appends one split's blocks and lengths, and counts examples, answer tokens and bytes."""
 
@@ -55,37 +67,40 @@ class _ChatWriter:
         self.dtype = dtype
         self.file: BinaryIO = open(self.path, "wb")  # noqa: SIM115 - closed in close()
         self.lengths: BinaryIO = open(self.lengths_path, "wb")  # noqa: SIM115
-        self.blocks = self.answer_positions = self.answer_tokens = self.bytes = self.cut = 0
+        self.blocks = 0
+        self.counts = _Counts(0, 0, 0, 0, 0)
 
-    def add(self, block: list[int], prompt: int, answer: int, nbytes: int, cut: bool) -> None:
+    def add(self, block: list[int], prompt: int, counts: _Counts) -> None:
         self.file.write(np.asarray(block, dtype=np.int64).astype(self.dtype).tobytes())
-        self.lengths.write(np.asarray([prompt, answer], dtype=LENGTHS_DTYPE).tobytes())
-        self.blocks += 1
-        self.answer_positions += len(block) - prompt
-        self.answer_tokens += answer
-        self.bytes += nbytes
-        self.cut += int(cut)
+        self.lengths.write(np.asarray([prompt, counts.answer], dtype=LENGTHS_DTYPE).tobytes())
+        self.count(counts, 1)
+
+    def count(self, counts: _Counts, sign: int) -> None:
+        self.blocks += sign
+        self.counts = _Counts(*(a + sign * b for a, b in zip(self.counts, counts)))
 
     def close(self) -> None:
         self.file.close()
         self.lengths.close()
 
     def stats(self) -> dict[str, Any]:
-        seq = self.answer_positions  # the tokens the loss and validation cover
+        c, tokens = self.counts, self.blocks * self.seq_len
         return {
             "file": self.path.name,
             "documents": self.blocks,
-            "tokens": self.blocks * self.seq_len,
+            "tokens": tokens,
             "blocks": self.blocks,
-            "kept_tokens": self.blocks * self.seq_len,
-            "answer_positions": seq,
-            "bytes": self.bytes,
-            "bytes_per_token": self.bytes / seq if seq else 0.0,
+            "kept_tokens": tokens,
+            "bytes": c.block_bytes,
+            "bytes_per_token": c.block_bytes / tokens if tokens else 0.0,
             "sha256": sha256_file(self.path),
             "lengths_file": self.lengths_path.name,
             "lengths_sha256": sha256_file(self.lengths_path),
-            "answer_tokens": self.answer_tokens,
-            "cut_answers": self.cut,
+            "answer_positions": c.positions,
+            "answer_tokens": c.answer,
+            "answer_bytes": c.answer_bytes,
+            "answer_bytes_per_token": c.answer_bytes / c.positions if c.positions else 0.0,
+            "cut_answers": c.cut,
         }
 
 
@@ -138,29 +153,26 @@ def pack_examples(
     """
     dtype = token_dtype(tok.vocab_size)
     writers = {s: _ChatWriter(folder, s, dtype, seq_len) for s in SPLITS}
-    last: tuple[int, int, int] | None = None  # the last train block's answer positions etc.
+    last: _Counts | None = None  # the last train block's
     try:
         for record, where in records:
             ex = encode_example(record, tok, seq_len, tok.eos_id, where=where)
             answer = (
                 record["messages"][-1]["content"] if "messages" in record else record["response"]
             )
-            nbytes = len(answer.encode("utf-8", errors="replace"))
             key = json.dumps(record.get("messages", [record.get("prompt"), answer]), sort_keys=True)
-            split = (
-                "val"
-                if _held_out(hashlib.sha1(key.encode()).hexdigest(), val_fraction)
-                else "train"
+            held = _held_out(hashlib.sha1(key.encode()).hexdigest(), val_fraction)
+            block = ex.block(seq_len, tok.eos_id)
+            counts = _Counts(
+                positions=seq_len - ex.prompt_len,
+                answer=len(ex.response_ids),
+                answer_bytes=len(answer.encode("utf-8", errors="replace")),
+                block_bytes=len(tok.decode(block).encode("utf-8", errors="replace")),
+                cut=int(ex.response_ids[-1] != tok.eos_id),
             )
-            cut = (
-                ex.response_ids[-1] != tok.eos_id
-                or len(ex.prompt_ids) + len(ex.response_ids) > seq_len
-            )
-            writers[split].add(
-                ex.block(seq_len, tok.eos_id), ex.prompt_len, len(ex.response_ids), nbytes, cut
-            )
-            if split == "train":
-                last = (seq_len - ex.prompt_len, len(ex.response_ids), nbytes)
+            writers["val" if held else "train"].add(block, ex.prompt_len, counts)
+            if not held:
+                last = counts
     finally:
         for w in writers.values():
             w.close()
@@ -173,10 +185,6 @@ def pack_examples(
         )
     if val_fraction > 0 and val.blocks == 0 and last is not None:
         _move_last(train, val, seq_len)
-        positions, answer, nbytes = last
-        for w, sign in ((train, -1), (val, 1)):
-            w.blocks += sign
-            w.answer_positions += sign * positions
-            w.answer_tokens += sign * answer
-            w.bytes += sign * nbytes
+        train.count(last, -1)
+        val.count(last, 1)
     return {name: w.stats() for name, w in writers.items()}

@@ -171,6 +171,16 @@ class TokenData:
         idx = np.asarray(indices, dtype=np.int64)
         return torch.from_numpy(np.asarray(self.lengths[split][idx, 0], dtype=np.int64))
 
+    def answer_bytes_per_token(self, split: str) -> float:
+        """Conversational data: the answers' UTF-8 bytes per answer position (padding
+        included), for the answers' bits per byte.
+
+        Raises:
+            DataError: the data is text.
+        """
+        self.prompt_lengths(split, [])  # text data raises, an unknown split too
+        return float(self.manifest["splits"][split]["answer_bytes_per_token"])
+
     def split(self, name: str) -> np.ndarray:
         """The blocks of ``train`` or ``val``."""
         if name not in SPLITS:
@@ -334,4 +344,7 @@ def data_manifest_problem(manifest: Any) -> str:
             digest = info.get("lengths_sha256")
             if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX64:
                 return f"the {split} lengths have no SHA-256"
+            bpt = info.get("answer_bytes_per_token")
+            if not isinstance(bpt, (int, float)) or isinstance(bpt, bool) or not 0 <= bpt < 1e6:
+                return f"the {split} split has no answer_bytes_per_token"
     return ""

@@ -11,7 +11,8 @@ Design choices:
 * With EMA on, validation reports the EMA weights (swapped in for the duration).
 * ``order.condition=prompt``: the figures are of the answers given their prompts
   (:mod:`anyorder.evaluation.answers`), per answer token, in bits per token
-  (``val/l2r_bpt``, ``val/ao_bpt``) beside nats and bits per byte of the answers' text.
+  (``val/l2r_bpt``, ``val/ao_bpt``) beside nats and bits per byte of the answers' text
+  (:meth:`~anyorder.data.TokenData.answer_bytes_per_token`).
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def validate_answers(
             ao_vars.append((est.stderr * tokens) ** 2 if num_orders > 1 else 0.0)
     finally:
         model.train(was_training)
-    bpt = data.bytes_per_token("val")
+    bpt = data.answer_bytes_per_token("val")
     nll = l2r_sum / max(1, l2r_tokens)
     out = {"val/blocks": float(total), "val/answer_tokens": float(answer_tokens)}
     out |= {"val/l2r_nll": nll, "val/l2r_bpt": nll / math.log(2)}
