@@ -49,6 +49,10 @@ class DataConfig:
     """Stream a Hugging Face dataset instead of downloading it whole."""
     max_documents: int | None = None
     """Stop after this many documents (quick runs on a large corpus)."""
+    format: str = "auto"
+    """text (documents packed into blocks), chat (prompt/response or messages records, one
+    example a block: docs/data.md), or auto: chat for .jsonl whose first record holds
+    prompt and response or messages, text otherwise (hf: datasets need chat said)."""
 
     def cache_path(self) -> Path:
         """The folder ``cache_dir`` names (``auto``: the cache home, see the field's help).
@@ -97,6 +101,11 @@ class OrderConfig:
     """strided: the number of streams S (must divide the sequence length)."""
     sbp_streams: tuple[int, ...] = (1, 2, 4)
     """sbp: the stream counts S drawn uniformly per step in SBP fine-tuning."""
+    condition: str = "none"
+    """none: every order covers the whole block, the loss every token. prompt (needs
+    prompt/response data, data.format=chat): the prompt's positions come first in every
+    order as known context, the answer's follow in the order kind's distribution, and the
+    loss covers the answer only (gpt: left to right; mdm: the prompt never masked)."""
 
 
 @dataclass

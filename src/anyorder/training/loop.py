@@ -296,10 +296,18 @@ def _open_run(
         start_step=step,
         last_ckpt=ckpt_mod.latest_checkpoint(run_dir) if resume_from else None,
         unigram=unigram,
-        to_bpb=1.0 / (math.log(2) * parts.data.bytes_per_token("train")),
+        to_bpb=1.0 / (math.log(2) * _loss_bytes_per_token(parts)),
         t0=t0,
         loop_t0=time.perf_counter(),
     )
+
+
+def _loss_bytes_per_token(parts: RunParts) -> float:
+    """Bytes per token of what the loss covers: the answers' under ``order.condition=prompt``
+    (the loss is per answer token), the whole blocks' otherwise."""
+    if parts.cfg.order.condition == "prompt":
+        return parts.data.answer_bytes_per_token("train")
+    return parts.data.bytes_per_token("train")
 
 
 def _set_horizon(
