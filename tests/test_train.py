@@ -212,23 +212,35 @@ DIST_EXTRA = {"train.steps": 3, "train.batch_size": 8}
 
 
 @pytest.fixture(scope="module")
-def single_run(tmp_path_factory, cache) -> Path:
-    """The one-process reference of the distributed tests."""
-    run = tmp_path_factory.mktemp("single") / "run"
-    train(_cfg(run, cache, "armd", **DIST_EXTRA), progress=False)  # also prepares the data
-    return run
+def single_runs(tmp_path_factory, cache):
+    """The one-process reference of the distributed tests, one per model kind (made once)."""
+    runs: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in runs:
+            run = tmp_path_factory.mktemp(f"single-{kind}") / "run"
+            train(_cfg(run, cache, kind, **DIST_EXTRA), progress=False)  # prepares the data
+            runs[kind] = run
+        return runs[kind]
+
+    return get
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_two_processes_match_one(tmp_path, cache, single_run, fsdp):
+@pytest.mark.parametrize(
+    ("kind", "fsdp"),
+    [("armd", False), ("armd", True), ("aogpt", True)],
+    ids=["armd-ddp", "armd-fsdp", "aogpt-fsdp"],
+)
+def test_two_processes_match_one(tmp_path, cache, single_runs, kind, fsdp):
     """Two gloo ranks with the same global batch give one process's weights (atol 1e-5),
-    with DDP and with FSDP2 (both run on the CPU)."""
-    single = single_run
+    with DDP and with FSDP2 (both run on the CPU). AO-GPT's joined adaLN reads every block's
+    adaLN weights before the blocks run: under FSDP2 they must be whole there."""
+    single = single_runs(kind)
     dist_run = tmp_path / "dist"
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     extra = {**DIST_EXTRA, "train.fsdp": fsdp}
-    overrides = json.dumps(_overrides(dist_run, cache, "armd", **extra))
+    overrides = json.dumps(_overrides(dist_run, cache, kind, **extra))
     store = tmp_path / "store"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -254,10 +266,17 @@ def test_two_processes_match_one(tmp_path, cache, single_run, fsdp):
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out
 
+    # Two ranks sum their halves' gradients in another order than one process does. AO-GPT's
+    # adaLN starts at zero, where Adam's first steps move each weight by about lr whatever
+    # its gradient's size: the round-off of a tiny gradient reaches the weight magnified
+    # (1.7e-5 measured on one of 24,576 adaLN weights after 3 steps at lr 0.01, 0.2% of a step)
+    atol = 5e-5 if kind == "aogpt" else 1e-5
     for which in ("raw", "ema"):
         a, b = _weights(single, which), _weights(dist_run, which)
         for k in a:
-            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                a[k], b[k], rtol=0, atol=atol, msg=lambda m, k=k, w=which: f"{w} {k}: {m}"
+            )
     la, lb = _losses(single), _losses(dist_run)
     assert [s for s, _ in la] == [s for s, _ in lb] == [1, 2, 3]
     for (_, x), (_, y) in zip(la, lb):

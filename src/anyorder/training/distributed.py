@@ -11,7 +11,9 @@ Design choices:
   see every forward, including the encoder's ELBO that never calls ``forward``. Under FSDP
   the model is the root unit (``denoise`` registered as a second entry point for the
   encoder) and each block entered through its own ``__call__`` is a unit; ARMD's two-stream
-  blocks stay in the root unit because the two-stream layer reaches into their submodules.
+  blocks stay in the root unit because the two-stream layer reaches into their submodules,
+  and AO-GPT's blocks are sharded as attention and MLP, their adaLN in the root, because the
+  joined adaLN reads every block's adaLN weights at once (:func:`fsdp_units`).
 * Checkpoints hold full (unsharded) state dicts: under FSDP every rank takes part in
   gathering them to the CPU and only rank 0 writes.
 * Only rank 0 writes (metrics, config): its write error is broadcast at the next point every
@@ -237,6 +239,26 @@ def is_fsdp(cfg: RunConfig, env: DistEnv) -> bool:
     return cfg.train.fsdp and env.distributed
 
 
+def fsdp_units(model: nn.Module, cfg: RunConfig) -> list[nn.Module]:
+    """The modules FSDP2 shards as units of their own, below the model (the root unit).
+
+    A unit's weights are whole only inside its own ``__call__`` (FSDP's hooks unshard
+    there), so a module whose weights are read from outside stays in the root unit:
+    ARMD's two-stream layers reach into their blocks' submodules (those blocks stay whole
+    in the root), and AO-GPT's joined adaLN reads every block's adaLN linear in one matmul
+    before any block runs (there each block's attention and MLP are the units, its adaLN
+    and norms stay in the root).
+    """
+    first = getattr(model, "l2s", 0) if cfg.model.kind == "armd" else 0
+    units: list[nn.Module] = []
+    for block in list(model.blocks)[first:]:
+        if getattr(block, "ada", None) is None:
+            units.append(block)
+        else:
+            units += [block.attn, block.mlp]
+    return units
+
+
 def wrap_model(model: nn.Module, wrapper: nn.Module, cfg: RunConfig, env: DistEnv) -> nn.Module:
     """The module the training step calls: ``wrapper`` (the loss over ``model``) alone, under
     DDP, or over a model sharded in place by FSDP2 (see the module docstring)."""
@@ -248,12 +270,8 @@ def wrap_model(model: nn.Module, wrapper: nn.Module, cfg: RunConfig, env: DistEn
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
         )
-        # One FSDP unit per block that is entered through its own __call__ (FSDP's hooks
-        # unshard there). ARMD's two-stream layers reach into their block's submodules
-        # directly, so those blocks stay in the root unit.
-        first = getattr(model, "l2s", 0) if cfg.model.kind == "armd" else 0
-        for block in list(model.blocks)[first:]:
-            fully_shard(block, mp_policy=mp)
+        for unit in fsdp_units(model, cfg):
+            fully_shard(unit, mp_policy=mp)
         # The model itself is the root unit, so validation (which calls the model, not the
         # loss wrapper) unshards it too; token_nll (trunk and head in chunks, not through
         # forward) and the encoder's denoise() are entry points as well.
