@@ -49,6 +49,10 @@ class DataConfig:
     """Stream a Hugging Face dataset instead of downloading it whole."""
     max_documents: int | None = None
     """Stop after this many documents (quick runs on a large corpus)."""
+    format: str = "auto"
+    """text (documents packed into blocks), chat (prompt/response or messages records, one
+    example a block: docs/data.md), or auto: chat for .jsonl whose first record holds
+    prompt and response or messages, text otherwise (hf: datasets need chat said)."""
 
     def cache_path(self) -> Path:
         """The folder ``cache_dir`` names (``auto``: the cache home, see the field's help).

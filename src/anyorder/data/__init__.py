@@ -6,8 +6,10 @@ From the bottom up (each module imports only those above it, and only the core b
 * :mod:`~anyorder.data.sources`: documents of local files, hub datasets and the builtins;
 * :mod:`~anyorder.data.untrusted`: refusing code from downloaded folders;
 * :mod:`~anyorder.data.tokenizers`: bytes, BPE and ``transformers`` tokenizers;
+* :mod:`~anyorder.data.chat`: conversational records and chat templates;
 * :mod:`~anyorder.data.shards`: a prepared folder (:class:`TokenData`), opened and verified;
 * :mod:`~anyorder.data.split`: packing documents into blocks, the train/validation split;
+* :mod:`~anyorder.data.chat_pack`: one block per conversational example, prompt lengths;
 * :mod:`~anyorder.data.build`: :func:`prepare`, the cache key, atomic cache folders;
 * :mod:`~anyorder.data.blocks`: the seeded :class:`BlockSampler` and evaluation batches;
 * :mod:`~anyorder.data.stats`: the unigram baseline and the ``anyorder data`` command.
@@ -17,7 +19,13 @@ importing this package is cheap.
 """
 
 from anyorder.data.blocks import BlockSampler, iter_eval_blocks
-from anyorder.data.build import BPE_TRAIN_CHARS, cache_key, prepare
+from anyorder.data.build import BPE_TRAIN_CHARS, DATA_FORMATS, cache_key, data_format, prepare
+from anyorder.data.chat import (
+    Example,
+    encode_example,
+    render_messages,
+    render_prompt,
+)
 from anyorder.data.shards import (
     FORMAT_VERSION,
     SPLITS,
@@ -47,6 +55,7 @@ from anyorder.data.tokenizers import (
 
 __all__ = [
     "BPE_TRAIN_CHARS",
+    "DATA_FORMATS",
     "EOT",
     "ESTIMATE_OVER_S",
     "FORMAT_VERSION",
@@ -56,17 +65,22 @@ __all__ = [
     "BPETokenizer",
     "BlockSampler",
     "ByteTokenizer",
+    "Example",
     "HFTokenizer",
     "TokenData",
     "Tokenizer",
     "cache_key",
+    "data_format",
     "data_main",
     "data_manifest_problem",
+    "encode_example",
     "is_val_document",
     "iter_documents",
     "iter_eval_blocks",
     "load_tokenizer",
     "prepare",
+    "render_messages",
+    "render_prompt",
     "resolve_files",
     "sha256_file",
     "source_bytes",

@@ -32,6 +32,8 @@ import numpy as np
 
 from anyorder.atomic import remove_stale_temps
 from anyorder.config import DataConfig
+from anyorder.data.chat import detect_chat, iter_records
+from anyorder.data.chat_pack import pack_examples
 from anyorder.data.shards import FORMAT_VERSION, STAMP, TokenData, _write_stamp, token_dtype
 from anyorder.data.sources import (
     _hf_local,
@@ -42,7 +44,7 @@ from anyorder.data.sources import (
 )
 from anyorder.data.split import _pack, is_val_document
 from anyorder.data.tokenizers import BPETokenizer, Tokenizer, _parse_bpe, load_tokenizer
-from anyorder.errors import ConfigError, DataError
+from anyorder.errors import ConfigError, DataError, preview
 
 BPE_TRAIN_CHARS = 256 * 2**20
 """A bpe:VOCAB tokenizer is trained on the first train documents, up to this many characters."""
@@ -83,6 +85,23 @@ def _tokenizer_fingerprint(spec: str) -> str | None:
     return _fingerprint(sorted(p for p in path.rglob("*") if p.is_file()))
 
 
+DATA_FORMATS = ("auto", "text", "chat")
+"""The values of ``data.format``."""
+
+
+def data_format(cfg: DataConfig) -> str:
+    """``data.format`` resolved: ``text`` or ``chat`` (``auto`` looks at the source).
+
+    Raises:
+        ConfigError: an unknown format.
+    """
+    if cfg.format not in DATA_FORMATS:
+        raise ConfigError(f"data.format={preview(cfg.format)}: use auto, text or chat")
+    if cfg.format != "auto":
+        return cfg.format
+    return "chat" if detect_chat(cfg.source) else "text"
+
+
 def _check(cfg: DataConfig, seq_len: int) -> None:
     if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
         raise ConfigError(f"seq_len={seq_len!r} must be a positive integer")
@@ -110,6 +129,8 @@ def cache_key(cfg: DataConfig, seq_len: int) -> str:
         "max_documents": cfg.max_documents,
         "seq_len": seq_len,
     }
+    if data_format(cfg) == "chat":  # text corpora keep the keys they had before chat data
+        ident.update(kind="chat", text_field=None)
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -139,15 +160,26 @@ def _build(cfg: DataConfig, seq_len: int, key: str, folder: Path, progress: bool
     """Write shards, tokenizer and manifest of ``cfg`` into ``folder``."""
     # resolves the source first (a bad path fails before training); a large .txt file comes
     # in pieces (sources.LongText), so packing holds a piece of it at a time
-    docs = _documents(cfg, pieces=True)
+    chat = data_format(cfg) == "chat"
+    if chat and cfg.tokenizer.strip().startswith("bpe:"):
+        raise ConfigError(
+            f"data.tokenizer={cfg.tokenizer} trains on plain text; with data.format=chat use "
+            "bytes, a tokenizer folder or a hub tokenizer"
+        )
+    docs = _documents(cfg, pieces=True) if not chat else None
     if cfg.tokenizer.strip().startswith("bpe:"):
         vocab = _parse_bpe(cfg.tokenizer.strip())
         tok: Tokenizer = BPETokenizer.train(_bpe_texts(cfg), vocab, progress=progress)
     else:
         tok = load_tokenizer(cfg.tokenizer)
-    stats, moved = _pack(docs, tok, seq_len, cfg.val_fraction, folder, cfg.source, progress)
+    if chat:
+        records = iter_records(cfg.source, streaming=cfg.streaming, max_records=cfg.max_documents)
+        stats, moved = pack_examples(records, tok, seq_len, cfg.val_fraction, folder, cfg.source), 0
+    else:
+        stats, moved = _pack(docs, tok, seq_len, cfg.val_fraction, folder, cfg.source, progress)
     tok.save(folder / "tokenizer")
-    manifest = {
+    manifest: dict[str, Any] = {"kind": "chat"} if chat else {}
+    manifest |= {
         "format": FORMAT_VERSION,
         "key": key,
         "source": cfg.source,
@@ -167,8 +199,10 @@ def _build(cfg: DataConfig, seq_len: int, key: str, folder: Path, progress: bool
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     stamp = {}
     for info in stats.values():  # the shards were checked as they were written
-        st = (folder / info["file"]).stat()
-        stamp[info["file"]] = [st.st_size, st.st_mtime_ns, info["sha256"]]
+        for name, digest in (("file", "sha256"), ("lengths_file", "lengths_sha256")):
+            if name in info:
+                st = (folder / info[name]).stat()
+                stamp[info[name]] = [st.st_size, st.st_mtime_ns, info[digest]]
     _write_stamp(folder / STAMP, stamp)
 
 

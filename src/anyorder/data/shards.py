@@ -72,6 +72,9 @@ class TokenData:
     train: np.ndarray
     val: np.ndarray
     reused: bool = False
+    lengths: dict[str, np.ndarray] | None = None
+    """Conversational data (``manifest["kind"] == "chat"``): per split, (N, 2) int32 rows of
+    (prompt length, answer length with its EOS) per block; None for text."""
 
     def __repr__(self) -> str:
         return (
@@ -123,13 +126,14 @@ class TokenData:
                 if blocks
                 else np.zeros((0, seq_len), dtype=dtype)
             )
+        lengths = _load_lengths(folder, manifest) if manifest.get("kind") == "chat" else None
         tokenizer = load_tokenizer(str(folder / "tokenizer"))
         if tokenizer.vocab_size != manifest["vocab_size"]:
             raise DataError(
                 f"the tokenizer in {folder} has {tokenizer.vocab_size} token ids but its manifest "
                 f"says {manifest['vocab_size']}; delete {folder} and prepare again"
             )
-        data = cls(folder, manifest, tokenizer, arrays["train"], arrays["val"], reused)
+        data = cls(folder, manifest, tokenizer, arrays["train"], arrays["val"], reused, lengths)
         data.verify(stamped=True)
         return data
 
@@ -144,6 +148,28 @@ class TokenData:
     @property
     def eos_id(self) -> int:
         return int(self.manifest["eos_id"])
+
+    @property
+    def is_chat(self) -> bool:
+        """Whether the blocks are conversational examples with a prompt each."""
+        return self.lengths is not None
+
+    def prompt_lengths(self, split: str, indices: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """The prompt length of blocks ``indices`` of a split as a LongTensor (B,).
+
+        Raises:
+            DataError: the data is text, with no prompts.
+        """
+        import torch
+
+        if self.lengths is None:
+            raise DataError(
+                f"{self.path} holds text, not prompt/response examples; prepare the data with "
+                "data.format=chat"
+            )
+        self.split(split)
+        idx = np.asarray(indices, dtype=np.int64)
+        return torch.from_numpy(np.asarray(self.lengths[split][idx, 0], dtype=np.int64))
 
     def split(self, name: str) -> np.ndarray:
         """The blocks of ``train`` or ``val``."""
@@ -185,6 +211,17 @@ class TokenData:
         fresh = {}
         for split in SPLITS:
             info = self.manifest["splits"][split]
+            if "lengths_file" in info:
+                path = self.path / info["lengths_file"]
+                st = path.stat()
+                fresh[path.name] = [st.st_size, st.st_mtime_ns, info["lengths_sha256"]]
+                if stamp.get(path.name) != fresh[path.name] and (
+                    sha256_file(path) != info["lengths_sha256"]
+                ):
+                    raise DataError(
+                        f"shard {path} does not match its checksum; delete {self.path} and "
+                        "prepare again"
+                    )
             path = self.path / info["file"]
             st = path.stat()
             fresh[info["file"]] = [st.st_size, st.st_mtime_ns, info["sha256"]]
@@ -203,6 +240,26 @@ class TokenData:
                 )
         if fresh != stamp:
             _write_stamp(stamp_path, fresh)
+
+
+def _load_lengths(folder: Path, manifest: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The (blocks, 2) int32 lengths of each split of conversational data, sizes checked."""
+    out = {}
+    for split in SPLITS:
+        info = manifest["splits"][split]
+        path = folder / info["lengths_file"]
+        blocks = int(info["blocks"])
+        size = path.stat().st_size if path.is_file() else -1
+        if size != blocks * 2 * 4:
+            raise DataError(
+                f"shard {path} is missing or has the wrong size; delete {folder} and prepare again"
+            )
+        out[split] = (
+            np.memmap(path, dtype=np.int32, mode="r", shape=(blocks, 2))
+            if blocks
+            else np.zeros((0, 2), dtype=np.int32)
+        )
+    return out
 
 
 STAMP = "verified.json"
@@ -271,4 +328,10 @@ def data_manifest_problem(manifest: Any) -> str:
         bpt = info.get("bytes_per_token")
         if not isinstance(bpt, (int, float)) or isinstance(bpt, bool) or not 0 <= bpt < 1e6:
             return f"the {split} split has no bytes_per_token"
+        if manifest.get("kind") == "chat":
+            if info.get("lengths_file") != f"{split}.lengths.bin":
+                return f"the {split} split has no {split}.lengths.bin"
+            digest = info.get("lengths_sha256")
+            if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX64:
+                return f"the {split} lengths have no SHA-256"
     return ""
