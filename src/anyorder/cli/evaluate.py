@@ -108,10 +108,7 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     h.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
     h.add_argument("--num-fewshot", type=int, default=None, help="lm-eval: examples per prompt")
     h.add_argument(
-        "--apply-chat-template",
-        action="store_true",
-        help="lm-eval: render each prompt with the tokenizer's chat template (the byte "
-        "tokenizer's plain one without), as the harness's --apply_chat_template",
+        "--apply-chat-template", action="store_true", help="lm-eval: prompts in the chat template"
     )
     h.add_argument(
         "--model-args",
