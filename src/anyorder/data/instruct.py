@@ -9,12 +9,13 @@ Design choices:
 * Three tasks, drawn with equal probability, each with answers of varying length:
 
   - ``sort``: ``"sort: q d a m"`` -> ``"a d m q"`` (2 to 8 letters, repeats allowed);
-  - ``reverse``: ``"reverse: red cat sun"`` -> ``"sun cat red"`` (2 to 5 words of
+  - ``reverse``: ``"reverse: red cat sun"`` -> ``"sun cat red"`` (2 to 4 words of
     :data:`WORDS`);
   - ``add``: ``"add: 48+317"`` -> ``"365"`` (two numbers of 1 to 3 digits).
 
-  Prompts and answers are short ASCII (at most 28 and 19 bytes), so a byte-level model with
-  a ``seq_len`` of 64 holds any example with its chat template.
+  Prompts and answers are short ASCII (at most 24 and 15 bytes), so a byte-level model with
+  a ``seq_len`` of 64 holds any example whole with the plain chat template (48 tokens of
+  prompt at most, 16 of answer with its EOS).
 * Train and held-out prompts are disjoint by construction, whatever ``n`` and the seed: a
   prompt is held out when a stable hash of its text (SHA-256, not Python's salted ``hash``)
   falls in one bucket of :data:`HELDOUT_BUCKETS`, and each split draws only its own prompts.
@@ -64,7 +65,7 @@ def _draw(task: str, rng: np.random.Generator) -> tuple[str, str]:
         letters = [chr(ord("a") + int(i)) for i in rng.integers(0, 26, int(rng.integers(2, 9)))]
         return "sort: " + " ".join(letters), " ".join(sorted(letters))
     if task == "reverse":
-        words = [WORDS[int(i)] for i in rng.integers(0, len(WORDS), int(rng.integers(2, 6)))]
+        words = [WORDS[int(i)] for i in rng.integers(0, len(WORDS), int(rng.integers(2, 5)))]
         return "reverse: " + " ".join(words), " ".join(reversed(words))
     a, b = (int(rng.integers(0, 10 ** int(rng.integers(1, 4)))) for _ in range(2))
     return f"add: {a}+{b}", str(a + b)
