@@ -173,6 +173,14 @@ _LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
 )
 
 
+def _chat_row(bad: dict) -> tuple[list[str], dict[str, str], object]:
+    """A row training on corpus/chat.jsonl: a good prompt/response record, then ``bad``."""
+    good = {"prompt": "1+1", "response": "2"}
+    lines = "".join(json.dumps(r) + "\n" for r in (good, bad, good))
+    setup = _write("corpus/chat.jsonl", lines.encode())
+    return [*TRAIN, "data.source=corpus/chat.jsonl", *FRESH], {}, setup
+
+
 def _user_folder(folder: Path) -> None:
     """A folder of the user's own, holding files of the names a run writes."""
     (folder / "mine").mkdir()
@@ -544,6 +552,14 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
         {},
         _write("corpus/nul.txt", b"hello\x00world " * 20),
     ),
+    # issue 34: conversational records, one line naming the file and line
+    "data-chat-missing-field": _chat_row({"prompt": "q"}),
+    "data-chat-empty-answer": _chat_row({"prompt": "q", "response": ""}),
+    "data-chat-long-prompt": _chat_row({"prompt": "q" * 40, "response": "a"}),
+    "data-chat-bad-role": _chat_row(
+        {"messages": [{"role": "bot", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    ),
+    "config-condition-text-data": ([*TRAIN, "order.condition=prompt", *FRESH], {}, None),
     # issue 24: write errors, weights that are not finite, damaged files, paths
     "export-out-unwritable": (["export", "run", "--out", "/proc/anyorder-export"], {}, None),
     "export-out-under-file": (["export", "run", "--out", "cfg.yaml/exp"], {}, None),

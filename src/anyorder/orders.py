@@ -15,6 +15,10 @@ Design choices:
   ``n - k`` keep their relative order. ``k`` is 0 before ``i_ar``, then rises linearly from
   1 to ``rho`` at ``i_perm``. Both may be given as a share of the run (``"10%"`` of
   ``train.steps``), so a schedule keeps its shape when a run is made shorter or longer.
+* ``order.condition=prompt`` (prompt/response data): the prompt's positions come first, left
+  to right, in every order, and the answer's follow in the configured distribution
+  (:func:`prompt_first`, :func:`displace_answer`). The prompt lengths are the global
+  batch's, so the orders a row gets do not depend on the number of processes.
 * ``strided(S)`` is ARMD's SBP order: the ``S`` stream heads are generated one at a time,
   then each group of same-offset tokens is one block of ``S``.
 """
@@ -33,6 +37,8 @@ from anyorder.config import OrderConfig
 from anyorder.errors import ConfigError, preview
 
 ORDER_KINDS = ("l2r", "uniform", "mix", "fixed", "progressive", "strided", "sbp")
+CONDITIONS = ("none", "prompt")
+"""The values of ``order.condition``."""
 
 
 class Ordering(NamedTuple):
@@ -120,6 +126,49 @@ def displace(batch: int, n: int, k: int, generator: torch.Generator, device=None
         torch.rand(batch, n, generator=generator, device=gd, dtype=torch.float64) * (n - k + 1) - 1
     )
     keys = torch.where(moved, spot, rank.double())
+    return keys.argsort(dim=-1).to(device)
+
+
+def prompt_first(order: Tensor, prompt_len: Tensor) -> Tensor:
+    """``order`` with the prompt's positions (``< prompt_len``, per row) moved to the front,
+    left to right, and the answer's kept in the order ``order`` gives them.
+
+    The answer's part of a uniform order is uniform over the answer's orders (and of the
+    left-to-right order left to right), so uniform, mix, l2r and fixed orders keep their
+    meaning over the answer.
+
+    Args:
+        order: (B, n) permutations.
+        prompt_len: (B,) prompt lengths.
+    """
+    B, n = order.shape
+    pos = torch.arange(n, device=order.device).expand(B, n)
+    slot = inverse(order)
+    # prompt positions: keys -n..-1 by position; answer positions: their slots 0..n-1
+    key = torch.where(pos < prompt_len.to(order.device)[:, None], pos - n, slot)
+    return key.argsort(dim=-1)
+
+
+def displace_answer(
+    prompt_len: Tensor, n: int, k: int, generator: torch.Generator, device=None
+) -> Tensor:
+    """The prompt left to right, then the answer left to right with ``min(k, answer length)``
+    of its tokens moved to uniformly random places among the answer's (:func:`displace` on
+    the answer alone; with no prompt and ``k >= 1``, the same order from the same draws)."""
+    B, gd = len(prompt_len), generator.device
+    plen = prompt_len.to(gd)
+    pos = torch.arange(n, device=gd).expand(B, n)
+    answer = pos >= plen[:, None]
+    r = (n - plen).clamp(min=0)
+    kk = r.clamp(max=k)[:, None]  # (B, 1) tokens moved per row
+    u = torch.rand(B, n, generator=generator, device=gd)
+    pick = torch.where(answer, u, 2.0).argsort(dim=-1).argsort(dim=-1)  # answer positions first
+    moved = answer & (pick < kk)
+    rank = (answer & ~moved).cumsum(dim=-1).double() - 1
+    spot = torch.rand(B, n, generator=generator, device=gd, dtype=torch.float64)
+    spot = spot * (r[:, None] - kk + 1) - 1
+    keys = torch.where(moved, spot, rank)
+    keys = torch.where(answer, keys, (pos - n - 2).double())  # the prompt before every spot
     return keys.argsort(dim=-1).to(device)
 
 
@@ -227,6 +276,15 @@ class OrderSampler:
                     f"order.progressive needs rho >= 1 and i_perm >= i_ar (here rho={cfg.rho}, "
                     f"i_ar={self.i_ar}, i_perm={self.i_perm})"
                 )
+        if cfg.condition not in CONDITIONS:
+            raise ConfigError(
+                f"order.condition={preview(cfg.condition)} is unknown; use none or prompt"
+            )
+        if cfg.condition == "prompt" and (cfg.kind == "sbp" or cfg.kind == "strided"):
+            raise ConfigError(
+                f"order.condition=prompt takes token-level orders; order.kind={cfg.kind} "
+                "trains on blocks (use uniform, mix, progressive, l2r or fixed)"
+            )
         if cfg.kind == "sbp" and not cfg.sbp_streams:
             raise ConfigError("order.sbp_streams must list at least one stream count")
         self.cfg = cfg
@@ -235,19 +293,42 @@ class OrderSampler:
         """The distribution in words, with a progressive schedule's steps resolved."""
         c = self.cfg
         if c.kind == "progressive":
-            return (
+            text = (
                 f"progressive (left to right until step {self.i_ar}, {c.rho} displaced "
                 f"from step {self.i_perm})"
             )
-        if c.kind == "mix":
-            return f"mix ({c.p_l2r:.0%} left to right)"
-        return c.kind
+        elif c.kind == "mix":
+            text = f"mix ({c.p_l2r:.0%} left to right)"
+        else:
+            text = c.kind
+        return text + (" over the answer, the prompt first" if c.condition == "prompt" else "")
 
     @property
     def is_left_to_right_only(self) -> bool:
         return self.cfg.kind == "l2r" or (self.cfg.kind == "mix" and self.cfg.p_l2r >= 1.0)
 
     def __call__(
+        self,
+        batch: int,
+        n: int,
+        step: int,
+        generator: torch.Generator,
+        device: torch.device | str | None = None,
+        prompt_len: Tensor | None = None,
+    ) -> Ordering:
+        """Orders for ``batch`` rows of ``n`` positions; with ``prompt_len`` (B,) the prompt
+        of each row first (``order.condition=prompt``)."""
+        if prompt_len is None:
+            return self._draw(batch, n, step, generator, device)
+        c = self.cfg
+        if c.kind == "progressive":
+            k = progressive_k(step, self.i_ar, self.i_perm, c.rho)
+            order = displace_answer(prompt_len, n, k, generator, device)
+        else:
+            order = prompt_first(self._draw(batch, n, step, generator, device).order, prompt_len)
+        return Ordering(order, _arange_blocks(batch, n, device).clone())
+
+    def _draw(
         self,
         batch: int,
         n: int,

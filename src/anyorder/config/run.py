@@ -101,6 +101,11 @@ class OrderConfig:
     """strided: the number of streams S (must divide the sequence length)."""
     sbp_streams: tuple[int, ...] = (1, 2, 4)
     """sbp: the stream counts S drawn uniformly per step in SBP fine-tuning."""
+    condition: str = "none"
+    """none: every order covers the whole block, the loss every token. prompt (needs
+    prompt/response data, data.format=chat): the prompt's positions come first in every
+    order as known context, the answer's follow in the order kind's distribution, and the
+    loss covers the answer only (gpt: left to right; mdm: the prompt never masked)."""
 
 
 @dataclass

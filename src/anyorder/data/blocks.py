@@ -66,6 +66,8 @@ class BlockSampler:
         self.position = 0
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
+        self.last_batch = np.empty(0, dtype=np.int64)
+        """The global batch of the last :meth:`next_indices` (every rank's rows)."""
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The order of block indices in ``epoch``."""
@@ -89,6 +91,7 @@ class BlockSampler:
             if self.position == self.num_blocks:
                 self.epoch += 1
                 self.position = 0
+        self.last_batch = out
         return out[self.rank :: self.world_size]
 
     def state_dict(self) -> dict[str, int]:

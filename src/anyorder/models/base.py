@@ -87,15 +87,29 @@ class AnyOrderLM(nn.Module):
         blocks: Tensor | None = None,
         *,
         generator: torch.Generator | None = None,
+        prompt_len: Tensor | None = None,
     ) -> Tensor:
         """Mean negative log-likelihood per token (nats) of ``tokens`` in ``order``.
 
         For the decoders this is the any-order (or left-to-right) loss of Eq. 2; the
         encoder overrides it with its ELBO estimate. ``generator`` feeds methods whose
         loss is itself random (the encoder's mask level).
+
+        ``prompt_len`` (B,): the first ``prompt_len`` positions of each row are a prompt,
+        known context with no loss; the mean is over the answer's tokens of the batch (the
+        order should put the prompt first: :func:`anyorder.orders.prompt_first`).
         """
         logits = self(tokens, order, blocks)
-        return F.cross_entropy(logits.flatten(0, 1).float(), self.targets(tokens, order).flatten())
+        targets = self.targets(tokens, order)
+        if prompt_len is None:
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        nll = F.cross_entropy(logits.transpose(1, 2).float(), targets, reduction="none")  # (B, n)
+        answer = self.answer_slots(tokens, order, prompt_len)
+        return (nll * answer).sum() / answer.sum().clamp(min=1)
+
+    def answer_slots(self, tokens: Tensor, order: Tensor | None, prompt_len: Tensor) -> Tensor:
+        """(B, n) True at the slots whose target is an answer position (``>= prompt_len``)."""
+        return self.resolve_order(tokens, order) >= prompt_len.to(tokens.device)[:, None]
 
     def token_nll(
         self,

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from anyorder.config import ModelConfig
 from anyorder.layers import Block, init_weights, make_norm, positions
 from anyorder.models.base import AnyOrderLM
-from anyorder.orders import inverse
+from anyorder.orders import inverse, prompt_first
 
 
 class MDM(AnyOrderLM):
@@ -135,17 +135,33 @@ class MDM(AnyOrderLM):
         order: Tensor | None = None,
         *,
         generator: torch.Generator | None = None,
+        prompt_len: Tensor | None = None,
+        mask_count: Tensor | None = None,
     ) -> Tensor:
         """One-sample ELBO estimate per sequence (B,), in nats per token (Eq. 5 form).
 
         ``order`` picks which tokens are masked (the last ``m`` slots); pass a uniform order
-        for the ELBO proper.
+        for the ELBO proper. With ``prompt_len`` (B,) the prompt is never masked: ``m`` is
+        uniform on ``1..r`` for an answer of ``r`` tokens, the masked set the answer's last
+        ``m`` in ``order``, and the estimate is of the answer's conditional ELBO over ``r``.
+        ``mask_count`` (B,) sets ``m`` instead of drawing it (for enumerations).
         """
         self.check_tokens(tokens)
         order = self.resolve_order(tokens, order)
         B, n = tokens.shape
         gen_device = generator.device if generator is not None else tokens.device
-        m = torch.randint(1, n + 1, (B,), generator=generator, device=gen_device).to(tokens.device)
+        if prompt_len is not None:
+            prompt_len = prompt_len.to(tokens.device)
+            order = prompt_first(order, prompt_len)
+        if mask_count is not None:
+            m = mask_count.to(tokens.device)
+        elif prompt_len is None:
+            m = torch.randint(1, n + 1, (B,), generator=generator, device=gen_device)
+            m = m.to(tokens.device)
+        else:
+            r = n - prompt_len
+            u = torch.rand(B, generator=generator, device=gen_device, dtype=torch.float64)
+            m = (u.to(tokens.device) * r).floor().long().clamp(max=r - 1) + 1  # uniform 1..r
         masked = inverse(order) >= (n - m)[:, None]  # (B, n) by position
         logits = self.denoise(torch.where(masked, self.mask_id, tokens)).float()
         nll = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
@@ -159,9 +175,16 @@ class MDM(AnyOrderLM):
         blocks: Tensor | None = None,
         *,
         generator: torch.Generator | None = None,
+        prompt_len: Tensor | None = None,
     ) -> Tensor:
         """Monte-Carlo ELBO (nats/token), one random mask level per sequence.
 
-        ``blocks`` is not used: the encoder is trained on mask sets, not blocks.
+        ``blocks`` is not used: the encoder is trained on mask sets, not blocks. With
+        ``prompt_len`` the prompt is never masked and the mean is per answer token of the
+        batch (each row's estimate weighted by its answer's length).
         """
-        return self.elbo_estimate(tokens, order, generator=generator).mean()
+        est = self.elbo_estimate(tokens, order, generator=generator, prompt_len=prompt_len)
+        if prompt_len is None:
+            return est.mean()
+        r = (tokens.shape[1] - prompt_len.to(tokens.device)).to(est.dtype)
+        return (est * r).sum() / r.sum().clamp(min=1)

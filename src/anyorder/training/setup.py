@@ -112,6 +112,7 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
             f"order.kind={o.kind} trains on blocks of several tokens, which only armd and mdm "
             "take; use model.kind=armd or a token-level order"
         )
+    _check_condition(cfg)
     if o.kind == "strided" and m.seq_len % o.streams:
         raise ConfigError(
             f"order.streams={o.streams} does not divide model.seq_len={m.seq_len}; pick a divisor"
@@ -119,6 +120,32 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
     if o.kind == "sbp" and any(m.seq_len % s for s in o.sbp_streams):
         raise ConfigError(
             f"order.sbp_streams={list(o.sbp_streams)} must all divide model.seq_len={m.seq_len}"
+        )
+
+
+def _check_condition(cfg: RunConfig) -> None:
+    """``data.format`` is known, and ``order.condition=prompt`` has prompt/response data
+    (``data.format=auto`` resolved by the first record of a local source).
+
+    Raises:
+        ConfigError: an unknown data.format or order.condition, or a prompt condition on
+            text data.
+        DataError: a prompt condition on a local source that does not exist.
+    """
+    from anyorder.data import DATA_FORMATS, data_format, resolve_files
+
+    if cfg.data.format not in DATA_FORMATS:
+        data_format(cfg.data)  # raises the error
+    if cfg.order.condition != "prompt":
+        return
+    source = cfg.data.source
+    if cfg.data.format == "auto" and not source.startswith(("hf:", "builtin:")):
+        resolve_files(source)  # a missing source is that error, not "read as text"
+    if data_format(cfg.data) != "chat":
+        raise ConfigError(
+            f"order.condition=prompt needs prompt/response data, and data.source "
+            f"{preview(source)} is read as text; give .jsonl records with prompt and "
+            "response or messages (data.format=chat), or set order.condition=none"
         )
 
 
@@ -232,8 +259,8 @@ def make_optimizer(model: nn.Module, cfg: RunConfig, device: torch.device) -> to
 
 
 class LossModule(nn.Module):
-    """``wrapper(tokens, order, blocks, generator) = model.loss(...)``: the one forward that
-    DDP and FSDP wrap, so their hooks run for every model kind."""
+    """``wrapper(tokens, order, blocks, generator, prompt_len) = model.loss(...)``: the one
+    forward that DDP and FSDP wrap, so their hooks run for every model kind."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -245,8 +272,11 @@ class LossModule(nn.Module):
         order: Tensor | None,
         blocks: Tensor | None,
         generator: torch.Generator | None = None,
+        prompt_len: Tensor | None = None,
     ) -> Tensor:
-        return self.model.loss(tokens, order, blocks, generator=generator)
+        if prompt_len is None:  # a model without the keyword (a test double) still trains
+            return self.model.loss(tokens, order, blocks, generator=generator)
+        return self.model.loss(tokens, order, blocks, generator=generator, prompt_len=prompt_len)
 
 
 def use_compile(cfg: RunConfig, device: torch.device) -> bool:

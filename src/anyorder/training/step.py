@@ -7,6 +7,8 @@ Design choices:
   every step, so a resumed run needs no scheduler state.
 * The orders are drawn for the global batch from the shared order generator and each rank
   takes its rows ``rank::world``, the rows :class:`~anyorder.data.BlockSampler` gave it.
+  With ``order.condition=prompt`` they are drawn with the global batch's prompt lengths
+  (every rank reads them), and each row's prompt length goes to the loss.
 * Gradients are synchronised on the last micro-step only (DDP's ``no_sync``, FSDP2's
   ``set_requires_gradient_sync``).
 * The loss is averaged over ranks before the update, so every rank skips a non-finite step
@@ -39,11 +41,16 @@ def train_step(parts: RunParts, step: int, rows: int | None = None) -> float:
     if rows is not None:
         idx = idx[:rows]
     x = parts.data.batch("train", idx).to(device, non_blocking=True)  # (local, n)
+    plen = plen_all = None
+    if cfg.order.condition == "prompt":  # the global batch's prompts: its orders depend on them
+        plen_all = parts.data.prompt_lengths("train", parts.sampler.last_batch)
+        plen = plen_all[env.rank :: env.world_size][: len(idx)].to(device)
     if cfg.model.kind == "gpt":
         order = blocks = None
     else:
         B, n = cfg.train.batch_size, cfg.model.seq_len
-        ordering = parts.order_sampler(B, n, step, parts.order_gen)  # the global batch's orders
+        # the global batch's orders
+        ordering = parts.order_sampler(B, n, step, parts.order_gen, prompt_len=plen_all)
         order = ordering.order[env.rank :: env.world_size][: len(idx)].to(device)
         mb = ordering.model_blocks
         blocks = None if mb is None else mb[env.rank :: env.world_size][: len(idx)].to(device)
@@ -66,6 +73,7 @@ def train_step(parts: RunParts, step: int, rows: int | None = None) -> float:
                     None if order is None else order[sl],
                     None if blocks is None else blocks[sl],
                     parts.loss_gen,
+                    None if plen is None else plen[sl],
                 )
             (loss / accum).backward()
         total += loss.detach() / accum
