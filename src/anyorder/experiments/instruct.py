@@ -23,6 +23,8 @@ Design choices:
   prompt per row); each batch draws from its own seeded generator.
 * Error bars: mean ± standard error over training seeds, and beside it the binomial
   standard error of one seed's accuracy over the held-out prompts.
+* A run's scores are kept beside it (``instruct-scores.json``, keyed by the decoders and
+  the prompts), so runs trained apart (``--arms KIND``: that kind alone) make one table.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def task_data(ctx: Context) -> dict[str, Path]:
     from anyorder.data.instruct import write_instruct
 
     folder = ctx.runs / ("instruct-task-smoke" if ctx.smoke else "instruct-task")
-    n, held = (64, 16) if ctx.smoke else (20000, 300)
+    n, held = (64, 16) if ctx.smoke else (20000, 200)
     paths = {"train": folder / "train.jsonl", "heldout": folder / "heldout.jsonl"}
     if not all(p.exists() for p in paths.values()):
         write_instruct(folder, n=n, heldout=held, seed=0)
@@ -170,6 +172,12 @@ def _curves(ctx: Context, kind: str, seed: int, data: dict[str, Path]) -> dict[s
     run = instruct_run(ctx, kind, seed, data["train"], _steps(ctx))
     records = [json.loads(x) for x in data["heldout"].read_text().splitlines()]
     decoders = list(DECODERS)[:1] if kind == "gpt" else list(DECODERS)
+    cache = Path(run["run_dir"]) / "instruct-scores.json"
+    key = {"decoders": {d: DECODERS[d] for d in decoders}, "heldout": records}
+    if cache.exists():  # the scores of this run's checkpoints on these prompts, kept
+        kept = json.loads(cache.read_text())
+        if kept["key"] == json.loads(json.dumps(key)):
+            return {d: {int(s): v for s, v in kept["scores"][d].items()} for d in decoders}
     models = [(0, _untrained(ctx, run), None)]
     for path in list_checkpoints(run["run_dir"]):
         loaded = load_model(path, weights="raw")
@@ -179,15 +187,19 @@ def _curves(ctx: Context, kind: str, seed: int, data: dict[str, Path]) -> dict[s
     for step, model, _ in models:
         for d in decoders:
             out[d][step] = score(model, tok, records, seed, **DECODERS[d])
+    cache.write_text(json.dumps({"key": key, "scores": out}) + "\n")
     return out
 
 
 def exp_instruct(ctx: Context) -> dict[str, Any]:
     """Exact match on held-out prompts against training steps, per kind and decoder."""
+    from anyorder.errors import ConfigError
     from anyorder.experiments.runs import fmt, mean_se
 
+    if ctx.scale != "cpu":
+        raise ConfigError("experiment instruct runs at --scale cpu only (tiny models, here)")
     data = task_data(ctx)
-    kinds = [k for k in KINDS if ctx.only is None or ctx.only in k]
+    kinds = [k for k in KINDS if ctx.only in (None, k)]  # --only KIND: that kind alone
     scores = {k: [_curves(ctx, k, s, data) for s in range(ctx.seeds)] for k in kinds}
     steps = sorted(next(iter(scores.values()))[0][next(iter(DECODERS))])
     head = "| model | decoder | " + " | ".join(f"step {s}" for s in steps)
