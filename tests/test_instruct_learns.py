@@ -68,3 +68,12 @@ def test_fine_tuning_beats_an_untrained_model_by_far(tmp_path) -> None:
     untrained = score(fresh, api.tokenizer, held, 0, order="l2r")["accuracy"]
     assert untrained == 0.0
     assert trained >= 0.5, trained
+
+
+def test_instruct_runs_at_cpu_scale_only(tmp_path) -> None:
+    from anyorder.errors import ConfigError
+    from anyorder.experiments import Context, run_experiment
+
+    ctx = Context(out=tmp_path / "i", runs=tmp_path / "r", scale="paper", print_only=True)
+    with pytest.raises(ConfigError, match=r"^experiment instruct runs at --scale cpu only"):
+        run_experiment("instruct", ctx)

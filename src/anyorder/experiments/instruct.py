@@ -61,7 +61,7 @@ def task_data(ctx: Context) -> dict[str, Path]:
     from anyorder.data.instruct import write_instruct
 
     folder = ctx.runs / ("instruct-task-smoke" if ctx.smoke else "instruct-task")
-    n, held = (64, 16) if ctx.smoke else (20000, 200)
+    n, held = (64, 8) if ctx.smoke else (20000, 200)
     paths = {"train": folder / "train.jsonl", "heldout": folder / "heldout.jsonl"}
     if not all(p.exists() for p in paths.values()):
         write_instruct(folder, n=n, heldout=held, seed=0)
@@ -77,7 +77,7 @@ def instruct_run(ctx: Context, kind: str, seed: int, data: Path, steps: int) -> 
         *_shape(ctx),
         f"data.source={data}",
         "train.dtype=fp32",
-        f"train.ckpt_every={max(1, steps // 4)}",
+        f"train.ckpt_every={steps if ctx.smoke else max(1, steps // 4)}",
         "train.keep_last=8",
     ]
     return train_run(ctx, f"instruct-{kind}", kind, order, seed, steps=steps, extra=extra)
