@@ -1,4 +1,4 @@
-"""The Python API: load a model from anywhere, then generate, infill and score text.
+"""The Python API: load a model from anywhere, then generate, infill, chat and score text.
 
 ::
 
@@ -7,6 +7,7 @@
     model = anyorder.load("runs/armd")          # run folder, checkpoint, export or hub id
     model.generate(n=128, num_samples=2, order="random", seed=0)   # -> list[str]
     model.infill("The [MASK:8] of Python is [MASK:4].", seed=0)   # -> str
+    model.chat("sort: q d a", order="random", steps=4, seed=0)     # -> str, the answer
     model.score("Some text.", order="any", num_orders=8)           # -> dict
 
 Design choices:
@@ -115,7 +116,7 @@ def load(
 
 @dataclass
 class Model:
-    """A loaded model with its tokenizer: ``generate``, ``infill``, ``score``."""
+    """A loaded model with its tokenizer: ``generate``, ``infill``, ``chat``, ``score``."""
 
     loaded: Loaded
 
@@ -304,6 +305,56 @@ class Model:
             temperature, top_p, top_k, seed, False, speculative=speculative,
         )[0]  # fmt: skip
 
+    def chat(
+        self,
+        prompt_or_messages: str | list[dict[str, str]],
+        *,
+        order: str | None = None,
+        steps: int | None = None,
+        speculative: int | None = None,
+        streams: int | None = None,
+        temperature: float = 1.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int = 0,
+        max_new_tokens: int | None = None,
+    ) -> str:
+        """The answer to a prompt, alone: ``anyorder sample --chat TEXT`` in Python.
+
+        The prompt goes through the tokenizer's chat template
+        (:func:`anyorder.data.chat.render_prompt`), its tokens are known (prefilled once),
+        and the answer's ``max_new_tokens`` slots after it are decoded as
+        :meth:`generate` decodes (``order``, ``steps``, ``speculative``, ``streams``: the
+        same meanings), then cut at the first EOS.
+
+        Args:
+            prompt_or_messages: the user's message, or ``{"role", "content"}`` messages.
+            max_new_tokens: answer tokens at most (default: the context after the prompt).
+            order, steps, speculative, streams, temperature, top_p, top_k, seed: as
+                :meth:`generate`.
+
+        Returns:
+            The answer's text, without the prompt, the template or the EOS.
+
+        Raises:
+            SamplingError: a prompt that leaves no room, bad controls or decoding options.
+        """
+        from anyorder import bounds
+        from anyorder.sampling.templates import chat_prompt
+
+        if order is not None and order not in GENERATE_ORDERS:
+            raise SamplingError(f"order={order!r}: use one of {', '.join(GENERATE_ORDERS)}")
+        bounds.check_controls(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        cfg = self.model.cfg
+        prompt, known = chat_prompt(
+            prompt_or_messages, self._tok(), cfg.seq_len, cfg.vocab_size, max_new_tokens
+        )
+        bounds.check_steps(steps, len(prompt))
+        return self._sample(
+            len(prompt), 1, prompt, known, order, streams, steps, "linear", False, temperature,
+            top_p, top_k, seed, True, speculative=speculative, answer_only=True,
+        )[0]  # fmt: skip
+
     def _sample(
         self,
         n: int,
@@ -324,8 +375,10 @@ class Model:
         graphs: bool = False,
         speculative: int | None = None,
         per_pass: int = 1,
+        answer_only: bool = False,
     ) -> list[str]:
-        """The sampling path of ``anyorder sample`` (cli/sample.py:run_sample), step for step."""
+        """The sampling path of ``anyorder sample`` (cli/sample.py:run_sample), step for step;
+        ``answer_only``: the text of the unknown slots alone (a chat answer)."""
         from anyorder import bounds
         from anyorder.sample import decode_text, sample
         from anyorder.sampling.confidence import confidence_sample
@@ -360,6 +413,8 @@ class Model:
                 )  # fmt: skip
         eos = tok.eos_id if stop_at_eos else None
         given = result.step_of.cpu() == -1  # a prompt's EOS ends no text
+        if answer_only:
+            return [decode_text(tok, row[~g], eos) for row, g in zip(result.tokens.cpu(), given)]
         return [decode_text(tok, row, eos, g) for row, g in zip(result.tokens.cpu(), given)]
 
     def score(
@@ -400,18 +455,25 @@ class Model:
                 gpt, an ensemble with ``l2r``), empty text, or a context that does not fit.
         """
         from anyorder.bounds import check_seed
-        from anyorder.evaluation.conditional import check_order, window_totals
+        from anyorder.evaluation.conditional import (
+            check_order,
+            combine_windows,
+            given_totals,
+            window_totals,
+        )
 
         check_order(self.model, order, ensemble, num_orders)
         check_seed(seed)
         if context is not None:
-            ids, totals = self._score_given(context, text, order, ensemble, num_orders, seed)
+            ctx = self._encode(context)
+            ids = self._encode(context + text)[len(ctx) :]
+            totals = given_totals(self.model, ctx, ids, order, ensemble, num_orders, seed)
         else:
             ids = self._encode(text)
             if not ids:
                 raise ConfigError("the text encodes to no tokens; give some text to score")
             totals = window_totals(self.model, ids, order, ensemble, num_orders, seed)
-        mean, stderr = _combine(totals, len(ids))
+        mean, stderr = combine_windows(totals, len(ids))
         num_bytes = len(text.encode("utf-8"))
         bpb = mean * len(ids) / math.log(2) / num_bytes if num_bytes else float("nan")
         return {
@@ -428,42 +490,3 @@ class Model:
             "num_orders": num_orders if order == "any" else 0,
             "seed": seed,
         }
-
-    def _score_given(
-        self, context: str, text: str, order: str, ensemble: int, num_orders: int, seed: int
-    ) -> tuple[list[int], list[Tensor]]:
-        """The continuation's ids and its summed NLL, (K,) over the order replicates."""
-        from anyorder.evaluation.conditional import continuation_nll
-
-        ctx = self._encode(context)
-        ids = self._encode(context + text)[len(ctx) :]
-        if not ids:
-            raise ConfigError("the text encodes to no tokens; give some text to score")
-        if len(ctx) + len(ids) > self.seq_len:
-            raise ConfigError(
-                f"context and text are {len(ctx) + len(ids)} tokens, more than the model's "
-                f"context of {self.seq_len}; shorten the context"
-            )
-        res = continuation_nll(
-            self.model, [(ctx, ids)], order=order, num_orders=num_orders, ensemble=ensemble,
-            seed=seed,
-        )  # fmt: skip
-        v = res.nll[0]
-        return ids, [v[0] if order == "l2r" else v]
-
-
-def _combine(totals: list[Tensor], tokens: int) -> tuple[float, float]:
-    """Per-token mean and standard error from per-window summed NLLs.
-
-    Each entry is a scalar (exact) or (K,) replicates over random orders; replicates of a
-    window are averaged and their variances pooled: ``se = sqrt(sum_w s_w^2 / K) / tokens``.
-    """
-    mean = sum(float(t.mean()) for t in totals) / tokens
-    var = 0.0
-    for t in totals:
-        if t.dim() == 0 or t.numel() == 1:
-            if t.dim() == 1:  # a single random order: no error bar
-                return mean, float("nan")
-            continue
-        var += float(t.var(unbiased=True)) / t.numel()
-    return mean, math.sqrt(var) / tokens

@@ -219,6 +219,32 @@ def check_fit(seq_len: int, *, length: int | None = None, steps: int | None = No
     return n
 
 
+def check_new_tokens(
+    new: int | None, seq_len: int, prompt_len: int, *, name: str = "max_new_tokens"
+) -> int:
+    """Tokens to generate after a prompt of ``prompt_len`` tokens: ``new`` in
+    ``1..seq_len - prompt_len``, or all of that room when None. ``name`` is how the caller
+    spells ``new`` in the error.
+
+    Raises:
+        SamplingError: a prompt that leaves no room, or ``new`` out of range.
+    """
+    room = seq_len - prompt_len
+    if room < 1:
+        raise SamplingError(
+            f"the chat prompt is {prompt_len} tokens with its template, leaving no room for an "
+            f"answer in the model's context of {seq_len}; shorten the prompt"
+        )
+    if new is None:
+        return room
+    if not _is_int(new) or not 1 <= new <= room:
+        raise SamplingError(
+            f"{name}={shown(new)} must lie in 1..{room} (the model's context of {seq_len} "
+            f"tokens less the prompt's {prompt_len})"
+        )
+    return int(new)
+
+
 def prefix_prompt(ids: list[int], n: int, *, length: str, name: str):
     """A prompt of token ``ids`` as the known prefix of ``n`` slots: ``(prompt, known)``, (n,)
     each. ``length`` and ``name`` are how the caller's surface spells the length in the

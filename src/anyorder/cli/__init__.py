@@ -6,9 +6,9 @@ heavy modules are imported inside ``run_*`` so that ``anyorder --help`` is insta
 
 Modules, by command group: :mod:`~anyorder.cli.main` (the parser, the table of commands,
 :func:`main`), :mod:`~anyorder.cli.train` (info, train, data, demo),
-:mod:`~anyorder.cli.sample` (sample, serve), :mod:`~anyorder.cli.evaluate` (eval,
-experiment), :mod:`~anyorder.cli.interop` (convert, export). ``python -m anyorder.cli``
-runs :func:`main` (``__main__.py``).
+:mod:`~anyorder.cli.sample` (sample), :mod:`~anyorder.cli.serve` (serve),
+:mod:`~anyorder.cli.evaluate` (eval, experiment), :mod:`~anyorder.cli.interop` (convert,
+export). ``python -m anyorder.cli`` runs :func:`main` (``__main__.py``).
 """
 
 from anyorder.cli.evaluate import (
@@ -20,7 +20,8 @@ from anyorder.cli.evaluate import (
 )
 from anyorder.cli.interop import add_convert, add_export, run_convert, run_export
 from anyorder.cli.main import Command, build_parser, commands, main
-from anyorder.cli.sample import add_sample, add_serve, run_sample, run_serve
+from anyorder.cli.sample import add_sample, run_sample
+from anyorder.cli.serve import add_serve, run_serve
 from anyorder.cli.train import (
     add_data,
     add_demo,

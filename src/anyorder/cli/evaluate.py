@@ -108,6 +108,9 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     h.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
     h.add_argument("--num-fewshot", type=int, default=None, help="lm-eval: examples per prompt")
     h.add_argument(
+        "--apply-chat-template", action="store_true", help="lm-eval: prompts in the chat template"
+    )
+    h.add_argument(
         "--model-args",
         default="",
         help="lm-eval: the anyorder model's arguments, e.g. order=any,num_orders=4 or "
@@ -436,6 +439,7 @@ def _eval_harness(args: argparse.Namespace) -> int:
         limit=args.limit,
         num_fewshot=args.num_fewshot,
         batch_size=args.batch_size,
+        apply_chat_template=args.apply_chat_template,
         device=args.device,
     )
     print(make_table(results))

@@ -13,7 +13,8 @@ from typing import NoReturn
 from anyorder.atomic import os_error_line
 from anyorder.cli.evaluate import add_eval, add_experiment, run_eval, run_experiment
 from anyorder.cli.interop import add_convert, add_export, run_convert, run_export
-from anyorder.cli.sample import add_sample, add_serve, run_sample, run_serve
+from anyorder.cli.sample import add_sample, run_sample
+from anyorder.cli.serve import add_serve, run_serve
 from anyorder.cli.train import (
     add_data,
     add_demo,

@@ -1,5 +1,4 @@
-"""``anyorder sample`` (generate or infill text from a checkpoint) and ``anyorder serve``
-(the live page).
+"""``anyorder sample``: generate, infill or answer a chat prompt from a checkpoint.
 
 ``run_sample`` reads as its phases: check the flags, build the prompt, run the sampler
 (streaming a single left-to-right sample as its tokens are decided), print the texts or the
@@ -26,6 +25,14 @@ def add_sample(p: argparse.ArgumentParser) -> None:
         help="fill the holes of a template, e.g. 'The [MASK:20] of Python' (hole = [MASK:n], "
         "n >= 1 tokens; everything else literal); its length is the template's",
     )
+    what.add_argument(
+        "--chat",
+        default=None,
+        metavar="TEXT",
+        help="answer TEXT as a user's message: rendered with the tokenizer's chat template, "
+        "the answer decoded after it by the sampler the other options choose and cut at its "
+        "first EOS; prints the answer alone",
+    )
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -36,6 +43,12 @@ def add_sample(p: argparse.ArgumentParser) -> None:
     _add_decoding(p)
     p.add_argument(
         "--length", type=int, default=None, help="tokens per sample, prompt included (default n)"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="--chat: answer tokens at most (default: the context left after the prompt)",
     )
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (> 0)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
@@ -229,14 +242,24 @@ def _sample_order(args: argparse.Namespace, kind: str) -> tuple[str, int | None]
 
 
 def _sample_prompt(args: argparse.Namespace, model, tok) -> tuple[int, Any, Any]:
-    """``(n, prompt, known)``: the tokens per sample and the known tokens of ``--infill`` or
-    ``--prompt`` ((n,) ids and their mask; None and None for an unconditional sample)."""
+    """``(n, prompt, known)``: the tokens per sample and the known tokens of ``--infill``,
+    ``--chat`` or ``--prompt`` ((n,) ids and their mask; None and None for an unconditional
+    sample)."""
 
     from anyorder import bounds
     from anyorder.sample import parse_template
+    from anyorder.sampling.templates import chat_prompt
 
     prompt = known = None
-    if args.infill is not None:
+    if args.chat is not None:
+        cfg = model.cfg
+        prompt, known = chat_prompt(
+            args.chat, tok, cfg.seq_len, cfg.vocab_size, args.max_new_tokens,
+            name="--max-new-tokens",
+        )  # fmt: skip
+        n = len(prompt)
+        bounds.check_steps(args.steps, n)
+    elif args.infill is not None:
         bounds.check_holes(args.infill, model.cfg.seq_len)
         prompt, known = parse_template(args.infill, tok, model.cfg.seq_len)
         n = len(prompt)
@@ -291,6 +314,26 @@ def _sample_json(
     return out
 
 
+def _check_lengths(args: argparse.Namespace) -> None:
+    """The controls, and the length flags against the mode (a template or a chat answer
+    takes its length elsewhere)."""
+    from anyorder import bounds
+    from anyorder.errors import SamplingError
+
+    bounds.check_controls(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        num_samples=args.num_samples, seed=args.seed, steps=args.steps, length=args.length,
+    )  # fmt: skip
+    if args.infill is not None and args.length is not None:
+        raise SamplingError("--infill takes its length from the template; leave out --length")
+    if args.chat is not None and args.length is not None:
+        raise SamplingError(
+            "--chat takes the answer's length from --max-new-tokens; leave out --length"
+        )
+    if args.chat is None and args.max_new_tokens is not None:
+        raise SamplingError("--max-new-tokens sets the length of a --chat answer; use --length")
+
+
 def run_sample(args: argparse.Namespace) -> int:
     import contextlib
     import json
@@ -305,12 +348,7 @@ def run_sample(args: argparse.Namespace) -> int:
     from anyorder.sampling.speculative import check_request
     from anyorder.training.distributed import resolve_device
 
-    bounds.check_controls(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        num_samples=args.num_samples, seed=args.seed, steps=args.steps, length=args.length,
-    )  # fmt: skip
-    if args.infill is not None and args.length is not None:
-        raise SamplingError("--infill takes its length from the template; leave out --length")
+    _check_lengths(args)
     device = resolve_device(args.device, what="--device")
     ckpt = load_model(args.checkpoint, weights=args.weights, device=device)
     if args.tokenizer is not None:
@@ -336,7 +374,7 @@ def run_sample(args: argparse.Namespace) -> int:
     stream = None
     if tok and sequential and order == "l2r" and args.num_samples == 1 and not args.json:
         stream = _Streamer(tok, tok.eos_id if cut else None)
-        if prompt is not None:
+        if prompt is not None and args.chat is None:  # a chat shows its answer alone
             stream.ids = prompt[known].tolist()
             stream.flush()
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
@@ -348,7 +386,12 @@ def run_sample(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     tokens = result.tokens.cpu()
     given = result.step_of.cpu() == -1  # a prompt's EOS ends no text
-    texts = [decode_text(tok, r, tok.eos_id if cut else None, g) for r, g in zip(tokens, given)]
+    if args.chat is not None:  # the answer alone: the slots after the prompt
+        texts = [
+            decode_text(tok, r[~g], tok.eos_id if cut else None) for r, g in zip(tokens, given)
+        ]
+    else:
+        texts = [decode_text(tok, r, tok.eos_id if cut else None, g) for r, g in zip(tokens, given)]
     generated = int((result.step_of >= 0).sum())
     mode = "encoder" if model.kind == "mdm" else "strided" if streams else "lemma1"
     mode = "sequential" if sequential and model.kind != "mdm" else mode
@@ -416,68 +459,3 @@ def _spec_counts(spec) -> dict[str, list[int]]:
     """Per sample: passes, drafted and accepted drafts, generated tokens."""
     keys = ("passes", "drafted", "accepted", "tokens")
     return {k: getattr(spec, k).tolist() for k in keys}
-
-
-# ----------------------------------------------------------------------------- serve
-
-
-def add_serve(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "checkpoint",
-        nargs="?",
-        default=None,
-        help="export, hub id, run folder or checkpoint (default: runs/demo, the main job's model)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: local only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
-    p.add_argument("--max-samples", type=int, default=4, help="samples per request at most")
-    p.add_argument(
-        "--max-draft",
-        type=int,
-        default=16,
-        help="largest K a speculative request may ask for (tokens one pass commits)",
-    )
-    p.add_argument(
-        "--time-limit", type=float, default=60.0, help="seconds per request at most (wall clock)"
-    )
-    p.add_argument("--weights", choices=("ema", "raw"), default="ema", help="default: ema")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument(
-        "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on CUDA"
-    )
-    p.add_argument("--verbose", action="store_true", help="log every request")
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    from anyorder.bounds import MAX_NUM_SAMPLES
-    from anyorder.errors import ConfigError
-    from anyorder.serve import MAX_DRAFT, MAX_TIME_LIMIT_S, Limits, serve
-
-    if not 1 <= args.max_samples <= MAX_NUM_SAMPLES:
-        raise ConfigError(f"--max-samples {args.max_samples} must lie in 1..{MAX_NUM_SAMPLES}")
-    if not 0 < args.time_limit <= MAX_TIME_LIMIT_S:  # False for nan and inf too
-        raise ConfigError(
-            f"--time-limit {args.time_limit:g} must be a number of seconds above 0 and at most "
-            f"{MAX_TIME_LIMIT_S:g} (a day)"
-        )
-    if not 1 <= args.max_draft <= MAX_DRAFT:
-        raise ConfigError(
-            f"--max-draft {args.max_draft} must lie in 1..{MAX_DRAFT} (the largest K, in tokens "
-            "per pass, a speculative request may ask for)"
-        )
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port {args.port} must lie in 0..65535 (0: any free port)")
-    limits = Limits(
-        max_samples=args.max_samples, time_limit_s=args.time_limit, max_draft=args.max_draft
-    )
-    serve(
-        args.checkpoint,
-        host=args.host,
-        port=args.port,
-        limits=limits,
-        device=args.device,
-        dtype=args.dtype,
-        weights=args.weights,
-        verbose=args.verbose,
-    )
-    return 0

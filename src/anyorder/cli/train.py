@@ -113,14 +113,39 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def add_data(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML run config (its data and model.seq_len are used)")
+    p.add_argument(
+        "config", nargs="?", help="YAML run config (its data and model.seq_len are used)"
+    )
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.source=FILE")
+    p.add_argument(
+        "--instruct",
+        default=None,
+        metavar="DIR",
+        help="instead: write the synthetic instruction task (sort letters, reverse words, add "
+        "numbers) as DIR/train.jsonl and DIR/heldout.jsonl, prompt/response records with "
+        "disjoint prompts",
+    )
+    p.add_argument("--n", type=int, default=20000, help="--instruct: training examples")
+    p.add_argument("--heldout", type=int, default=1000, help="--instruct: held-out examples")
+    p.add_argument("--seed", type=int, default=0, help="--instruct: seed of the draws")
 
 
 def run_data(args: argparse.Namespace) -> int:
     from anyorder.config import load_config
     from anyorder.data import data_main
+    from anyorder.errors import ConfigError
 
+    if args.instruct is not None:
+        if args.config is not None:
+            raise ConfigError("--instruct writes a task and reads no config; leave out the config")
+        from anyorder.data.instruct import write_instruct
+
+        paths = write_instruct(args.instruct, n=args.n, heldout=args.heldout, seed=args.seed)
+        print(f"wrote {paths['train']} ({args.n} examples) and {paths['heldout']} "
+              f"({args.heldout})")  # fmt: skip
+        return 0
+    if args.config is None:
+        raise ConfigError("anyorder data needs a config (or --instruct DIR); see --help")
     cfg = load_config(args.config, args.overrides)
     data_main(cfg.data, cfg.model.seq_len)
     return 0

@@ -26,6 +26,7 @@ Design choices:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -218,3 +219,49 @@ def continuation_nll(
         if on_done is not None:
             on_done(len(idx))
     return Continuations(nll, greedy)
+
+
+def combine_windows(totals: list[Tensor], tokens: int) -> tuple[float, float]:
+    """Per-token mean and standard error from per-window summed NLLs.
+
+    Each entry is a scalar (exact) or (K,) replicates over random orders; replicates of a
+    window are averaged and their variances pooled: ``se = sqrt(sum_w s_w^2 / K) / tokens``.
+    """
+    mean = sum(float(t.mean()) for t in totals) / tokens
+    var = 0.0
+    for t in totals:
+        if t.dim() == 0 or t.numel() == 1:
+            if t.dim() == 1:  # a single random order: no error bar
+                return mean, float("nan")
+            continue
+        var += float(t.var(unbiased=True)) / t.numel()
+    return mean, math.sqrt(var) / tokens
+
+
+def given_totals(
+    model: AnyOrderLM,
+    ctx: list[int],
+    ids: list[int],
+    order: str,
+    ensemble: int,
+    num_orders: int,
+    seed: int,
+) -> list[Tensor]:
+    """The summed NLL of the continuation ``ids`` given ``ctx`` as :func:`combine_windows`
+    reads it: one window, a scalar (``l2r``) or (K,) over the order replicates.
+
+    Raises:
+        ConfigError: an empty continuation, or context and continuation over ``seq_len``.
+    """
+    if not ids:
+        raise ConfigError("the text encodes to no tokens; give some text to score")
+    if len(ctx) + len(ids) > model.cfg.seq_len:
+        raise ConfigError(
+            f"context and text are {len(ctx) + len(ids)} tokens, more than the model's "
+            f"context of {model.cfg.seq_len}; shorten the context"
+        )
+    res = continuation_nll(
+        model, [(ctx, ids)], order=order, num_orders=num_orders, ensemble=ensemble, seed=seed
+    )
+    v = res.nll[0]
+    return [v[0] if order == "l2r" else v]

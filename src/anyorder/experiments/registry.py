@@ -20,6 +20,7 @@ import torch
 from anyorder.errors import ConfigError
 from anyorder.experiments.comparisons import exp_finding1, exp_finding3, exp_four, exp_progressive
 from anyorder.experiments.decoding import exp_decode, exp_sbp
+from anyorder.experiments.instruct import exp_instruct
 from anyorder.experiments.likelihood import exp_eq5, exp_finding5
 from anyorder.experiments.runs import Context
 
@@ -34,6 +35,7 @@ EXPERIMENTS: dict[str, tuple[str, Experiment]] = {
     "four": ("5. ARMD vs AO-GPT vs mdm vs gpt at equal tokens", exp_four),
     "progressive": ("6. ARMD progressive schedule vs uniform", exp_progressive),
     "sbp": ("7. SBP: strided generation before and after fine-tuning", exp_sbp),
+    "instruct": ("9. Instruction tuning: exact match vs steps, any-order decoding", exp_instruct),
 }
 """name -> (title, function), in the order ``all`` runs them (cheap and exact first)."""
 

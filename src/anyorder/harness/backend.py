@@ -37,11 +37,19 @@ Design choices:
   sequence only cuts the text. A request that draws at random decodes alone, from a
   generator seeded from ``(seed, its index)``: repeats are independent samples and the
   texts do not depend on the batch size.
+* ``--apply_chat_template``: the harness renders a conversation to a string
+  (:meth:`AnyorderLM.apply_chat_template`) and hands it back to be tokenised, glued to the
+  continuation. The ids of a chat template need not survive text: the byte template's EOS
+  has no text at all, and a converted model's special tokens decode to nothing. So the
+  string carries the rendered ids themselves (:func:`anyorder.data.chat.render_messages`,
+  the ids training conditioned on) between private-use marks, after their readable text,
+  and :meth:`AnyorderLM.tok_encode` reads them back exactly.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import torch
@@ -58,6 +66,11 @@ log = logging.getLogger(__name__)
 GENERATION_STREAM = 4
 """The stream of :func:`~anyorder.evaluation.corpus.block_generator` a request's sampling
 draws from (block: the request's index)."""
+
+
+CHAT_OPEN, CHAT_IDS, CHAT_CLOSE = "\ue000", "\ue001", "\ue002"
+"""Private-use marks around a rendered conversation: ``OPEN text IDS 1,2,3 CLOSE``."""
+_CHAT = re.compile("\ue000[^\ue000-\ue002]*\ue001([0-9,]*)\ue002")
 
 
 class AnyorderLM(TemplateLM):
@@ -102,7 +115,34 @@ class AnyorderLM(TemplateLM):
         return self.tok.name
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kw) -> list[int]:
-        return self.tok.encode(string)
+        """Token ids of ``string``; a conversation rendered by :meth:`apply_chat_template`
+        inside it gives back its ids exactly."""
+        ids: list[int] = []
+        at = 0
+        for m in _CHAT.finditer(string):
+            ids += self.tok.encode(string[at : m.start()]) if m.start() > at else []
+            ids += [int(t) for t in m.group(1).split(",") if t]
+            at = m.end()
+        return ids + (self.tok.encode(string[at:]) if at < len(string) else [])
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The harness's ``--apply_chat_template``: the conversation through the tokenizer's
+        chat template (the byte tokenizer's plain one without), as a string that
+        :meth:`tok_encode` turns back into exactly those ids (see the module notes)."""
+        from anyorder.data.chat import render_messages
+
+        ids = render_messages(chat_history, self.tok, add_generation_prompt=add_generation_prompt)
+        shown = re.sub("[\ue000-\ue002]", "", self.tok.decode(ids))
+        return f"{CHAT_OPEN}{shown}{CHAT_IDS}{','.join(map(str, ids))}{CHAT_CLOSE}"
+
+    def chat_template(self, chat_template: bool | str = False) -> str:
+        """The template the harness records with its results: the tokenizer's own, else
+        the plain one (:data:`anyorder.data.chat.PLAIN_TEMPLATE`)."""
+        from anyorder.data.chat import PLAIN_TEMPLATE, has_template
+
+        return self.tok.tok.chat_template if has_template(self.tok) else PLAIN_TEMPLATE
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw):
         pairs = [(ctx, cont) for _, ctx, cont in requests]
@@ -193,7 +233,7 @@ class AnyorderLM(TemplateLM):
         for i, req in enumerate(requests):
             context, kwargs = req.args
             g = gen_settings(kwargs, self.tok.decode([self.tok.eos_id]))
-            ids = self.tok.encode(context)
+            ids = self.tok_encode(context)
             # the context keeps what max_gen_toks leaves of the window, and at least half of
             # it: a long generation is cut short by the window rather than lose its prompt
             keep = max(self.max_length - g.max_tokens, min(len(ids), self.max_length // 2))

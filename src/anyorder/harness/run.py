@@ -22,6 +22,7 @@ def run_harness(
     batch_size: int = 8,
     device: str = "cpu",
     log_samples: bool = False,
+    apply_chat_template: bool = False,
 ) -> dict[str, Any]:
     """Evaluate ``pretrained`` on the harness's ``tasks``; returns its results dict.
 
@@ -35,6 +36,8 @@ def run_harness(
         batch_size: requests per forward pass.
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``.
         log_samples: keep every request and response under ``results["samples"]``.
+        apply_chat_template: render each prompt with the model's chat template
+            (:meth:`AnyorderLM.apply_chat_template`), as the harness's own flag.
     """
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -64,6 +67,7 @@ def run_harness(
         limit=limit,
         task_manager=manager,
         log_samples=log_samples,
+        apply_chat_template=apply_chat_template,
         device=device,
         batch_size=batch_size,
     )

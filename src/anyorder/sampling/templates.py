@@ -1,4 +1,5 @@
-"""Text in and out: infilling templates (holes ``[MASK:n]``), decoding, :func:`infill`.
+"""Text in and out: infilling templates (holes ``[MASK:n]``), chat prompts, decoding,
+:func:`infill`.
 
 Design choices:
 
@@ -6,6 +7,10 @@ Design choices:
   tokenizer never merges across a hole, and ``[MASK`` always opens a hole (no escaping).
 * :func:`infill` is :func:`anyorder.sampling.samplers.sample` with the template's known
   tokens as a prompt shared by every sample (prefilled once).
+* A chat request (:func:`chat_prompt`) is a prefix prompt like ``--prompt``'s: the ids the
+  chat template puts before the answer (:func:`anyorder.data.chat.render_prompt`), then
+  ``max_new`` unknown slots that any sampler fills; the answer is what follows the prompt,
+  cut at its first EOS (:func:`decode_text` of the unknown slots).
 """
 
 from __future__ import annotations
@@ -101,6 +106,49 @@ def parse_template(
             "shorten the text or the holes"
         )
     return torch.tensor(ids, dtype=torch.long), torch.tensor(known, dtype=torch.bool)
+
+
+def chat_prompt(
+    prompt_or_messages: object,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    vocab_size: int,
+    max_new: int | None = None,
+    *,
+    name: str = "max_new_tokens",
+) -> tuple[Tensor, Tensor]:
+    """Tokens and known mask of a chat request: the rendered prompt, then ``max_new`` slots
+    for the answer (default: the rest of the context).
+
+    Args:
+        prompt_or_messages: a user message (text) or a list of ``{"role", "content"}``
+            messages, rendered with the tokenizer's chat template up to the answer.
+        tokenizer: the model's tokenizer.
+        seq_len: the model's context.
+        vocab_size: the model's vocabulary (the rendered ids must lie below it).
+        max_new: answer tokens at most.
+        name: how the caller spells ``max_new`` in errors (``--max-new-tokens``).
+
+    Returns:
+        ``(tokens, known)``: (n,) int64 ids (0 in the answer's slots) and (n,) bool, the
+        prompt's ``len(ids)`` slots known and the ``n - len(ids)`` after them not.
+
+    Raises:
+        SamplingError: a prompt that leaves no room for an answer, ``max_new`` out of range,
+            or ids the model cannot read.
+    """
+    from anyorder import bounds
+    from anyorder.data.chat import render_prompt
+
+    ids = render_prompt(prompt_or_messages, tokenizer)
+    if ids and max(ids) >= vocab_size:
+        raise SamplingError(
+            f"the tokenizer gives ids up to {max(ids)} but the model reads {vocab_size}; use "
+            "the model's own tokenizer"
+        )
+    new = bounds.check_new_tokens(max_new, seq_len, len(ids), name=name)
+    n = len(ids) + new
+    return bounds.prefix_prompt(ids, n, length=f"n={n}", name=name)
 
 
 def decode_text(

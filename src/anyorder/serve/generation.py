@@ -37,6 +37,7 @@ from torch import Tensor
 
 from anyorder import bounds
 from anyorder.errors import CheckpointError, SamplingError, preview
+from anyorder.serve.rounds import Rounds, piece
 
 if TYPE_CHECKING:
     from anyorder.checkpoint import Loaded
@@ -103,7 +104,8 @@ class GenRequest:
     """One generation request, as the page sends it (JSON keys = field names)."""
 
     text: str = ""
-    """A prompt (a prefix), a template with ``[MASK:n]`` holes, or empty (unconditional)."""
+    """A prompt (a prefix), a template with ``[MASK:n]`` holes, or empty (unconditional);
+    with ``chat``, the user's message."""
     mode: str = "random"
     """One of :data:`MODES`."""
     streams: int | None = None
@@ -123,6 +125,12 @@ class GenRequest:
     num_samples: int = 1
     delay_ms: int = 0
     """Slow motion: pause after each pass (not counted in tokens/s)."""
+    chat: bool = False
+    """Chat mode: ``text`` goes through the chat template, the answer is decoded after it
+    in the request's mode, and the ``done`` event's texts are the answers alone, cut at
+    their first EOS."""
+    max_new_tokens: int | None = None
+    """``chat``: answer tokens at most (default: the context left after the prompt)."""
 
 
 class LimitError(SamplingError):
@@ -131,6 +139,8 @@ class LimitError(SamplingError):
 
 _TYPES: dict[str, tuple[type, ...]] = {
     "text": (str,),
+    "chat": (bool,),
+    "max_new_tokens": (int,),
     "mode": (str,),
     "streams": (int,),
     "steps": (int,),
@@ -142,7 +152,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "num_samples": (int,),
     "delay_ms": (int,),
 }
-_OPTIONAL = {"streams", "steps", "speculative", "length", "top_p"}
+_OPTIONAL = {"streams", "steps", "speculative", "length", "top_p", "max_new_tokens"}
 _MODE_FIELDS = {"streams": ("strided", "S streams"), "steps": ("lemma1", "T reverse steps")}
 """The fields only one mode reads: with another they would be ignored, so are refused."""
 
@@ -172,10 +182,12 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
     for name, value in body.items():
         if value is None and name in _OPTIONAL:
             continue
-        ok = isinstance(value, _TYPES[name]) and not isinstance(value, bool)
+        flag = _TYPES[name] == (bool,)
+        ok = isinstance(value, bool) == flag and isinstance(value, _TYPES[name])
         if not ok:
             want = "a string" if _TYPES[name] == (str,) else "a number"
             want = "a whole number" if _TYPES[name] == (int,) else want
+            want = "true or false" if flag else want
             raise SamplingError(f"field {name!r} must be {want}, not {json.dumps(value)}")
         if isinstance(value, str) and not _encodable(value):
             raise SamplingError(
@@ -196,6 +208,15 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
         raise SamplingError("mode strided needs the number of streams S (field streams)")
     if req.mode == "lemma1" and req.steps is None:
         raise SamplingError("mode lemma1 needs the number of steps T (field steps)")
+    if req.chat and req.length is not None:
+        raise SamplingError(
+            "length counts the prompt's tokens too; a chat answer's is max_new_tokens: leave "
+            "length out"
+        )
+    if not req.chat and req.max_new_tokens is not None:
+        raise SamplingError(
+            "max_new_tokens is the length of a chat answer; set chat, or use length"
+        )
     if req.speculative is not None:
         _check_speculative(req, limits)
     for name, (mode, what) in _MODE_FIELDS.items():
@@ -247,6 +268,8 @@ class Plan:
     """Everything else :func:`~anyorder.sample.sample` takes (generator excluded)."""
     template: bool
     """Whether the text was a template (then the text is not cut at EOS)."""
+    chat: bool
+    """Whether the texts are chat answers (the slots after the prompt alone)."""
     total_steps: int
     """Steps a full decode has (``step_of`` values lie in ``0..total_steps-1``)."""
 
@@ -260,15 +283,21 @@ def plan_request(loaded: Loaded, req: GenRequest) -> Plan:
     """
     from anyorder.orders import strided
     from anyorder.sample import parse_template
+    from anyorder.sampling.templates import chat_prompt
 
     model, tok = loaded.model, loaded.tokenizer
     if tok is None:
         raise CheckpointError(f"{loaded.path} holds no tokenizer; serve needs one")
     seq_len = model.cfg.seq_len
     prompt = known = None
-    template = "[MASK" in req.text
+    template = "[MASK" in req.text and not req.chat
     steps = req.steps if req.mode == "lemma1" else None
-    if template:
+    if req.chat:
+        cfg = model.cfg
+        prompt, known = chat_prompt(req.text, tok, seq_len, cfg.vocab_size, req.max_new_tokens)
+        n = len(prompt)
+        bounds.check_steps(steps, n)
+    elif template:
         bounds.check_holes(req.text, seq_len)
         prompt, known = parse_template(req.text, tok, seq_len)
         n = len(prompt)
@@ -305,53 +334,7 @@ def plan_request(loaded: Loaded, req: GenRequest) -> Plan:
         kwargs["streams"] = req.streams
         if req.streams >= 1 and n % req.streams == 0:
             total = int(strided(1, n, req.streams).blocks.max()) + 1
-    return Plan(n, kwargs, template, total)
-
-
-def _piece(tok: Any, token: int) -> str:
-    return tok.decode([token])
-
-
-class _Rounds:
-    """The ``round`` events of a speculative decode, from the sampler's ``on_round`` hook
-    (called before ``on_step`` in the same pass)."""
-
-    def __init__(self, tok: Any, n: int) -> None:
-        self.tok, self.n = tok, n
-        self.totals = {"passes": 0, "drafted": 0, "accepted": 0, "tokens": 0}
-        self.rows: list[dict[str, Any]] | None = None
-
-    def hook(self, r: dict[str, Tensor]) -> None:
-        """``on_round``: per row, the verified drafts, how many were accepted (a prefix) and
-        the closing token; a finished row has no drafts and no closing token."""
-        D = r["positions"].shape[1]
-        closing = [r[k].long()[:, None] for k in ("accepted", "position", "token")]
-        # one copy to the host: (B, 2D + 3) = drafts' positions, their tokens, m, closing
-        table = torch.cat([r["positions"].long(), r["tokens"].long(), *closing], 1).tolist()
-        rows = []
-        for line in table:
-            pr, tr, (m, p, t) = line[:D], line[D : 2 * D], line[2 * D :]
-            drafts = [[q, y, _piece(self.tok, y)] for q, y in zip(pr, tr) if q < self.n]
-            if p >= self.n:  # finished before this pass
-                rows.append({"drafts": [], "accepted": 0, "closing": None, "replaced": False})
-                continue
-            rows.append(
-                {
-                    "drafts": drafts,
-                    "accepted": m,
-                    "closing": [p, t, _piece(self.tok, t)],
-                    "replaced": m < len(drafts),  # a rejection, else a bonus draw
-                }
-            )
-            for key, add in (("passes", 1), ("drafted", len(drafts)), ("accepted", m)):
-                self.totals[key] += add
-            self.totals["tokens"] += m + 1
-        self.rows = rows
-
-    def event(self, step: int, passes: int) -> dict[str, Any]:
-        """The ``round`` event of the pass that just ran (then forgotten)."""
-        rows, self.rows = self.rows, None
-        return {"step": step, "pass": passes, "rows": rows, **self.totals}
+    return Plan(n, kwargs, template, req.chat, total)
 
 
 def run_generation(
@@ -390,9 +373,9 @@ def run_generation(
     prompt = plan.kwargs["prompt"]
     known = plan.kwargs["known"]
     known_pos = [] if known is None else known.nonzero()[:, 0].tolist()
-    prompt_cells = [[p, int(prompt[p]), _piece(tok, int(prompt[p]))] for p in known_pos]
+    prompt_cells = [[p, int(prompt[p]), piece(tok, int(prompt[p]))] for p in known_pos]
     state = {"passes": 0, "generated": 0, "slept": 0.0}
-    rounds = _Rounds(tok, n) if "speculative" in plan.kwargs else None
+    rounds = Rounds(tok, n) if "speculative" in plan.kwargs else None
 
     def over_time() -> None:
         now = time.perf_counter()
@@ -418,7 +401,7 @@ def run_generation(
                 },
             )
         rows = [
-            [[p, t, _piece(tok, t)] for p, t in zip(pr, tr) if p < n] for pr, tr in zip(pos, toks)
+            [[p, t, piece(tok, t)] for p, t in zip(pr, tr) if p < n] for pr, tr in zip(pos, toks)
         ]
         state["passes"] += 1
         state["generated"] += sum(len(r) for r in rows)
@@ -447,7 +430,7 @@ def run_generation(
     with ctx:
         result = _sample(model, n, plan, gen, on_step, rounds)
     seconds = time.perf_counter() - t0 - state["slept"]
-    done = _done_event(tok, result, None if plan.template else tok.eos_id, seconds)
+    done = _done_event(tok, result, None if plan.template else tok.eos_id, seconds, plan.chat)
     if on_finished is not None:
         on_finished()
     emit("done", done)
@@ -468,14 +451,22 @@ def _sample(model: Any, n: int, plan: Plan, gen: torch.Generator, on_step, round
     )
 
 
-def _done_event(tok: Any, result: Any, eos: int | None, seconds: float) -> dict[str, Any]:
-    """The ``done`` event: the texts (cut at ``eos`` unless None) and the whole result."""
+def _done_event(
+    tok: Any, result: Any, eos: int | None, seconds: float, chat: bool = False
+) -> dict[str, Any]:
+    """The ``done`` event: the texts (cut at ``eos`` unless None; a chat's answers alone,
+    the slots after the prompt) and the whole result."""
     from anyorder.sample import decode_text
 
     tokens = result.tokens.cpu()
     generated = int((result.step_of >= 0).sum())
+    given = result.step_of.cpu() == -1
+    if chat:
+        texts = [decode_text(tok, r[~g], eos) for r, g in zip(tokens, given)]
+    else:
+        texts = [decode_text(tok, r, eos, g) for r, g in zip(tokens, given)]
     out = {
-        "texts": [decode_text(tok, r, eos, s == -1) for r, s in zip(tokens, result.step_of.cpu())],
+        "texts": texts,
         "tokens": tokens.tolist(),
         "step_of": result.step_of.cpu().tolist(),
         "order": result.order.cpu().tolist(),

@@ -71,8 +71,13 @@ function stepColour(step, total) {
   return `hsl(${Math.round(215 - 190 * f)}, 85%, 74%)`;
 }
 
+function chatOn() {
+  return $("chat").checked;
+}
+
+// In chat mode the text is a message (its "[MASK" is text), never a template.
 function isTemplate() {
-  return $("text").value.includes("[MASK");
+  return !chatOn() && $("text").value.includes("[MASK");
 }
 
 function speculativeOn() {
@@ -90,6 +95,8 @@ function syncModeInputs() {
   // A template sets its own length (its text plus its holes): no field to ignore.
   $("length-box").hidden = isTemplate();
   $("length-note").hidden = !isTemplate();
+  // a chat's length is its answer's: the prompt comes with the template
+  $("length-label").textContent = chatOn() ? "Answer length" : "Length";
 }
 
 async function loadInfo() {
@@ -130,7 +137,9 @@ function requestBody() {
     streams: mode === "strided" ? number("streams", Number) : null,
     steps: mode === "lemma1" ? number("steps", Number) : null,
     speculative: speculativeOn() ? number("draft", Number) : null,
-    length: isTemplate() ? null : number("length", Number),
+    chat: chatOn(),
+    length: isTemplate() || chatOn() ? null : number("length", Number),
+    max_new_tokens: chatOn() ? number("length", Number) : null,
     temperature: number("temperature", parseFloat) ?? 1.0,
     top_p: topP === null || topP >= 1 ? null : topP,
     seed: number("seed", Number) ?? 0,
@@ -389,4 +398,5 @@ $("stop").addEventListener("click", () => controller && controller.abort());
 $("mode").addEventListener("change", syncModeInputs);
 $("speculative").addEventListener("change", syncModeInputs);
 $("text").addEventListener("input", syncModeInputs);
+$("chat").addEventListener("change", syncModeInputs);
 loadInfo();
