@@ -146,9 +146,10 @@ def test_without_the_bos_shift_the_logits_differ(tmp_path):
     assert gap > 1e-3  # measured 8.5e-3: far above the 1e-5 the converted gpt meets
 
 
-BF16_ATOL = 0.08
+BF16_REL = 0.1
 """bf16 against bf16 (both compute in bf16, rounding in different places: transformers
-casts the RoPE tables to bf16, we rotate in fp32), relative to logits of std about 1."""
+casts the RoPE tables to bf16, we rotate in fp32): max |diff| below 0.1 logit std
+(measured 0.0034-0.0039 at std 0.11-0.12, 2026-12-02)."""
 
 
 @pytest.mark.parametrize("family", list(CLASSES))
@@ -164,7 +165,7 @@ def test_bf16_source_keeps_its_dtype_and_stays_close(tmp_path, family):
         ours = model(x).float()
     gap = (ours - ref).abs().max().item()
     print(f"{family} bf16 max |diff| {gap:.4f}, logit std {ref.std():.3f}")
-    assert gap < BF16_ATOL * max(1.0, ref.std().item())
+    assert gap < BF16_REL * ref.std().item()
 
 
 @pytest.mark.parametrize("family", list(CLASSES))
@@ -240,6 +241,12 @@ def test_tokenizer_and_special_ids_ship_with_the_folder(tmp_path, tokenizer_file
         or (tmp_path / "ao" / "tokenizer" / "chat_template.jinja").read_text()
     )
     assert shipped == TEMPLATE
+    # the transformers path: the folder loads as an AutoModelForCausalLM, same logits
+    auto = tr.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ao"))
+    ids = torch.tensor([tok.encode("the quick brown fox")])
+    with torch.no_grad():
+        assert_close(auto(ids).logits, loaded.model(ids), rtol=0, atol=1e-6)
+    assert auto.config.eos_token_id == 2 and auto.config.bos_token_id == 1
     capsys.readouterr()
     assert main(["sample", str(tmp_path / "ao"), "--length", "8", "--seed", "0"]) == 0
     assert main(["sample", str(tmp_path / "ao"), "--infill", "the [MASK:3] dog"]) == 0
