@@ -301,3 +301,39 @@ def test_rope_bos_shift_is_refused_where_it_means_nothing():
     for kw in (dict(kind="armd", pos_emb="rope"), dict(kind="gpt", pos_emb="learned")):
         with pytest.raises(ConfigError, match="model.rope_bos_shift moves the BOS slot"):
             ModelConfig(rope_bos_shift=True, **kw)
+
+
+def test_non_finite_weights_leave_nothing_behind(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    src = _with(tmp_path)
+    weights = load_file(str(src / "model.safetensors"))
+    weights["model.layers.0.mlp.up_proj.weight"][3, 4] = float("nan")
+    save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["convert", str(src), "--to", "aogpt", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(
+        "source weight 'model.layers.0.mlp.up_proj.weight' holds NaN or infinite values; "
+        "nothing was written: convert a checkpoint with finite weights"
+    )
+    assert len(err.splitlines()) == 1
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_bos_id_outside_the_vocabulary_is_refused(tmp_path, capsys):
+    src = _with(tmp_path)
+    capsys.readouterr()
+    argv = [
+        "convert",
+        str(src),
+        "--to",
+        "gpt",
+        "--bos-id",
+        str(VOCAB),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    assert main(argv) == 2
+    assert f"BOS id {VOCAB} is outside the vocabulary (0..{VOCAB - 1})" in capsys.readouterr().err

@@ -330,8 +330,9 @@ def convert_family(
             t = new[key].detach()
         else:
             parts = [src.get(n) for n in how]
+            for n, part in zip(how, parts, strict=True):
+                _check_finite(part, n)
             t = parts[0] if len(parts) == 1 else torch.cat(parts)
-            _check_finite(t, how[0])
         return t.to(stored)
 
     specs = [(k, list(new[k].shape), stored) for k in plan]
