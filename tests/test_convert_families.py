@@ -265,7 +265,10 @@ def _with(tmp_path, **config):
 @pytest.mark.parametrize(
     "config,message",
     [
-        ({"sliding_window": 16}, "a sliding window of 16 < seq_len 63 (pass --seq-len 16)"),
+        (
+            {"sliding_window": 16},
+            "a sliding window of 16 < seq_len 63 + the BOS (pass --seq-len 15 or less)",
+        ),
         ({"num_local_experts": 8}, "mixture of experts (num_local_experts)"),
         ({"partial_rotary_factor": 0.5}, "partial rotary (partial_rotary_factor 0.5)"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
@@ -337,3 +340,19 @@ def test_a_bos_id_outside_the_vocabulary_is_refused(tmp_path, capsys):
     ]
     assert main(argv) == 2
     assert f"BOS id {VOCAB} is outside the vocabulary (0..{VOCAB - 1})" in capsys.readouterr().err
+
+
+def test_a_window_holding_the_bos_and_every_token_converts_exactly(tmp_path, capsys):
+    """Mistral v0.1's window: the last of seq_len tokens must still see the BOS, so a window
+    of 17 converts at seq_len 16 (and equals the source there) and refuses seq_len 17."""
+    src = _with(tmp_path, sliding_window=17)
+    hf = tr.AutoModelForCausalLM.from_pretrained(str(src)).eval()
+    capsys.readouterr()
+    argv = ["convert", str(src), "--to", "gpt", "--out"]
+    assert main([*argv, str(tmp_path / "no"), "--seq-len", "17"]) == 2
+    assert "a sliding window of 17 < seq_len 17 + the BOS" in capsys.readouterr().err
+    assert main([*argv, str(tmp_path / "gpt"), "--seq-len", "16"]) == 0
+    model = load_exported(tmp_path / "gpt").model
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert_close(model(x), logits_on_bos(hf, x), rtol=0, atol=1e-5)

@@ -143,8 +143,11 @@ def _window(config: dict[str, Any]) -> int | None:
     return int(window) if window else None
 
 
-def refusals(config: dict[str, Any], seq_len: int) -> list[str]:
-    """The features of ``config`` our trunk cannot compute at ``seq_len`` (empty: none)."""
+def refusals(config: dict[str, Any], seq_len: int, bos: int = 1) -> list[str]:
+    """The features of ``config`` our trunk cannot compute at ``seq_len`` (empty: none).
+
+    ``bos``: 1 when the model reads a BOS slot before the ``seq_len`` tokens (a window must
+    then hold ``seq_len + 1`` slots for the last token to see the BOS)."""
     out = []
     if config.get("hidden_act", "silu") != "silu":
         out.append(f"hidden_act {config['hidden_act']!r} (the SwiGLU MLP uses silu)")
@@ -153,8 +156,11 @@ def refusals(config: dict[str, Any], seq_len: int) -> list[str]:
     if config.get("mlp_bias"):
         out.append("mlp_bias")
     window = _window(config)
-    if window is not None and window < seq_len:
-        out.append(f"a sliding window of {window} < seq_len {seq_len} (pass --seq-len {window})")
+    if window is not None and window < seq_len + bos:
+        slots = f"seq_len {seq_len}" + (" + the BOS" if bos else "")
+        out.append(
+            f"a sliding window of {window} < {slots} (pass --seq-len {window - bos} or less)"
+        )
     moe = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(k)]
     if moe:
         out.append(f"mixture of experts ({moe[0]})")
@@ -194,7 +200,7 @@ def model_config_from_hf(
             f"seq_len={seq_len} must lie in 1..{longest} (the {fam.name} was trained at "
             f"{longest + shift} positions{', the BOS taking one' if shift else ''})"
         )
-    bad = refusals(config, seq_len)
+    bad = refusals(config, seq_len, shift)
     if bad:
         raise CheckpointError(
             f"{source!r} uses {'; '.join(bad)}: anyorder's trunk does not compute "
