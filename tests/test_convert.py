@@ -187,7 +187,9 @@ def test_sources_we_cannot_convert_are_named(tmp_path, tiny_gpt2) -> None:
     other = tmp_path / "llama"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(CheckpointError, match="holds a 'llama' model; anyorder convert reads"):
+    with pytest.raises(
+        CheckpointError, match="holds a 'llama' model; convert_gpt2 reads GPT-2 checkpoints"
+    ):
         read_gpt2(other)
     bare = tmp_path / "bare"
     bare.mkdir()

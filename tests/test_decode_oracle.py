@@ -8,7 +8,7 @@ request at random and compares every decided slot's logits with an independent o
 * the model: gpt, aogpt, armd (every ``l2s``), the ``aogpt-ref`` and ``sigmagpt-ref``
   variants, weights moved off their initialisation; and (issue 33) the same kinds on trunks
   of modern families: grouped-query attention, explicit head and MLP widths, q/k/v biases,
-  RoPE scaling (:func:`trunks`);
+  RoPE scaling, the BOS at a RoPE position of its own (:func:`trunks`);
 * the request: ``n`` (not only powers of two), the batch, an order per row (random or left
   to right), ``T`` from 1 to above ``n`` with per-row, shared or reference counts and both
   schedules, strided ``S``, prompts (prefix, scattered, suffix, infill templates; shared or
@@ -123,7 +123,11 @@ def trunks(draw) -> tuple:
 def trunk_requests(draw, n_max: int):
     """:func:`requests` of the plain kinds (gpt, aogpt, armd) on a drawn trunk."""
     req = draw(requests(n_max).filter(lambda r: not r["kind"].endswith("-ref")))
-    return {**req, "trunk": draw(trunks())}
+    trunk = draw(trunks())
+    if req["kind"] != "armd" and dict(trunk)["pos_emb"] == "rope" and draw(st.booleans()):
+        # the BOS rotated at 0 and x_p at p + 1 (converted Llama / Qwen / Mistral weights)
+        trunk = tuple(sorted((*trunk, ("rope_bos_shift", True))))
+    return {**req, "trunk": trunk}
 
 
 @contextlib.contextmanager

@@ -327,8 +327,28 @@ def _ref_copy(folder: Path) -> None:
     shutil.copy(REF / "aogpt" / "ckpt_1234.pt", folder / "ckpt_1234.pt")
 
 
+_FAMILY = dict(
+    model_type="mistral", vocab_size=320, hidden_size=32, intermediate_size=64,
+    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+    hidden_act="silu", sliding_window=None,
+)  # fmt: skip
+
+
+def _family(**config):
+    """A transformers-style source folder (config.json alone: the refusals come before any
+    weight is read)."""
+
+    def setup(folder: Path) -> None:
+        (folder / "src").mkdir()
+        (folder / "src" / "config.json").write_text(json.dumps({**_FAMILY, **config}))
+
+    return setup
+
+
 TRAIN = ["train", "cfg.yaml", "--no-progress"]
 CONVERT_REF = ["convert", "ckpt_1234.pt", "--from", "aogpt-ref", "--out", "ao"]
+CONVERT_HF = ["convert", "src", "--to", "gpt", "--out", "ao"]
 NEW = "train.out_dir=new"  # a run folder that must not appear
 FRESH = [NEW, "data.cache_dir=newcache"]  # and a data cache that must not appear either
 # id: (command line, extra environment, setup of the row's folder)
@@ -580,6 +600,15 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "state-wrong-types": ([*TRAIN, "train.steps=4"], {}, _state_rng_text),
     "state-python-objects": ([*TRAIN, "train.steps=4"], {}, _state_code),
     "convert-ref-python-objects": (CONVERT_REF, {}, _ref_code),
+    "convert-family-window": (CONVERT_HF, {}, _family(sliding_window=16)),
+    "convert-family-moe": (CONVERT_HF, {}, _family(num_local_experts=8)),
+    "convert-family-rope-type": (
+        CONVERT_HF,
+        {},
+        _family(rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+    ),
+    "convert-family-gemma": (CONVERT_HF, {}, _family(model_type="gemma")),
+    "convert-family-no-bos": (CONVERT_HF, {}, _family(bos_token_id=None)),
     "convert-ref-claims-layers": (CONVERT_REF, {}, _ref_claims_layers),
     "convert-ref-claims-context": (CONVERT_REF, {}, _ref_claims_context),
     "export-config-nested": (["sample", "good"], {}, _export_config_nested),

@@ -193,30 +193,63 @@ def save_pretrained(
             str(tmp / WEIGHTS_NAME),
             metadata={"format": "pt", "tied": json.dumps(aliases)},
         )
-        if tokenizer is not None:
-            tokenizer.save(tmp / TOKENIZER_DIR)
         if run_config is not None:
             import yaml
 
             (tmp / RUN_CONFIG_NAME).write_text(yaml.safe_dump(to_dict(run_config), sort_keys=False))
-        config: dict[str, Any] = {
-            "model_type": MODEL_TYPE,
-            "architectures": ["AnyorderModel"],
-            "anyorder_kind": model.cfg.kind,
-            "anyorder_version": _version(),
-            "anyorder_format": FORMAT_VERSION,
-            **to_dict(model.cfg),
-            "weights": weights,
-            "step": step,
-            "source": source,
-            "tokenizer": tokenizer.name if tokenizer is not None else None,
-            "torch_dtype": dtype or str(next(model.parameters()).dtype).replace("torch.", ""),
-            **dict(extra or {}),
-            "weights_sha256": sha256_file(tmp / WEIGHTS_NAME),
-        }
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / CARD_NAME).write_text(_model_card(config, model.num_params(), tokenizer))
+        stored = dtype or str(next(model.parameters()).dtype).replace("torch.", "")
+        write_export_files(
+            tmp, model.cfg, model.num_params(), tokenizer, weights=weights, step=step,
+            source=source, dtype=stored, extra=extra,
+        )  # fmt: skip
     return folder
+
+
+def write_export_files(
+    tmp: Path,
+    cfg: Any,
+    num_params: int,
+    tokenizer: Tokenizer | None,
+    *,
+    weights: str,
+    step: int | None,
+    source: str | None,
+    dtype: str,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Write an export's tokenizer, ``config.json`` and card into ``tmp``, beside its
+    weights file (already written: ``config.json`` records its checksum).
+
+    Args:
+        tmp: the folder being built.
+        cfg: the :class:`~anyorder.config.ModelConfig` of the weights.
+        num_params: parameters of the model (for the card).
+        tokenizer: saved under ``tokenizer/`` when given.
+        weights: the label of the weights (:data:`WEIGHT_LABELS`).
+        step: training steps behind the weights.
+        source: where the weights came from.
+        dtype: the stored dtype's name.
+        extra: more keys for ``config.json``.
+    """
+    if tokenizer is not None:
+        tokenizer.save(tmp / TOKENIZER_DIR)
+    config: dict[str, Any] = {
+        "model_type": MODEL_TYPE,
+        "architectures": ["AnyorderModel"],
+        "anyorder_kind": cfg.kind,
+        "anyorder_version": _version(),
+        "anyorder_format": FORMAT_VERSION,
+        **to_dict(cfg),
+        "weights": weights,
+        "step": step,
+        "source": source,
+        "tokenizer": tokenizer.name if tokenizer is not None else None,
+        "torch_dtype": dtype,
+        **dict(extra or {}),
+        "weights_sha256": sha256_file(tmp / WEIGHTS_NAME),
+    }
+    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / CARD_NAME).write_text(_model_card(config, num_params, tokenizer))
 
 
 def export(

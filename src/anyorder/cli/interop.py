@@ -15,16 +15,18 @@ import argparse
 def add_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "source",
-        help="gpt2: a transformers GPT-2 (hub id or folder with config.json); aogpt-ref / "
-        "sigmagpt-ref: the authors' ckpt_N.pt, or hf:OWNER/REPO/PATH/ckpt_N.pt",
+        help="gpt2: a transformers checkpoint (hub id or folder with config.json) of model_type "
+        "gpt2, llama, qwen2, qwen3 or mistral; aogpt-ref / sigmagpt-ref: the authors' "
+        "ckpt_N.pt, or hf:OWNER/REPO/PATH/ckpt_N.pt",
     )
     p.add_argument(
         "--from",
         dest="source_format",
         choices=("gpt2", "aogpt-ref", "sigmagpt-ref"),
         default="gpt2",
-        help="what the source is: a GPT-2, or a checkpoint of the AO-GPT authors' code "
-        "(scxue/AO-GPT-MDM: AO-GPT or sigma-GPT)",
+        help="what the source is: a transformers checkpoint (GPT-2, Llama, Qwen2, Qwen3, "
+        "Mistral: its config.json's model_type decides), or a checkpoint of the AO-GPT "
+        "authors' code (scxue/AO-GPT-MDM: AO-GPT or sigma-GPT)",
     )
     p.add_argument(
         "--to",
@@ -45,12 +47,26 @@ def add_convert(p: argparse.ArgumentParser) -> None:
         help="tokenizer to ship with it (default: the source folder's own, when it has one; "
         "GPT-2's for a reference checkpoint with GPT-2's vocabulary; none: no tokenizer)",
     )
-    p.add_argument("--seq-len", type=int, default=None, help="context (default n_positions - 1)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="context (default: the source's positions less the BOS's; at most 4096 for the "
+        "RoPE families)",
+    )
     p.add_argument("--l2s", type=int, default=None, help="armd: two-stream layers (n_layer/2)")
     p.add_argument("--target-dim", type=int, default=128, help="aogpt: target embedding width")
-    p.add_argument("--bos-id", type=int, default=None, help="BOS token (default bos_token_id)")
     p.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="stored dtype"
+        "--bos-id",
+        type=int,
+        default=None,
+        help="token whose embedding is the BOS (default: config.json's bos_token_id; GPT-2: 50256)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="stored dtype (default: the source's for the RoPE families, float32 for GPT-2)",
     )
 
 
@@ -86,7 +102,12 @@ def run_convert(args: argparse.Namespace) -> int:
             raise ConfigError("--from gpt2 needs --to gpt, aogpt or armd")
         if args.weights is not None:
             raise ConfigError("--weights is for the reference formats; a GPT-2 has one set")
-        conv = convert(
+        from anyorder.interop.hub import resolve_folder
+        from anyorder.interop.streaming import SOURCE_PATTERNS, convert_family, model_type_of
+
+        folder = resolve_folder(args.source, allow_patterns=SOURCE_PATTERNS)
+        gpt2 = model_type_of(folder) in (None, "gpt2")
+        conv = (convert if gpt2 else convert_family)(
             args.source,
             args.to,
             args.out,

@@ -114,6 +114,10 @@ class ModelConfig:
     """gpt/aogpt with learned positions: the BOS slot adds row 0 of the position table and a
     token at position p reads row p + 1 (the AO-GPT reference's layout, seq_len + 1 rows).
     False: the BOS vector stands alone and a token at p reads row p. No effect with rope."""
+    rope_bos_shift: bool = False
+    """gpt/aogpt with rope: the BOS slot at RoPE position 0 and a token at position p rotated
+    as p + 1, the way a Hugging Face model reads [bos] + x (converted Llama, Qwen and
+    Mistral weights: docs/checkpoints.md). False: the BOS slot and x_0 share position 0."""
     adaln_gate_offset: bool = True
     """aogpt: each adaLN gate multiplies as 1 + gate, so zero modulation is the plain block
     (ours); False: as the raw gate (the AO-GPT reference, as in DiT)."""
@@ -200,6 +204,11 @@ class ModelConfig:
                 "model.bos_pos_row places the BOS slot of gpt/aogpt in the position table; "
                 "leave it off for armd and mdm"
             )
+        if self.rope_bos_shift and (self.kind not in ("gpt", "aogpt") or self.positional != "rope"):
+            raise ConfigError(
+                "model.rope_bos_shift moves the BOS slot of gpt/aogpt under RoPE; it needs "
+                "model.kind gpt or aogpt and model.pos_emb=rope (leave it off otherwise)"
+            )
         if self.l2s is not None and not 1 <= self.l2s <= self.n_layer:
             raise ConfigError(
                 f"model.l2s={self.l2s} must be between 1 and model.n_layer={self.n_layer}"
@@ -276,6 +285,12 @@ class ModelConfig:
         )
 
     @property
+    def rope_rows(self) -> int:
+        """Rows of the RoPE tables: seq_len, one more when the BOS takes a position of its own
+        (``rope_bos_shift``)."""
+        return self.seq_len + int(self.rope_bos_shift)
+
+    @property
     def positional(self) -> str:
         """The resolved positional encoding: ``learned`` or ``rope``."""
         if self.pos_emb != "auto":
@@ -289,7 +304,7 @@ class ModelConfig:
             where = ", BOS at row 0" if self.bos_pos_row and self.kind in ("gpt", "aogpt") else ""
             text = f"learned positions{where}"
         else:
-            text = "rope"
+            text = "rope, BOS at 0 and x_p at p + 1" if self.rope_bos_shift else "rope"
             if self.kind == "aogpt":
                 text += f" (queries at their {self.rope_query}s)"
         if self.kind == "aogpt":

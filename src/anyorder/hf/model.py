@@ -179,6 +179,13 @@ class AnyorderModel(PreTrainedModel, GenerationMixin):
         dtype = kwargs.pop("dtype", None)
         dtype = kwargs.pop("torch_dtype", None) if dtype is None else dtype
         config = kwargs.pop("config", None)
+        # with peft installed, transformers' Auto classes always pass adapter_kwargs (a
+        # revision, a token); only an adapter it found is something we would ignore
+        if "_adapter_model_path" in (kwargs.pop("adapter_kwargs", None) or {}):
+            raise ConfigError(
+                f"{cls.__name__}.from_pretrained does not load PEFT adapters; give the "
+                "export folder itself"
+            )
         _unused(kwargs, _HARMLESS_LOAD, f"{cls.__name__}.from_pretrained")
         loaded = load_any(str(pretrained_model_name_or_path), device=device)
         if not isinstance(config, AnyorderConfig):

@@ -166,8 +166,9 @@ def read_gpt2(
     if not isinstance(config, dict) or config.get("model_type") != "gpt2":
         got = config.get("model_type") if isinstance(config, dict) else None
         raise CheckpointError(
-            f"{str(source)!r} holds a {got!r} model; anyorder convert reads GPT-2 checkpoints "
-            "(model_type gpt2)"
+            f"{str(source)!r} holds a {got!r} model; convert_gpt2 reads GPT-2 checkpoints "
+            "(model_type gpt2): convert Llama, Qwen2, Qwen3 and Mistral with "
+            "anyorder.interop.streaming.convert_family (the CLI picks it by model_type)"
         )
     raw = _read_tensors(folder)
     weights = {}

@@ -118,11 +118,11 @@ _ROTARY_JOINT: dict[tuple, Tensor] = {}
 
 def positions(cfg: ModelConfig, pos: Tensor) -> Positions:
     """What a model hands its layers for positions ``pos`` (B, T) (all below
-    ``cfg.seq_len``): their RoPE tables, looked up once per forward (cos and sin in one
+    ``cfg.rope_rows``): their RoPE tables, looked up once per forward (cos and sin in one
     lookup), or the positions themselves when the model has no RoPE."""
     if cfg.positional != "rope":
         return pos
-    key = (cfg.seq_len, cfg.d_head, cfg.rope_base, cfg.rope_scale, str(pos.device))
+    key = (cfg.rope_rows, cfg.d_head, cfg.rope_base, cfg.rope_scale, str(pos.device))
     joint = _ROTARY_JOINT.get(key)
     if joint is None:
         table = rotary_table(*key[:3], pos.device, cfg.rope_scale)

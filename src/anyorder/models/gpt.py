@@ -6,6 +6,8 @@ stands for it in :meth:`GPT.embed`), and sits at position 0 for RoPE. AO-GPT use
 layout over a permuted sequence, so both share :meth:`GPT.embed` and :meth:`GPT.trunk`.
 With ``model.bos_pos_row`` (the AO-GPT reference's layout) the learned position table has
 ``seq_len + 1`` rows: BOS adds row 0 and a token at position ``p`` reads row ``p + 1``.
+With ``model.rope_bos_shift`` RoPE does the same: BOS rotated at 0, a token at ``p`` at
+``p + 1``, as a Hugging Face model reads ``[bos] + x`` (:meth:`GPT.rope_positions`).
 """
 
 from __future__ import annotations
@@ -81,6 +83,13 @@ class GPT(AnyOrderLM):
         zero = torch.zeros((B, 1), dtype=order.dtype, device=order.device)
         return torch.cat([bos, x[:, :-1]], dim=1), torch.cat([zero, order[:, :-1]], dim=1)
 
+    def rope_positions(self, x_in: Tensor, pos_in: Tensor) -> Tensor:
+        """The positions the slots are rotated at: ``pos_in``, or under
+        ``model.rope_bos_shift`` 0 for the BOS and ``p + 1`` for a token at ``p``."""
+        if not self.cfg.rope_bos_shift:
+            return pos_in
+        return torch.where(x_in == BOS, 0, pos_in + 1)
+
     def condition(self, target: Tensor) -> Condition:
         """Per-slot condition from the target positions (none for the plain GPT)."""
         return None
@@ -118,7 +127,7 @@ class GPT(AnyOrderLM):
         """RoPE tables of the queries when they differ from the keys' (else None)."""
         if target is None or self.cfg.rope_query != "target":
             return None
-        return positions(self.cfg, target)
+        return positions(self.cfg, target + int(self.cfg.rope_bos_shift))
 
     def final_norm(self, h: Tensor, cond: Condition) -> Tensor:
         return self.norm_f(h)
@@ -150,7 +159,8 @@ class GPT(AnyOrderLM):
         """The trunk over the permuted slots of ``order`` (a prefix is fine): (B, T, d)."""
         x_in, pos_in = self.slot_inputs(tokens, order)
         h = self.inject(self.embed(x_in, pos_in), order)
-        return self.trunk(h, pos_in, "causal", self.condition(order), order)
+        pos = self.rope_positions(x_in, pos_in)
+        return self.trunk(h, pos, "causal", self.condition(order), order)
 
     # -- cached decoding (see anyorder.sample) ------------------------------------------
 
@@ -186,7 +196,8 @@ class GPT(AnyOrderLM):
             packing: the real slots of a padded call (:class:`anyorder.layers.Packing`):
                 only they go through the per-slot layers; the padding's logits are zeros.
         """
-        pos = positions(self.cfg, pos_in)  # attention works on the padded (B, T) layout
+        # attention works on the padded (B, T) layout
+        pos = positions(self.cfg, self.rope_positions(x_in, pos_in))
         qpos = self.query_positions(target)
         if packing is not None:
             x_in, pos_in, target = packing.pack(x_in), packing.pack(pos_in), packing.pack(target)

@@ -1,0 +1,381 @@
+"""Converting a Llama / Qwen2 / Qwen3 / Mistral checkpoint tensor by tensor, in bounded memory.
+
+:func:`convert_family` reads the source's safetensors (one file, or shards through
+``model.safetensors.index.json``; each checked by ``safetensors.safe_open``) one tensor at a
+time (:class:`Source`), maps it through its family's table
+(:mod:`anyorder.interop.families`) and writes it straight into the export's
+``model.safetensors`` (:func:`write_safetensors`). At no time does it hold the whole model,
+nor any of it in float32: the peak is about the largest tensor (twice for a joined q/k/v or
+gate/up) beside the interpreter (``benchmarks/convert_memory.py`` measures it).
+
+Design choices:
+
+* The model is built on the ``meta`` device: its state dict gives every name and shape the
+  export needs, and its tied aliases, without allocating. Only the parts the source does not
+  have (AO-GPT's target embedding and adaLN, ARMD's query MLP: small) are materialised and
+  initialised as :func:`anyorder.models.build_model` would (adaLN at zero, so the converted
+  ``aogpt`` is the source on the left-to-right order).
+* The source dtype is kept (``--dtype`` casts); the BOS vector is the embedding row of the
+  BOS id (RoPE adds nothing at the input).
+* Everything is checked before the first byte is written (family, features, shapes, BOS
+  id, tokenizer), and the folder is written atomically: a refusal or a failure leaves
+  nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from anyorder.atomic import atomic_folder
+from anyorder.checkpoint.exported import CONFIG_NAME, WEIGHTS_NAME
+from anyorder.checkpoint.exporting import _EXPORT_WHERE, _prepare_target, write_export_files
+from anyorder.checkpoint.weights import tied_aliases
+from anyorder.config import ModelConfig
+from anyorder.errors import AnyorderError, CheckpointError, ConfigError
+from anyorder.interop.convert import Converted, _first_line, fit_query_mlp
+from anyorder.interop.families import family_of, model_config_from_hf, weight_map
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CHUNK = 1 << 22  # elements checked for finiteness at a time: no full-size mask
+
+
+class Source:
+    """The tensors of a safetensors checkpoint folder (one file or shards), read one at a time.
+
+    ``safe_open`` checks each file and lists its tensors; the bytes are then read with plain
+    file reads into each tensor's own buffer. (``get_tensor`` reads through a map of the
+    whole file, and every page it touches stays in the process's resident set: converting a
+    2-layer Llama-3.2-1B-shaped checkpoint peaked at 1.58x its size that way, measured.)
+    """
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        self.where: dict[str, tuple[Path, torch.dtype, list[int], int]] = {}
+        try:
+            if (folder / "model.safetensors").is_file():
+                files = ["model.safetensors"]
+            elif index.is_file():
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            else:
+                raise CheckpointError(
+                    f"{str(folder)!r} holds no model.safetensors or "
+                    "model.safetensors.index.json; save the model with safetensors"
+                )
+            for name in files:
+                path = folder / name
+                with safe_open(str(path), framework="pt"):  # the library's checks of the file
+                    pass
+                with path.open("rb") as f:
+                    size = struct.unpack("<Q", f.read(8))[0]
+                    header = json.loads(f.read(size))
+                for key, entry in header.items():
+                    if key != "__metadata__":
+                        dtype = _FROM_ST[entry["dtype"]]
+                        start = 8 + size + entry["data_offsets"][0]
+                        self.where[key] = (path, dtype, list(entry["shape"]), start)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"the weights in {str(folder)!r} cannot be read ({_first_line(e)}); "
+                "download them again"
+            ) from None
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.where[name][2])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.where[name][1]
+
+    def _read(self, name: str, shape: list[int], skip: int = 0) -> Tensor:
+        path, dtype, _, start = self.where[name]
+        out = torch.empty(shape, dtype=dtype)
+        buf = out.view(-1).view(torch.uint8).numpy()
+        with path.open("rb") as f:
+            f.seek(start + skip)
+            if f.readinto(buf) != buf.nbytes:
+                raise CheckpointError(f"{path} is truncated at {name!r}; download it again")
+        return out
+
+    def get(self, name: str) -> Tensor:
+        return self._read(name, self.shape(name))
+
+    def row(self, name: str, i: int) -> Tensor:
+        """Row ``i`` of a matrix, read alone."""
+        shape = self.shape(name)
+        width = torch.Size(shape[1:]).numel() * self.dtype(name).itemsize
+        return self._read(name, shape[1:], skip=i * width)
+
+
+def write_safetensors(
+    path: Path,
+    specs: list[tuple[str, list[int], torch.dtype]],
+    produce: Callable[[str], Tensor],
+    metadata: dict[str, str],
+) -> None:
+    """Write a safetensors file tensor by tensor: the header from ``specs`` (name, shape,
+    dtype), then ``produce(name)`` of each in that order, never two held at once."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, shape, dtype in specs:
+        size = torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": shape,
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape, dtype in specs:
+            t = produce(name)
+            if list(t.shape) != shape or t.dtype != dtype:  # a bug, not a user error
+                raise AssertionError(f"{name}: {tuple(t.shape)} {t.dtype}, not {shape} {dtype}")
+            f.write(t.contiguous().view(-1).view(torch.uint8).numpy().data)
+
+
+def _check_finite(t: Tensor, name: str) -> None:
+    flat = t.view(-1)
+    for i in range(0, flat.numel(), _CHUNK):
+        if not bool(torch.isfinite(flat[i : i + _CHUNK]).all()):
+            raise CheckpointError(
+                f"source weight {name!r} holds NaN or infinite values; nothing was written: "
+                "convert a checkpoint with finite weights"
+            )
+
+
+def _read_config(folder: Path, source: str) -> dict[str, Any]:
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise CheckpointError(
+            f"{source!r} has no config.json; give a folder saved by transformers' "
+            "save_pretrained (config.json + model.safetensors)"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable ({_first_line(e)})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return config
+
+
+def _bos_of(config: dict[str, Any], bos_id: int | None, vocab: int, family: str) -> int:
+    if bos_id is None:
+        bos_id = config.get("bos_token_id")
+        if isinstance(bos_id, list):
+            bos_id = bos_id[0] if bos_id else None
+    if bos_id is None:
+        raise ConfigError(
+            f"the {family} config names no bos_token_id; pass --bos-id with the token the "
+            "model starts from (Qwen: its end-of-text id)"
+        )
+    if not 0 <= int(bos_id) < vocab:
+        raise ConfigError(
+            f"BOS id {bos_id} is outside the vocabulary (0..{vocab - 1}); pass --bos-id with "
+            "an id of the model's vocabulary"
+        )
+    return int(bos_id)
+
+
+def _tokenizer(folder: Path, spec: str | None, vocab: int):
+    from anyorder.data import load_tokenizer
+
+    if spec == "none":
+        return None
+    if spec is None:
+        names = {p.name for p in folder.iterdir()}
+        if not names & {"tokenizer.json", "tokenizer_config.json"}:
+            return None
+        spec = str(folder.resolve())
+    try:
+        tok = load_tokenizer(spec)
+    except AnyorderError as e:
+        raise ConfigError(f"the tokenizer cannot be shipped ({e}); pass --tokenizer") from None
+    if tok.vocab_size > vocab:
+        raise ConfigError(
+            f"tokenizer {tok.name!r} has {tok.vocab_size} ids but the model reads {vocab}; "
+            "give the model's own tokenizer"
+        )
+    return tok
+
+
+def _plan(model: torch.nn.Module, mapping: dict, src: Source, name: str) -> dict[str, Any]:
+    """Where each tensor of the export comes from, checked against the source's shapes."""
+    aliases = tied_aliases(model)
+    plan: dict[str, Any] = {}
+    for key, meta in model.state_dict().items():
+        if key in aliases:
+            continue
+        theirs = mapping.get(key)
+        if theirs is None:
+            plan[key] = "bos" if key == "bos" else "new"
+            continue
+        missing = [t for t in theirs if not src.has(t)]
+        if missing:
+            raise CheckpointError(
+                f"{name} weight {missing[0]!r} is missing; the checkpoint is incomplete or "
+                "its config.json describes another model"
+            )
+        rows = sum(src.shape(t)[0] for t in theirs)
+        got = [rows, *src.shape(theirs[0])[1:]]
+        if got != list(meta.shape):
+            raise CheckpointError(
+                f"{name} weight {theirs[0]!r} gives {tuple(got)} for {key}, expected "
+                f"{tuple(meta.shape)}; config.json and the weights disagree"
+            )
+        plan[key] = theirs
+    return plan
+
+
+def _new_parts(model: torch.nn.Module, plan: dict, cfg: ModelConfig, seed: int) -> None:
+    """Materialise and initialise the modules the source has no weights for."""
+    from anyorder.layers import init_weights
+
+    torch.manual_seed(seed)
+    owners = {k.rpartition(".")[0] for k, how in plan.items() if how == "new"}
+    for name in sorted(owners):
+        module = model.get_submodule(name)
+        module.to_empty(device="cpu", recurse=False)
+        init_weights(module, cfg)
+
+
+def convert_family(
+    source: str | Path,
+    kind: str,
+    out: str | Path,
+    *,
+    dtype: str | None = None,
+    seq_len: int | None = None,
+    l2s: int | None = None,
+    target_dim: int = 128,
+    bos_id: int | None = None,
+    tokenizer: str | None = None,
+    seed: int = 0,
+) -> Converted:
+    """Convert a Llama, Qwen2, Qwen3 or Mistral checkpoint and write it as an export folder.
+
+    Args:
+        source: a folder saved by ``transformers`` (safetensors, sharded or not) or a hub id.
+        kind: ``gpt``, ``aogpt`` or ``armd``.
+        out: the export folder to write.
+        dtype: stored dtype (default: the source's).
+        seq_len: context length (default: the source's positions, the BOS aside, at most
+            :data:`anyorder.interop.families.DEFAULT_MAX_SEQ`).
+        l2s: armd: two-stream layers (default ``n_layer // 2``).
+        target_dim: aogpt: width of the target-position embedding.
+        bos_id: the token whose embedding is the BOS vector (default ``bos_token_id``).
+        tokenizer: a tokenizer spec to ship (default: the source's own; ``none``: none).
+        seed: seeds the new parts' initialisation.
+
+    Returns:
+        A :class:`~anyorder.interop.convert.Converted` whose ``model`` is the architecture
+        on the ``meta`` device (no weights: load ``folder`` to use it).
+
+    Raises:
+        CheckpointError: an unreadable source, or a family or feature that cannot be mapped.
+        ConfigError: a bad kind, ``seq_len``, BOS id, dtype or tokenizer.
+    """
+    from anyorder.interop.hub import resolve_folder
+    from anyorder.models import build_model
+
+    if kind not in ("gpt", "aogpt", "armd"):
+        raise ConfigError(f"cannot convert into {kind!r}; use --to gpt, aogpt or armd")
+    folder = resolve_folder(source, allow_patterns=SOURCE_PATTERNS)
+    config = _read_config(folder, str(source))
+    fam = family_of(config, str(source))
+    cfg = model_config_from_hf(
+        config, kind, seq_len=seq_len, l2s=l2s, target_dim=target_dim, source=str(source)
+    )
+    bos = _bos_of(config, bos_id, cfg.vocab_size, fam.name)
+    tok = _tokenizer(folder, tokenizer, cfg.vocab_size)
+    src = Source(folder)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    mapping = weight_map(fam, cfg.n_layer)
+    if cfg.tie_embeddings:
+        mapping.pop("head.weight")
+    plan = _plan(model, mapping, src, fam.name)
+    emb = fam.top["tok_emb.weight"][0]
+    if dtype is not None and dtype not in _DTYPES:
+        raise ConfigError(f"dtype={dtype!r}: use one of {', '.join(_DTYPES)}")
+    stored = _DTYPES[dtype] if dtype is not None else src.dtype(emb)
+    _new_parts(model, plan, cfg, seed)
+    info: dict[str, Any] = {"converted_from": str(source), "family": config["model_type"]}
+    if kind == "armd":  # the query at slot 0 starts as the source's BOS; no position table
+        targets = torch.zeros(cfg.seq_len, cfg.d_model)
+        targets[0] = src.row(emb, bos).float()
+        info["query_mlp_fit_residual"] = round(fit_query_mlp(model, targets, seed), 6)
+    new = dict(model.state_dict())
+
+    def produce(key: str) -> Tensor:
+        how = plan[key]
+        if how == "bos":
+            t = src.row(emb, bos)
+        elif how == "new":
+            t = new[key].detach()
+        else:
+            parts = [src.get(n) for n in how]
+            for n, part in zip(how, parts, strict=True):
+                _check_finite(part, n)
+            t = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return t.to(stored)
+
+    specs = [(k, list(new[k].shape), stored) for k in plan]
+    eos = config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    info.update(
+        bos_id=bos,
+        bos_token_id=bos,
+        eos_token_id=tok.eos_id if tok is not None else eos,
+        pad_token_id=config.get("pad_token_id"),
+    )
+    _prepare_target(Path(out).expanduser())
+    with atomic_folder(Path(out).expanduser(), _EXPORT_WHERE) as tmp:
+        aliases = json.dumps(tied_aliases(model))
+        write_safetensors(tmp / WEIGHTS_NAME, specs, produce, {"format": "pt", "tied": aliases})
+        write_export_files(
+            tmp, cfg, model.num_params(), tok, weights="converted", step=0,
+            source=f"converted from {fam.name} {source}", dtype=str(stored).split(".")[1],
+            extra=info,
+        )  # fmt: skip
+    return Converted(model=model, tokenizer=tok, info=info, folder=Path(out).expanduser())
+
+
+SOURCE_PATTERNS = [
+    "config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+]
+"""Files a hub download of a source fetches (GPT-2's too: the CLI reads the config first)."""
+
+
+def model_type_of(folder: Path) -> str | None:
+    """``model_type`` of the ``config.json`` in ``folder``, or None when there is none
+    readable (the caller's own reader then says what is wrong)."""
+    try:
+        config = json.loads((Path(folder) / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
