@@ -252,6 +252,33 @@ def test_tokenizer_and_special_ids_ship_with_the_folder(tmp_path, tokenizer_file
     assert main(["sample", str(tmp_path / "ao"), "--infill", "the [MASK:3] dog"]) == 0
 
 
+def test_chat_on_a_converted_folder_is_the_sources_greedy_answer(tmp_path, tokenizer_files):
+    """``Model.chat`` on a converted folder renders the prompt with the source's own chat
+    template and answers what the source's ``generate`` answers on [bos] + those ids."""
+    import shutil
+
+    import anyorder
+
+    hf = save_source(tmp_path / "src", "llama", 3)
+    for f in tokenizer_files.iterdir():
+        shutil.copy(f, tmp_path / "src" / f.name)
+    convert_family(tmp_path / "src", "gpt", tmp_path / "gpt", seq_len=32)
+    model = anyorder.load(tmp_path / "gpt")
+    answer = model.chat("the quick brown fox", order="l2r", top_k=1, max_new_tokens=8)
+    # the independent side: transformers renders the template, then generates greedily
+    tok = tr.AutoTokenizer.from_pretrained(str(tokenizer_files))
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    inp = torch.tensor([[1, *ids]])
+    out = hf.generate(inp, do_sample=False, max_new_tokens=8, min_new_tokens=8)[0, inp.shape[1] :]
+    want = out.tolist()
+    if 2 in want:  # the answer ends at the source's EOS
+        want = want[: want.index(2)]
+    assert len(want) >= 3, want  # an answer to compare, not an immediate EOS
+    assert answer == tok.decode(want, skip_special_tokens=False)
+
+
 # ----------------------------------------------------------------------------- refusals
 
 
