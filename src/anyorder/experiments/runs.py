@@ -129,6 +129,7 @@ OURS_FIELDS: dict[str, Any] = dict(
     rope_low_freq_factor=1.0,
     rope_high_freq_factor=4.0,
     rope_original_max_pos=8192,
+    rope_bos_shift=False,
 )
 """Our AO-GPT parameterization as of these experiments: adaLN gates centred on one and
 zero-initialised modulation, the target embedding at unit scale, and our GPT trunk (no
