@@ -419,3 +419,15 @@ def test_two_lora_processes_match_one(tmp_path, cache, bases, fsdp):
         b = ck.load_model(dist_run, weights=which).model.state_dict()
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
+
+
+def test_the_memory_check_counts_no_gradient_or_adamw_state_for_frozen_weights():
+    """A LoRA run keeps 4 bytes per frozen parameter (the fp32 weight), not full training's
+    16 (weight, gradient, AdamW's two moments) + 4 (EMA): the check that refuses runs too
+    big for the machine must not refuse a LoRA run that fits."""
+    from anyorder.memory import training_bytes
+
+    over = ["model.n_layer=4", "model.d_model=256", "train.ema=0.9", "train.batch_size=1"]
+    full, params, _ = training_bytes(load_config(None, over))
+    lora, params2, _ = training_bytes(load_config(None, [*over, "train.lora.r=8"]))
+    assert params == params2 and full - lora == params * (16 + 4 - 4)
