@@ -253,6 +253,17 @@ def test_a_changed_base_is_refused_by_load_and_resume(tmp_path, cache, bases):
         train(_cfg(run, cache, "armd", **over), resume=True, progress=False)
 
 
+def test_resuming_a_full_run_with_adapters_is_refused(tmp_path, cache, bases):
+    run = bases["armd"].parent / "armd-run"
+    step = ck.latest_checkpoint(run)
+    with pytest.raises(CheckpointError) as e:
+        train(_cfg(run, cache, "armd", **_lora(bases["armd"], "[attn]")), resume=True)
+    assert str(e.value) == (
+        f"{step} was trained without adapters (train.lora.r=0); continue it with "
+        f"train.lora.r=0, or train adapters on it in a new run (train.init_from={step})"
+    )
+
+
 # ----------------------------------------------------------------------------- export
 
 

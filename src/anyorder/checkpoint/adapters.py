@@ -74,6 +74,11 @@ def check_base(ckpt: str | Path, base: Mapping[str, str] | None) -> None:
     Raises:
         CheckpointError: the weights differ (naming both folders and how to fix it).
     """
+    if "base" not in read_manifest(ckpt):
+        raise CheckpointError(
+            f"{ckpt} was trained without adapters (train.lora.r=0); continue it with "
+            f"train.lora.r=0, or train adapters on it in a new run (train.init_from={ckpt})"
+        )
     want = base_of(ckpt)
     have = dict(base or {})
     if have.get("sha256") != want["sha256"]:
