@@ -369,6 +369,7 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "cli-bad-choice": (["sample", "run", "--order", "rnadom"], {}, None),
     "cli-unknown-option": (["demo", "--stpes", "3"], {}, None),
     "config-bad-value": ([*TRAIN, "train.lr=0", NEW], {}, None),
+    "lora-without-init-from": ([*TRAIN, "train.lora.r=8", NEW], {}, None),
     "data-missing": ([*TRAIN, "data.source=missing.txt", *FRESH], {}, None),
     "data-empty-file": ([*TRAIN, "data.source=corpus/empty.txt", *FRESH], {}, None),
     "data-empty-folder": ([*TRAIN, "data.source=emptydir", *FRESH], {}, None),
@@ -588,6 +589,11 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     # issue 24: write errors, weights that are not finite, damaged files, paths
     "export-out-unwritable": (["export", "run", "--out", "/proc/anyorder-export"], {}, None),
     "export-out-under-file": (["export", "run", "--out", "cfg.yaml/exp"], {}, None),
+    "export-adapters-only-full-run": (
+        ["export", "run", "--out", "ad", "--adapters-only"],
+        {},
+        None,
+    ),
     "export-out-name-too-long": (["export", "run", "--out", "e" * 300], {}, None),
     "convert-out-unwritable": ([*CONVERT_REF[:-1], "/proc/anyorder-ao"], {}, _ref_copy),
     "eval-out-unwritable": (["eval", "run", "--out", "/proc/anyorder-eval/x"], {}, None),

@@ -91,11 +91,14 @@ def training_bytes(
     """``(total, parameters, micro-batch rows)`` of one training step of ``cfg`` on one rank:
     a lower bound (see the module notes). The vocabulary may not be known yet (the tokenizer
     sets it), so the byte-level one (256) stands in where the config says more. ``max_rows``
-    caps the micro-batch (a dry run takes at most 2 rows)."""
+    caps the micro-batch (a dry run takes at most 2 rows); a LoRA run (``train.lora``) keeps
+    no gradient or optimizer state for its frozen weights."""
     m, t = cfg.model, cfg.train
     vocab = min(m.vocab_size, 256)
     params = param_estimate(m.d_model, m.n_layer, vocab, m.seq_len)
-    per_param = 16 + (4 if t.ema > 0 else 0)
+    # weights, gradients and AdamW's two moments (and EMA's copy); with LoRA adapters only
+    # the frozen weights (the adapters, a few per cent, are left out of this lower bound)
+    per_param = 4 if t.lora.r > 0 else 16 + (4 if t.ema > 0 else 0)
     shards = world_size if t.fsdp else 1
     rows = max(1, t.batch_size // max(1, world_size * t.grad_accum))
     rows = rows if max_rows is None else min(rows, max_rows)

@@ -17,6 +17,7 @@ Imports point one way: layout <- weights <- save, loaded <- exported <- load <- 
 Hub downloads and uploads, and converting other formats, live above in :mod:`anyorder.interop`.
 """
 
+from anyorder.checkpoint.adapters import base_of, check_base, read_adapters
 from anyorder.checkpoint.exported import is_exported, load_exported, read_export_config
 from anyorder.checkpoint.exporting import export, save_pretrained
 from anyorder.checkpoint.layout import (
@@ -56,6 +57,7 @@ from anyorder.checkpoint.weights import (
     load_weights,
     read_header_shapes,
     save_weights,
+    state_digest,
     tied_aliases,
 )
 
@@ -71,6 +73,8 @@ __all__ = [
     "WEIGHTS",
     "Loaded",
     "apply_umask",
+    "base_of",
+    "check_base",
     "check_tokenizer_fits",
     "checkpoint_name",
     "export",
@@ -87,6 +91,7 @@ __all__ = [
     "manifest_problem",
     "prune",
     "read_config",
+    "read_adapters",
     "read_export_config",
     "read_header_shapes",
     "read_manifest",
@@ -97,6 +102,7 @@ __all__ = [
     "save_checkpoint",
     "save_pretrained",
     "save_weights",
+    "state_digest",
     "tied_aliases",
     "verify",
     "weights_file",

@@ -33,8 +33,9 @@ from anyorder.checkpoint.exported import (
     WEIGHTS_NAME,
     is_exported,
 )
-from anyorder.checkpoint.layout import resolve_checkpoint
-from anyorder.checkpoint.load import load_model
+from anyorder.checkpoint.layout import resolve_checkpoint, verify
+from anyorder.checkpoint.load import load_model, read_config, weights_file
+from anyorder.checkpoint.save import reading
 from anyorder.checkpoint.weights import check_finite, tied_aliases
 from anyorder.config import RunConfig, method_name, to_dict
 from anyorder.data import sha256_file
@@ -258,8 +259,13 @@ def export(
     *,
     weights: str = "ema",
     dtype: str | None = None,
+    adapters_only: bool = False,
 ) -> Path:
     """Export a training checkpoint (or a run folder's latest) as an uploadable folder.
+
+    A LoRA run's adapters are merged into its base (peft's ``merge_and_unload``): the folder
+    holds a plain model of the base's architecture. ``adapters_only`` writes the adapters
+    apart instead, in peft's layout (:func:`anyorder.checkpoint.adapters.export_adapters`).
 
     Args:
         checkpoint: a run folder or ``RUN/checkpoints/step_*``.
@@ -267,6 +273,7 @@ def export(
         weights: ``ema`` (the EMA weights, or the raw ones when the run kept no EMA) or
             ``raw``.
         dtype: store the weights in this dtype (see :func:`save_pretrained`).
+        adapters_only: a LoRA run's adapters alone, not merged.
 
     Returns:
         The folder.
@@ -275,6 +282,8 @@ def export(
         CheckpointError: a missing or damaged checkpoint, or a bad target folder.
     """
     ckpt = resolve_checkpoint(checkpoint)
+    if adapters_only:
+        return _export_adapters(ckpt, Path(folder).expanduser(), weights, dtype)
     loaded = load_model(ckpt, weights=weights)
     return save_pretrained(
         loaded.model,
@@ -286,3 +295,25 @@ def export(
         source=f"training checkpoint {ckpt.parent.parent.name}/{ckpt.name}",
         dtype=dtype,
     )
+
+
+def _export_adapters(ckpt: Path, folder: Path, weights: str, dtype: str | None) -> Path:
+    """``export(adapters_only=True)``: the checks, then the adapters in peft's layout.
+
+    Raises:
+        ConfigError: not a LoRA run, or a ``dtype`` (the adapters keep theirs).
+    """
+    from anyorder.checkpoint.adapters import export_adapters
+
+    config = read_config(ckpt)
+    if config.train.lora.r == 0:
+        raise ConfigError(
+            f"{ckpt} trained every weight (train.lora.r=0): there are no adapters to write "
+            "apart; export it without --adapters-only"
+        )
+    if dtype is not None:
+        raise ConfigError("--dtype applies to merged exports; leave it out with --adapters-only")
+    with reading(ckpt):
+        file = weights_file(ckpt, weights)
+        verify(ckpt, [file.name])
+        return export_adapters(ckpt, folder, file, config)

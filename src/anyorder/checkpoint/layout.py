@@ -141,7 +141,8 @@ def manifest_problem(manifest: Any) -> str:
     The schema: an object with ``format`` (this version's), ``step`` (an int >= 0),
     ``files`` (relative paths inside the folder -> ``{"bytes": int >= 0, "sha256": 64 hex
     digits}``, at least the weights and the config) and, when present, ``has_ema`` (a bool
-    that agrees with whether ``ema.safetensors`` is listed).
+    that agrees with whether ``ema.safetensors`` is listed) and, for a LoRA run, ``base``
+    (``{"path": str, "sha256": 64 hex digits}``).
     """
     if not isinstance(manifest, dict):
         return f"it holds {type(manifest).__name__}, not a JSON object"
@@ -167,6 +168,14 @@ def manifest_problem(manifest: Any) -> str:
     for need in (MODEL_FILE, CONFIG_FILE):
         if need not in files:
             return f"it lists no {need}"
+    base = manifest.get("base")
+    if base is not None and not (
+        isinstance(base, dict)
+        and isinstance(base.get("path"), str)
+        and isinstance(base.get("sha256"), str)
+        and _SHA256.match(base["sha256"])
+    ):
+        return "'base' is not an object with a path and a SHA-256"
     has_ema = manifest.get("has_ema")
     if has_ema is not None and has_ema is not (EMA_FILE in files):
         return f"has_ema is {json.dumps(has_ema)} but {EMA_FILE} is {'not ' * bool(has_ema)}listed"

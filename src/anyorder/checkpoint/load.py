@@ -219,6 +219,22 @@ def load_model(
     raise AssertionError("unreachable")
 
 
+def _adapted(ckpt: Path, config: RunConfig, file: Path) -> Any:
+    """A LoRA checkpoint's model: its base (an export or a run, as training read it) with
+    its adapters merged (:mod:`anyorder.checkpoint.adapters`)."""
+    from anyorder.checkpoint.adapters import adapted_model, base_of
+
+    path = base_of(ckpt)["path"]
+    try:
+        base = load_model(path).model
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"the base of the LoRA adapters in {ckpt} cannot be loaded ({e}); restore "
+            f"{path} (train.init_from={config.train.init_from!r})"
+        ) from None
+    return adapted_model(base, path, config, ckpt, file)
+
+
 def _load_checkpoint(ckpt: Path, weights: str, device: str | torch.device) -> Loaded:
     from anyorder.models import build_model
 
@@ -234,15 +250,18 @@ def _load_checkpoint(ckpt: Path, weights: str, device: str | torch.device) -> Lo
             "pass --weights raw"
         )
     verify(ckpt, [file.name])
-    shapes = read_header_shapes(file, f"; delete {ckpt} and use an earlier checkpoint")
-    problem = header_problem(config.model, shapes)
-    if problem:
-        raise CheckpointError(
-            f"weights in {file} do not fit the model its config.yaml describes ({problem}); "
-            "the checkpoint was altered or written by another version"
-        )
-    model = build_model(config.model)
-    load_weights(model, file)
+    if config.train.lora.r > 0:  # adapters: put on their base and merged
+        model = _adapted(ckpt, config, file)
+    else:
+        shapes = read_header_shapes(file, f"; delete {ckpt} and use an earlier checkpoint")
+        problem = header_problem(config.model, shapes)
+        if problem:
+            raise CheckpointError(
+                f"weights in {file} do not fit the model its config.yaml describes "
+                f"({problem}); the checkpoint was altered or written by another version"
+            )
+        model = build_model(config.model)
+        load_weights(model, file)
     model.to(device).eval()
     return Loaded(
         model=model,

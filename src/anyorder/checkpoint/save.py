@@ -150,6 +150,7 @@ def _write_files(
     state: Mapping[str, Any] | None,
     config: RunConfig,
     tok: Tokenizer,
+    base: Mapping[str, str] | None = None,
 ) -> None:
     """Write every file of a checkpoint into ``tmp``, the manifest last, all fsynced."""
     import yaml
@@ -171,6 +172,8 @@ def _write_files(
         "has_ema": ema is not None,
         "files": files,
     }
+    if base is not None:  # a LoRA run's: the weights hold its adapters, this names the base
+        manifest["base"] = dict(base)
     with open(tmp / MANIFEST, "w") as f:  # last: a folder with a manifest is complete
         f.write(json.dumps(manifest, indent=2) + "\n")
         f.flush()
@@ -203,6 +206,7 @@ def save_checkpoint(
     state: Mapping[str, Any] | None = None,
     keep_last: int | None = None,
     aliases: Mapping[str, str] | None = None,
+    base: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``RUN/checkpoints/step_<step>/`` atomically and prune old checkpoints.
 
@@ -216,6 +220,7 @@ def save_checkpoint(
         state: the training state for ``state.pt`` (optimizer, RNG, data cursor...), or None.
         keep_last: keep this many checkpoints (default ``config.train.keep_last``).
         aliases: ``{alias: canonical}`` tied names; taken from ``model`` when it is a module.
+        base: a LoRA run's base (``{"path", "sha256"}``), whose adapters ``model`` holds.
 
     Returns:
         The checkpoint folder.
@@ -245,8 +250,9 @@ def save_checkpoint(
         ) from None
     try:
         _write_files(
-            tmp, step, weights, aliases, ema=ema, state=state, config=config, tok=tokenizer
-        )
+            tmp, step, weights, aliases, ema=ema, state=state, config=config, tok=tokenizer,
+            base=base,
+        )  # fmt: skip
         _replace(tmp, final)
     except Exception as e:  # disk full, quota, permissions (torch and safetensors wrap them)
         shutil.rmtree(tmp, ignore_errors=True)

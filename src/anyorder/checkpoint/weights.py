@@ -13,6 +13,7 @@ Design choices:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -39,6 +40,17 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
         else:
             first[id(p)] = name
     return aliases
+
+
+def state_digest(model: nn.Module) -> str:
+    """SHA-256 of a model's state dict (names, dtypes, shapes and bytes, in name order): what
+    identifies a LoRA run's base, whichever file or folder it was read from."""
+    h = hashlib.sha256()
+    for name, v in sorted(model.state_dict().items()):
+        t = v.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{name}:{t.dtype}:{tuple(v.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def save_weights(

@@ -144,6 +144,12 @@ def add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16"), default=None, help="stored dtype"
     )
+    p.add_argument(
+        "--adapters-only",
+        action="store_true",
+        help="a LoRA run (train.lora): write its adapters apart in peft's layout "
+        "(adapter_config.json, adapter_model.safetensors) instead of merging them into the base",
+    )
     p.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="then upload it")
     p.add_argument("--private", action="store_true", help="create the hub repository private")
 
@@ -153,9 +159,20 @@ def run_export(args: argparse.Namespace) -> int:
     from anyorder.checkpoint.exporting import export
     from anyorder.interop.hub import push_to_hub
 
-    folder = export(args.checkpoint, args.out, weights=args.weights, dtype=args.dtype)
-    cfg = read_export_config(folder)
-    print(f"{cfg['anyorder_kind']} step {cfg['step']} ({cfg['weights']} weights): wrote {folder}")
+    folder = export(
+        args.checkpoint,
+        args.out,
+        weights=args.weights,
+        dtype=args.dtype,
+        adapters_only=args.adapters_only,
+    )
+    if args.adapters_only:
+        print(f"LoRA adapters ({args.weights} weights): wrote {folder}")
+    else:
+        cfg = read_export_config(folder)
+        print(
+            f"{cfg['anyorder_kind']} step {cfg['step']} ({cfg['weights']} weights): wrote {folder}"
+        )
     if args.push_to_hub:
         url = push_to_hub(folder, args.push_to_hub, private=args.private)
         print(f"pushed to {url}")

@@ -30,7 +30,14 @@ from anyorder.config.model import (
     expand_model_values,
     method_name,
 )
-from anyorder.config.run import DataConfig, OrderConfig, RunConfig, TrainConfig, to_dict
+from anyorder.config.run import (
+    DataConfig,
+    LoraConfig,
+    OrderConfig,
+    RunConfig,
+    TrainConfig,
+    to_dict,
+)
 
 __all__ = [
     "MODEL_KINDS",
@@ -38,6 +45,7 @@ __all__ = [
     "VARIANTS",
     "DataConfig",
     "ModelConfig",
+    "LoraConfig",
     "OrderConfig",
     "RunConfig",
     "TrainConfig",

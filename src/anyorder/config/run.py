@@ -109,6 +109,25 @@ class OrderConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (through peft) on a frozen base: train.lora.r > 0 turns them on."""
+
+    r: int = 0
+    """The adapters' rank (0: off, every weight trains). With r > 0 only the adapters
+    train; the base comes from train.init_from and stays frozen."""
+    alpha: float = 16.0
+    """The adapters' scale is alpha / r (peft's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input, in [0, 1) (peft's lora_dropout). ARMD's query
+    projections and AO-GPT's joined adaLN read the layers' weights without calling them and
+    see the adapters without this dropout."""
+    targets: tuple[str, ...] = ("attn",)
+    """The layers that get adapters: qkv (the fused query/key/value projection), attn_out
+    (the attention's output projection), attn (both), mlp_in, mlp_out, mlp (both), adaln
+    (aogpt's adaLN linears), query_mlp (armd's query-position MLP)."""
+
+
+@dataclass
 class TrainConfig:
     """The optimisation loop."""
 
@@ -172,6 +191,8 @@ class TrainConfig:
     init_from: str | None = None
     """Start from these weights: an exported folder (anyorder convert/export), a hub id, or a
     run/checkpoint folder; the model section is taken from it (only model.dropout may differ)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the init_from weights (see the train.lora.* keys)."""
 
 
 @dataclass

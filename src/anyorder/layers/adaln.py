@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from anyorder.layers.linear import weight_and_bias
+
 
 class AdaLN(nn.Module):
     """Modulation from a condition: ``Linear(SiLU(c)) -> chunks`` of width d.
@@ -203,8 +205,9 @@ def adaln_offset(adas: list[AdaLN]) -> Tensor:
 def adaln_table(adas: list[AdaLN], c: Tensor, offset: Tensor) -> Tensor:
     """Every adaLN of ``adas`` applied to ``c`` (..., c) in one matmul: (..., F), F the sum of
     their chunks * d, with the ``1 +`` of the scales and gates folded into the bias."""
-    weight = torch.cat([a.linear.weight for a in adas])  # (F, c)
-    bias = torch.cat([a.linear.bias for a in adas]) + offset.to(adas[0].linear.bias)
+    pairs = [weight_and_bias(a.linear) for a in adas]  # LoRA's adapters included
+    weight = torch.cat([w for w, _ in pairs])  # (F, c)
+    bias = torch.cat([b for _, b in pairs]) + offset.to(pairs[0][1])
     return F.linear(F.silu(c), weight, bias)
 
 

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from anyorder.config import ModelConfig
 from anyorder.errors import ConfigError
 from anyorder.layers.flex import _load_flex
+from anyorder.layers.linear import weight_and_bias
 from anyorder.layers.masks import Mask, Packing, PreparedMask
 from anyorder.layers.norm import RMSNorm
 from anyorder.layers.rope import Positions, rotary, rotate
@@ -93,8 +94,8 @@ class Attention(nn.Module):
     def project_q(self, x: Tensor, pos: Positions, packing: Packing | None = None) -> Tensor:
         """Queries only (the ARMD query stream reads the content stream's keys and values)."""
         d = self.q_width
-        bias = self.qkv.bias[:d] if self.qkv.bias is not None else None
-        q = F.linear(x, self.qkv.weight[:d], bias)
+        weight, bias = weight_and_bias(self.qkv)  # LoRA's adapters included
+        q = F.linear(x, weight[:d], None if bias is None else bias[:d])
         q = q if packing is None else packing.unpack(q)
         return self._rotate(self._heads(q, self.n_head, self.q_norm), pos)
 
@@ -103,8 +104,8 @@ class Attention(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Keys and values only (the rows whose queries nobody reads)."""
         d = self.q_width
-        bias = self.qkv.bias[d:] if self.qkv.bias is not None else None
-        kv = F.linear(x, self.qkv.weight[d:], bias)
+        weight, bias = weight_and_bias(self.qkv)
+        kv = F.linear(x, weight[d:], None if bias is None else bias[d:])
         k, v = (kv if packing is None else packing.unpack(kv)).split(self.kv_width, dim=-1)
         return self._rotate(self._heads(k, self.n_kv_head, self.k_norm), pos), self._heads(
             v, self.n_kv_head

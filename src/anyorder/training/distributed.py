@@ -338,8 +338,21 @@ def load_optimizer_state(
     set_optimizer_state_dict(model, opt, state, options=opts)
 
 
-def load_weights_into(model: nn.Module, path: Path, fsdp: bool) -> None:
-    """Load a checkpoint's safetensors file into ``model`` (sharded or not)."""
+def load_weights_into(
+    model: nn.Module, path: Path, fsdp: bool, adapters: frozenset[str] | None = None
+) -> None:
+    """Load a checkpoint's safetensors file into ``model`` (sharded or not): every weight,
+    or a LoRA run's ``adapters`` alone (the base stays as it is)."""
+    if adapters is not None:
+        state = ckpt_mod.read_adapters(model, path)
+        if not fsdp:
+            model.load_state_dict({**model.state_dict(), **state}, strict=True)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, state, options=opts)
+        return
     if not fsdp:
         ckpt_mod.load_weights(model, path)
         return

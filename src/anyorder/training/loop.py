@@ -226,6 +226,13 @@ def _announce(parts: RunParts, dry_run: bool) -> float | None:
         + (" (compiled)" if use_compile(cfg, env.device) else "")
         + (" (dry run: one micro-batch of at most 2)" if dry_run else "")
     )
+    if parts.adapters is not None:
+        lo = t.lora
+        trained = sum(p.numel() for p in parts.params)
+        print0(
+            f"LoRA r={lo.r} alpha={lo.alpha:g} on {', '.join(lo.targets)}: {trained:,} "
+            "parameters train, the base is frozen"
+        )
     print0(
         f"data: {data.num_blocks('train'):,} train / {data.num_blocks('val'):,} val blocks, "
         f"{data.bytes_per_token('train'):.3f} bytes/token ({data.path})"

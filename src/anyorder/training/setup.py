@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig
 from anyorder.errors import ConfigError, preview
+from anyorder.models.lora import adapter_keys, add_adapters, lora_on
 from anyorder.orders import OrderSampler
 from anyorder.precision import bf16_is_fast, slower_note, use_bf16
 from anyorder.training.distributed import DistEnv, barrier, is_fsdp, print0, wrap_model
@@ -65,8 +66,11 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
         ConfigError: a batch that does not split, an order the model cannot train on, bad
             intervals or dtype.
     """
+    from anyorder.models.lora import check_lora
+
     t, o, m = cfg.train, cfg.order, cfg.model
     _check_numbers(cfg)
+    check_lora(cfg)
     OrderSampler(o, t.steps)  # unknown order kinds and bad progressive settings
     for name in ("steps", "batch_size", "grad_accum"):
         if getattr(t, name) < 1:
@@ -336,10 +340,18 @@ def build_parts(
             print0(note)
     torch.manual_seed(t.seed)
     model = build_model(cfg.model).to(device)
-    if t.init_from and resume_from is None:  # start from converted or exported weights
+    base, keys = None, None
+    # start from converted or exported weights; a LoRA run's base comes from there on resume
+    if t.init_from and (resume_from is None or lora_on(cfg)):
         from anyorder.interop.hub import init_weights_from
 
-        print0(f"weights from {init_weights_from(model, t.init_from).path}")
+        path = init_weights_from(model, t.init_from).path
+        print0(f"weights from {path}")
+        if lora_on(cfg):
+            base = {"path": str(Path(path).resolve()), "sha256": ckpt_mod.state_digest(model)}
+    if lora_on(cfg):
+        add_adapters(model, t.lora)  # in place; the base frozen
+        keys = adapter_keys(model)
     aliases = ckpt_mod.tied_aliases(model)
     n_params = model.num_params()
     train_module = wrap_model(model, LossModule(model), cfg, env)
@@ -373,4 +385,6 @@ def build_parts(
         aliases=aliases,
         n_params=n_params,
         micro=t.batch_size // env.world_size // t.grad_accum,
+        base=base,
+        adapters=keys,
     )

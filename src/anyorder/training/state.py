@@ -127,6 +127,8 @@ class RunParts:
     aliases: dict[str, str]  # tied weights, for the checkpoint's safetensors file
     n_params: int
     micro: int  # rows per micro-step on this rank
+    base: dict[str, str] | None = None  # a LoRA run's base: its folder and state_digest
+    adapters: frozenset[str] | None = None  # a LoRA run's adapter keys: what it saves
 
 
 def rng_state(loss_gen: torch.Generator, device: torch.device) -> dict[str, Any]:
@@ -201,11 +203,11 @@ def save_state(
     if before is not None:
         now = before
         rng.update({k: before[k] for k in ("torch", "loss_generator", "cuda") if k in before})
-    fs = full_model_state(model, fsdp)
+    fs = _saved(full_model_state(model, fsdp), parts.adapters)
     ema_sd = None
     if ema is not None:
         with ema.swapped():
-            ema_sd = full_model_state(model, fsdp)
+            ema_sd = _saved(full_model_state(model, fsdp), parts.adapters)
     opt_sd = optimizer_state(model, parts.opt, fsdp)
     rngs = gather_objects(rng, env)
     path = None
@@ -229,9 +231,16 @@ def save_state(
             ema=ema_sd,
             state=state,
             aliases=parts.aliases,
+            base=parts.base,
         )
     barrier(env)
     return path
+
+
+def _saved(state: dict[str, Tensor], adapters: frozenset[str] | None) -> dict[str, Tensor]:
+    """What a checkpoint keeps of the weights: all of them, or a LoRA run's adapters (its
+    base is named in the manifest, not copied)."""
+    return state if adapters is None else {k: v for k, v in state.items() if k in adapters}
 
 
 def restore_state(parts: RunParts, resume_from: Path) -> tuple[int, int]:
@@ -243,6 +252,8 @@ def restore_state(parts: RunParts, resume_from: Path) -> tuple[int, int]:
     """
     env, model, fsdp, ema = parts.env, parts.model, parts.fsdp, parts.ema
     state = ckpt_mod.read_state(resume_from)
+    if parts.adapters is not None:
+        ckpt_mod.check_base(resume_from, parts.base)
     listed = ckpt_mod.verify(resume_from, [ckpt_mod.MODEL_FILE, ckpt_mod.EMA_FILE])["files"]
     if ema is not None:
         if ckpt_mod.EMA_FILE not in listed:  # never load an EMA file nothing vouches for
@@ -250,9 +261,9 @@ def restore_state(parts: RunParts, resume_from: Path) -> tuple[int, int]:
                 f"{resume_from} has no EMA weights but train.ema={parts.cfg.train.ema}; resume "
                 "with train.ema=0 or start a new run"
             )
-        load_weights_into(model, resume_from / ckpt_mod.EMA_FILE, fsdp)
+        load_weights_into(model, resume_from / ckpt_mod.EMA_FILE, fsdp, parts.adapters)
         ema.load_from_params()
-    load_weights_into(model, resume_from / ckpt_mod.MODEL_FILE, fsdp)
+    load_weights_into(model, resume_from / ckpt_mod.MODEL_FILE, fsdp, parts.adapters)
     try:
         load_optimizer_state(model, parts.opt, state["optimizer"], fsdp)
         step = int(state["step"])
