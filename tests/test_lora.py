@@ -391,18 +391,20 @@ WORKER = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
-def test_two_lora_processes_match_one(tmp_path, cache, bases, fsdp):
-    """Two gloo ranks (DDP, FSDP2) train the same adapters as one process (atol 1e-5).
-
-    armd, as test_train's distributed test: aogpt under FSDP2 fails with or without
-    adapters (its joined adaLN reads the blocks' sharded weights outside their forward)."""
-    over = _lora(bases["armd"], "[attn,mlp]", **{"train.steps": 3, "train.fsdp": fsdp})
+@pytest.mark.parametrize(
+    ("kind", "targets", "fsdp"),
+    [("armd", "[attn,mlp]", False), ("armd", "[attn,mlp]", True), ("aogpt", "[qkv,adaln]", True)],
+    ids=["armd-ddp", "armd-fsdp", "aogpt-fsdp"],
+)
+def test_two_lora_processes_match_one(tmp_path, cache, bases, kind, targets, fsdp):
+    """Two gloo ranks (DDP, FSDP2) train the same adapters as one process (atol 1e-5); the
+    aogpt's adaLN adapters sit in FSDP2's root unit with the adaLN they adapt."""
+    over = _lora(bases[kind], targets, **{"train.steps": 3, "train.fsdp": fsdp})
     single, dist_run = tmp_path / "single", tmp_path / "dist"
-    train(_cfg(single, cache, "armd", **over), resume=False, progress=False)
+    train(_cfg(single, cache, kind, **over), resume=False, progress=False)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    overrides = json.dumps(_overrides(dist_run, cache, "armd", **over))
+    overrides = json.dumps(_overrides(dist_run, cache, kind, **over))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
