@@ -99,6 +99,11 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
         )
     if t.dtype not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"train.dtype={preview(t.dtype)}: use auto, bf16 or fp32")
+    if not isinstance(t.activation_checkpointing, bool):
+        raise ConfigError(
+            f"train.activation_checkpointing={preview(t.activation_checkpointing)}: use true "
+            "(recompute each block in backward) or false"
+        )
     if not 0.0 < cfg.data.val_fraction < 1.0:  # validation runs at the end of every run
         raise ConfigError(
             f"data.val_fraction={cfg.data.val_fraction} must lie in (0, 1) for training "
@@ -306,6 +311,7 @@ def build_parts(
             print0(note)
     torch.manual_seed(t.seed)
     model = build_model(cfg.model).to(device)
+    model.checkpoint_blocks = t.activation_checkpointing  # before FSDP's wrapping and compile
     if t.init_from and resume_from is None:  # start from converted or exported weights
         from anyorder.interop.hub import init_weights_from
 
