@@ -105,3 +105,29 @@ def test_recipe_trains_a_step_from_a_converted_folder(tmp_path, name: str) -> No
     save_pretrained(converted, folder, weights="converted")
     s = train(cfg, dry_run=True, progress=False)
     assert s["dry_run"] and math.isfinite(s["loss"]) and s["vocab_size"] == 257
+
+
+def test_weights_with_more_ids_than_the_tokenizer_keep_their_table(tmp_path, capsys) -> None:
+    """A converted Qwen reads 151,936 ids while its tokenizer makes 151,669: here weights of
+    300 ids and the byte tokenizer's 257. The run keeps the weights' table (the spare ids
+    never occur in the data); a tokenizer with more ids than the weights is still refused."""
+    from anyorder.checkpoint.exporting import save_pretrained
+    from anyorder.errors import ConfigError
+    from anyorder.training.loop import train
+    from test_train import _corpus, _overrides
+
+    folder = tmp_path / "converted"
+    over = _overrides(tmp_path / "run", tmp_path / "cache", "armd", **{
+        "data.source": _corpus(tmp_path), "data.tokenizer": "bytes",
+        "train.init_from": folder,
+    })  # fmt: skip
+    cfg = load_config(None, over)
+    save_pretrained(build_model(dataclasses.replace(cfg.model, vocab_size=300)), folder)
+    s = train(cfg, dry_run=True, progress=False)
+    assert s["vocab_size"] == 300 and math.isfinite(s["loss"])
+    assert "model.vocab_size 300 kept from train.init_from (the tokenizer has 257 ids" in (
+        capsys.readouterr().out
+    )
+    save_pretrained(build_model(dataclasses.replace(cfg.model, vocab_size=200)), folder)
+    with pytest.raises(ConfigError, match=r"^model.vocab_size=200 is smaller than the tokeni"):
+        train(cfg, dry_run=True, progress=False)

@@ -158,7 +158,8 @@ def _check_numbers(cfg: RunConfig) -> None:
 
 
 def resolve_vocab(cfg: RunConfig, vocab_size: int) -> RunConfig:
-    """The config with ``model.vocab_size`` set to the tokenizer's.
+    """The config with ``model.vocab_size`` set to the tokenizer's (under ``train.init_from``,
+    a larger one of the weights is kept).
 
     Raises:
         ConfigError: the config asked for fewer ids than the tokenizer has.
@@ -168,6 +169,14 @@ def resolve_vocab(cfg: RunConfig, vocab_size: int) -> RunConfig:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
             f"{vocab_size} ids; remove the setting or set model.vocab_size={vocab_size}"
         )
+    if cfg.train.init_from and cfg.model.vocab_size > vocab_size:
+        # a pretrained table with rows past the tokenizer's ids (Qwen's 151,936 for 151,669
+        # tokens): they never occur in the data, and the weights keep their shape
+        print0(
+            f"model.vocab_size {cfg.model.vocab_size} kept from train.init_from (the tokenizer "
+            f"has {vocab_size} ids; the rest never occur in the data)"
+        )
+        return cfg
     if cfg.model.vocab_size != vocab_size:
         print0(f"model.vocab_size {cfg.model.vocab_size} -> {vocab_size} (from the tokenizer)")
     model = dataclasses.replace(cfg.model, vocab_size=vocab_size)
