@@ -146,8 +146,10 @@ def _weights(run) -> dict[str, torch.Tensor]:
     return ck.load_model(run, weights="raw").model.state_dict()
 
 
+@pytest.mark.slow
 def test_training_run_with_checkpointing_matches_the_plain_run(tmp_path, capsys):
-    """Three optimizer steps (armd, dropout, grad accumulation) through the real loop."""
+    """Three optimizer steps (armd, dropout, grad accumulation) through the real loop (the
+    fast variants: the steps above, and the recipes' dry runs in test_finetune_recipes.py)."""
     from anyorder.training.loop import train
 
     extra = {"train.grad_accum": 2}

@@ -79,7 +79,7 @@ SHRINK = {
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_recipe_trains_a_step_from_a_converted_folder(tmp_path, name: str) -> None:
+def test_recipe_trains_a_step_from_a_converted_folder(tmp_path, capsys, name: str) -> None:
     """The recipe, shrunk, against a folder holding weights of that shape (what `anyorder
     convert` writes): init_from accepts the model section, one step runs."""
     from anyorder.checkpoint.exporting import save_pretrained
@@ -105,6 +105,7 @@ def test_recipe_trains_a_step_from_a_converted_folder(tmp_path, name: str) -> No
     save_pretrained(converted, folder, weights="converted")
     s = train(cfg, dry_run=True, progress=False)
     assert s["dry_run"] and math.isfinite(s["loss"]) and s["vocab_size"] == 257
+    assert "(blocks recomputed in backward)" in capsys.readouterr().out
 
 
 def test_weights_with_more_ids_than_the_tokenizer_keep_their_table(tmp_path, capsys) -> None:
