@@ -2,9 +2,9 @@
 
 A multiply-add is 2 FLOPs; attention scores and values cost ``4 * n_ctx * d`` per query
 token (``4 N^2 d`` per sequence, the causal half not subtracted, as in the paper). A
-training step is three forward passes' worth (forward + backward). Biases, norms,
-softmax and embeddings lookups are left out: they are small and the same on both sides
-of every ratio we report.
+training step is three forward passes' worth (forward + backward), and one more of the
+blocks when they are recomputed in backward. Biases, norms, softmax and embeddings lookups
+are left out: they are small and the same on both sides of every ratio we report.
 """
 
 from __future__ import annotations
@@ -34,13 +34,21 @@ def layer_flops(cfg: ModelConfig, n_ctx: int) -> int:
 def forward_flops_per_token(cfg: ModelConfig, n: int) -> int:
     """Forward FLOPs per token of a length-``n`` training sequence, head included."""
     d, L = cfg.d_model, cfg.n_layer
-    hidden, mats = _mlp_hidden(cfg)
-    head = 2 * d * cfg.vocab_size
-    base = L * layer_flops(cfg, n) + head
-    if cfg.kind == "aogpt":
-        if cfg.target_injection == "adaln":
-            base += L * 2 * cfg.target_dim * 6 * d + 2 * cfg.target_dim * 2 * d
+    base = blocks_flops_per_token(cfg, n) + 2 * d * cfg.vocab_size  # the blocks, the head
+    if cfg.kind == "aogpt" and cfg.target_injection == "adaln":
+        base += L * 2 * cfg.target_dim * 6 * d + 2 * cfg.target_dim * 2 * d
     elif cfg.kind == "armd":
+        base += 2 * 2 * d * (d // 4)  # the query MLP of prefix aggregation
+    return base
+
+
+def blocks_flops_per_token(cfg: ModelConfig, n: int) -> int:
+    """The transformer blocks' share of :func:`forward_flops_per_token` (ARMD's two streams
+    included): what activation checkpointing computes twice."""
+    d, L = cfg.d_model, cfg.n_layer
+    hidden, mats = _mlp_hidden(cfg)
+    base = L * layer_flops(cfg, n)
+    if cfg.kind == "armd":
         l2s = cfg.two_stream_layers
         q, _ = _widths(cfg)
         # query stream per two-stream layer: its own Q and O projections, attention, MLP
@@ -48,13 +56,14 @@ def forward_flops_per_token(cfg: ModelConfig, n: int) -> int:
         # the last two-stream layer needs only K and V of the content stream
         skipped = 2 * d * q + 2 * d * q + 2 * n * q + 2 * mats * d * hidden
         base += l2s * query - skipped
-        base += 2 * 2 * d * (d // 4)  # the query MLP of prefix aggregation
     return base
 
 
-def train_flops_per_token(cfg: ModelConfig, n: int) -> int:
-    """Training FLOPs per token: forward + backward = 3 forwards."""
-    return 3 * forward_flops_per_token(cfg, n)
+def train_flops_per_token(cfg: ModelConfig, n: int, checkpointing: bool = False) -> int:
+    """Training FLOPs per token: forward + backward = 3 forwards; with ``checkpointing``
+    (``train.activation_checkpointing``) the blocks' forward once more, in backward."""
+    again = blocks_flops_per_token(cfg, n) if checkpointing else 0
+    return 3 * forward_flops_per_token(cfg, n) + again
 
 
 def decode_flops_per_token(cfg: ModelConfig, n_ctx: int) -> int:

@@ -4,9 +4,10 @@ allocated.
 Design choices:
 
 * The estimates are lower bounds: fp32 weights, gradients and AdamW's two moments (16 bytes a
-  parameter, +4 with an EMA), the matrices of the trunk (12 d^2 a layer) and the tables, and
-  the activations a micro-batch must keep for its backward pass (a few d-wide tensors per
-  token and layer, the logits). A run refused by them cannot fit; one they pass may still
+  parameter, +4 with an EMA) of the exact parameter count (:func:`param_estimate`), and the
+  activations a micro-batch must keep for its backward pass (:func:`activation_bytes`: the
+  inputs of each block's four matrix products, or only the blocks' inputs when they are
+  recomputed, and the logits). A run refused by them cannot fit; one they pass may still
   not, and then the allocator's error is the answer, as before.
 * The machine's memory is the device's (a GPU's total) or the host's (physical memory, or a
   cgroup limit when lower).
@@ -16,16 +17,12 @@ Design choices:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from anyorder.config import ModelConfig, RunConfig
 from anyorder.errors import ConfigError
-
-ACT_BYTES_PER_LAYER_TOKEN = 16
-"""Bytes per layer, token and unit of width a backward pass keeps at least (four fp32
-d-wide tensors: the block's input, the attention output, the MLP's input and its hidden
-layer, the last 4x wide counted as one)."""
 
 
 def format_bytes(n: float) -> str:
@@ -58,10 +55,48 @@ def machine_memory(device: str = "cpu") -> int | None:
     return int(total)
 
 
-def param_estimate(d_model: int, n_layer: int, vocab: int, seq_len: int) -> int:
-    """A lower bound on the parameters of any of the models: 12 d^2 a layer (attention and
-    MLP), the token table and the position table (the head may be tied)."""
-    return 12 * d_model * d_model * n_layer + (vocab + seq_len) * d_model
+def param_estimate(cfg: ModelConfig) -> int:
+    """The number of parameters of the model ``cfg`` builds, from its fields alone (equal
+    to ``sum(p.numel() for p in build_model(cfg).parameters())``, a tied head counted once):
+    grouped-query attention, ``head_dim``, ``intermediate_size``, biases, QK-norm, an
+    untied or biased head, the position tables and each kind's own parts."""
+    d, L = cfg.d_model, cfg.n_layer
+    learned = cfg.positional == "learned"
+    tables = cfg.table_vocab * d  # the token table (the head's weight when tied)
+    if cfg.kind == "mdm":  # one [MASK] row more, an unbiased head over the vocabulary
+        tables = (cfg.vocab_size + 1) * d + (0 if cfg.tie_embeddings else d * cfg.vocab_size)
+    else:
+        tables += (0 if cfg.tie_embeddings else tables) + (cfg.table_vocab if cfg.head_bias else 0)
+    rows = cfg.seq_len + (int(cfg.bos_pos_row) if cfg.kind in ("gpt", "aogpt") else 0)
+    tables += rows * d if learned else 0
+    block = _block_params(cfg)
+    extra = 0
+    if cfg.kind in ("gpt", "aogpt"):
+        extra += d  # the BOS vector
+    if cfg.kind == "aogpt" and cfg.target_injection == "adaln":
+        c = cfg.target_dim
+        extra += cfg.seq_len * c + (c + 1) * 2 * d  # the target table, the final norm's adaLN
+        block += (c + 1) * 6 * d  # each block's adaLN
+    elif cfg.kind == "aogpt":
+        extra += cfg.seq_len * d  # the added target table (sigma-GPT)
+    if cfg.kind == "armd":
+        extra += (d + 1) * (d // 4) + (d // 4 + 1) * d  # the query stream's position MLP
+    return tables + L * block + _norm_params(cfg, d) + extra
+
+
+def _norm_params(cfg: ModelConfig, dim: int) -> int:
+    return dim * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+
+
+def _block_params(cfg: ModelConfig) -> int:
+    """One block: two norms, attention (fused q/k/v, output, QK-norm gains), the MLP."""
+    d, q, kv = cfg.d_model, cfg.n_head * cfg.d_head, cfg.kv_heads * cfg.d_head
+    hidden, up = cfg.mlp_hidden, 2 if cfg.mlp == "swiglu" else 1
+    attn = d * (q + 2 * kv) + q * d
+    attn += (q + 2 * kv if cfg.attn_bias else 0) + (d if cfg.bias else 0)
+    attn += 2 * cfg.d_head if cfg.qk_norm else 0
+    mlp = d * up * hidden + hidden * d + ((up * hidden + d) if cfg.bias else 0)
+    return 2 * _norm_params(cfg, d) + attn + mlp
 
 
 def check_model_memory(cfg: ModelConfig) -> None:
@@ -74,7 +109,7 @@ def check_model_memory(cfg: ModelConfig) -> None:
         ConfigError: the estimate, the machine's memory and the fields that set it.
     """
     have = machine_memory("cpu")
-    params = param_estimate(cfg.d_model, cfg.n_layer, cfg.vocab_size, cfg.seq_len)
+    params = param_estimate(cfg)
     if have is None or 4 * params <= have:
         return
     raise ConfigError(
@@ -85,25 +120,59 @@ def check_model_memory(cfg: ModelConfig) -> None:
     )
 
 
+def activation_bytes(
+    cfg: ModelConfig, tokens: int, *, checkpointing: bool = False, half: bool = False
+) -> int:
+    """Bytes of activations a training step on ``tokens`` tokens keeps for its backward pass,
+    at least.
+
+    A block keeps the inputs of its four matrix products (the weights' gradients need them):
+    ``d`` (q/k/v), ``n_head * head_dim`` (the output projection), ``d`` (the MLP's first)
+    and its hidden width, in bf16 under autocast (``half``) and fp32 otherwise; ARMD's
+    two-stream layers keep them for both streams (the last one's q/k/v input only). With
+    ``checkpointing`` a block keeps only its fp32 input, and one block at a time is
+    recomputed in backward. The fp32 logits come on top.
+    """
+    d, q = cfg.d_model, cfg.n_head * cfg.d_head
+    size = 2 if half else 4
+    per_layer = (2 * d + q + cfg.mlp_hidden) * size  # bytes per token and stream
+    layers = cfg.n_layer
+    if cfg.kind == "armd":  # the two-stream layers: twice, the last one's q/k/v input only
+        l2s = cfg.two_stream_layers
+        layers += l2s - 1
+        per_layer_block = 2 * per_layer
+        extra = d * size
+    else:
+        per_layer_block, extra = per_layer, 0
+    # recomputed: each block's fp32 input, and one block's own activations at a time
+    kept = layers * d * 4 + per_layer_block if checkpointing else layers * per_layer
+    kept += extra
+    return tokens * (kept + 4 * cfg.vocab_size)
+
+
 def training_bytes(
     cfg: RunConfig, world_size: int = 1, max_rows: int | None = None
 ) -> tuple[int, int, int]:
     """``(total, parameters, micro-batch rows)`` of one training step of ``cfg`` on one rank:
     a lower bound (see the module notes). The vocabulary may not be known yet (the tokenizer
-    sets it), so the byte-level one (256) stands in where the config says more. ``max_rows``
-    caps the micro-batch (a dry run takes at most 2 rows); a LoRA run (``train.lora``) keeps
-    no gradient or optimizer state for its frozen weights."""
+    sets it), so the byte-level one (256) stands in where the config says more, unless the
+    model comes from ``train.init_from`` (its vocabulary is the weights'). ``max_rows`` caps
+    the micro-batch (a dry run takes at most 2 rows); a LoRA run (``train.lora``) keeps no
+    gradient or optimizer state for its frozen weights."""
     m, t = cfg.model, cfg.train
-    vocab = min(m.vocab_size, 256)
-    params = param_estimate(m.d_model, m.n_layer, vocab, m.seq_len)
+    if not t.init_from and m.vocab_size > 256:
+        m = dataclasses.replace(m, vocab_size=256)
+    params = param_estimate(m)
     # weights, gradients and AdamW's two moments (and EMA's copy); with LoRA adapters only
     # the frozen weights (the adapters, a few per cent, are left out of this lower bound)
     per_param = 4 if t.lora.r > 0 else 16 + (4 if t.ema > 0 else 0)
     shards = world_size if t.fsdp else 1
     rows = max(1, t.batch_size // max(1, world_size * t.grad_accum))
     rows = rows if max_rows is None else min(rows, max_rows)
-    tokens = rows * m.seq_len
-    acts = tokens * (m.n_layer * m.d_model * ACT_BYTES_PER_LAYER_TOKEN + vocab * 4)
+    half = t.dtype != "fp32"  # bf16 under autocast is possible: count its half-size inputs
+    acts = activation_bytes(
+        m, rows * m.seq_len, checkpointing=t.activation_checkpointing, half=half
+    )
     return params * per_param // shards + acts, params, rows
 
 

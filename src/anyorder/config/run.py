@@ -185,6 +185,11 @@ class TrainConfig:
     off everywhere until a GPU measurement says otherwise; see docs/performance.md)."""
     fsdp: bool = False
     """Shard with FSDP2 fully_shard instead of DDP under torchrun."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block in backward instead of keeping its activations
+    (torch.utils.checkpoint per block): a step keeps about one d-wide tensor per token and
+    layer instead of a dozen, for one more forward of the blocks (about a third more
+    compute). The same gradients, dropout included; for models that do not fit otherwise."""
     skip_nonfinite: bool = False
     """Skip an optimizer step whose loss is NaN/Inf (no update) instead of stopping the run
     (which first saves the state after the last good step)."""

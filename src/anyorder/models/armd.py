@@ -147,9 +147,10 @@ class ARMD(AnyOrderLM):
         x = torch.cat([h, g])  # (2B, n, d): the content stream, then the query stream
         for i, block in enumerate(self.blocks):
             if i < self.l2s:  # the last one returns the query stream alone
-                x = self.two_stream_layer(block, x, pos, mask_c, mask_q, i == self.l2s - 1)
+                last = i == self.l2s - 1
+                x = self.run_block(self.two_stream_layer, block, x, pos, mask_c, mask_q, last)
             else:
-                x = block(x, pos, mask_c)
+                x = self.run_block(block, x, pos, mask_c)
         return self.norm_f(x)
 
     # -- cached decoding (see anyorder.sample) ------------------------------------------

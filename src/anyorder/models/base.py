@@ -15,9 +15,13 @@ every slot of a batch are what does not fit (a (8, 1024, 50257) fp32 tensor is 1
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from anyorder.config import ModelConfig
 from anyorder.errors import ConfigError
@@ -47,6 +51,22 @@ class AnyOrderLM(nn.Module):
         if cfg.kind != self.kind:
             raise ConfigError(f"model.kind={cfg.kind!r} given to the {self.kind} model class")
         self.cfg = cfg
+        # train.activation_checkpointing (set by the training set-up): see run_block
+        self.checkpoint_blocks = False
+
+    def run_block(self, fn: Callable[..., Tensor], *args: Any, **kwargs: Any) -> Tensor:
+        """``fn(*args, **kwargs)``: one block (or ARMD's two-stream layer over one block).
+
+        Under :attr:`checkpoint_blocks`, when a graph is being recorded, through
+        ``torch.utils.checkpoint`` (non-reentrant): only the block's inputs are kept and its
+        forward runs again in backward, with the RNG state of the first run (the same dropout
+        masks, so the same gradients). A block goes in as the module itself, called through
+        its ``__call__``, so FSDP2's per-block hooks see the recomputation too (they leave
+        the unshard to the pre-backward hook then).
+        """
+        if self.checkpoint_blocks and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return fn(*args, **kwargs)
 
     # -- the interface ------------------------------------------------------------------
 

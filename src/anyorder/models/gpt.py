@@ -115,7 +115,7 @@ class GPT(AnyOrderLM):
         pos = positions(self.cfg, pos)  # RoPE tables once, for every layer
         *layers, final = self.layer_conditions(cond)  # adaLN once, for every layer
         for block, c in zip(self.blocks, layers):
-            h = block(h, pos, mask, c, qpos=qpos)
+            h = self.run_block(block, h, pos, mask, c, qpos=qpos)
         return self.final_norm(h, final)
 
     def layer_conditions(self, cond: Condition) -> list:

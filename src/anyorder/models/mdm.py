@@ -61,7 +61,7 @@ class MDM(AnyOrderLM):
             h = h + self.pos_emb(pos)
         pos = positions(self.cfg, pos)  # RoPE tables once, for every layer
         for block in self.blocks:
-            h = block(h, pos, None)
+            h = self.run_block(block, h, pos, None)
         return self.norm_f(h)
 
     def head_logits(self, h: Tensor) -> Tensor:

@@ -224,6 +224,7 @@ def _announce(parts: RunParts, dry_run: bool) -> float | None:
         f"{'Muon + AdamW' if t.optimizer == 'muon' else 'AdamW'} at lr {t.lr:g}, "
         f"batch {B} = {env.world_size} x {t.grad_accum} x {parts.micro}"
         + (" (compiled)" if use_compile(cfg, env.device) else "")
+        + (" (blocks recomputed in backward)" if t.activation_checkpointing else "")
         + (" (dry run: one micro-batch of at most 2)" if dry_run else "")
     )
     if parts.adapters is not None:

@@ -107,7 +107,8 @@ def check_resume_early(cfg: RunConfig, resume: bool | str) -> None:
         return
     if cfg.train.init_from:  # the model section came from init_from (init_model_config)
         vocab = _early_tokenizer_vocab(cfg)
-        if vocab is not None and vocab != cfg.model.vocab_size:
+        # fewer ids than the weights read is fine: a pretrained table may have spare rows
+        if vocab is not None and vocab > cfg.model.vocab_size:
             raise CheckpointError(
                 f"train.init_from={cfg.train.init_from!r} reads {cfg.model.vocab_size} token "
                 f"ids but data.tokenizer={cfg.data.tokenizer!r} has {vocab}; set "

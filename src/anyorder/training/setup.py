@@ -103,6 +103,11 @@ def check_config(cfg: RunConfig, world_size: int = 1) -> None:
         )
     if t.dtype not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"train.dtype={preview(t.dtype)}: use auto, bf16 or fp32")
+    if not isinstance(t.activation_checkpointing, bool):
+        raise ConfigError(
+            f"train.activation_checkpointing={preview(t.activation_checkpointing)}: use true "
+            "(recompute each block in backward) or false"
+        )
     if not 0.0 < cfg.data.val_fraction < 1.0:  # validation runs at the end of every run
         raise ConfigError(
             f"data.val_fraction={cfg.data.val_fraction} must lie in (0, 1) for training "
@@ -184,7 +189,8 @@ def _check_numbers(cfg: RunConfig) -> None:
 
 
 def resolve_vocab(cfg: RunConfig, vocab_size: int) -> RunConfig:
-    """The config with ``model.vocab_size`` set to the tokenizer's.
+    """The config with ``model.vocab_size`` set to the tokenizer's (under ``train.init_from``,
+    a larger one of the weights is kept).
 
     Raises:
         ConfigError: the config asked for fewer ids than the tokenizer has.
@@ -194,6 +200,14 @@ def resolve_vocab(cfg: RunConfig, vocab_size: int) -> RunConfig:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
             f"{vocab_size} ids; remove the setting or set model.vocab_size={vocab_size}"
         )
+    if cfg.train.init_from and cfg.model.vocab_size > vocab_size:
+        # a pretrained table with rows past the tokenizer's ids (Qwen's 151,936 for 151,669
+        # tokens): they never occur in the data, and the weights keep their shape
+        print0(
+            f"model.vocab_size {cfg.model.vocab_size} kept from train.init_from (the tokenizer "
+            f"has {vocab_size} ids; the rest never occur in the data)"
+        )
+        return cfg
     if cfg.model.vocab_size != vocab_size:
         print0(f"model.vocab_size {cfg.model.vocab_size} -> {vocab_size} (from the tokenizer)")
     model = dataclasses.replace(cfg.model, vocab_size=vocab_size)
@@ -340,6 +354,7 @@ def build_parts(
             print0(note)
     torch.manual_seed(t.seed)
     model = build_model(cfg.model).to(device)
+    model.checkpoint_blocks = t.activation_checkpointing  # before FSDP's wrapping and compile
     base, keys = None, None
     # start from converted or exported weights; a LoRA run's base comes from there on resume
     if t.init_from and (resume_from is None or lora_on(cfg)):
