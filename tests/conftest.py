@@ -95,3 +95,34 @@ def run_cli(
         return subprocess.CompletedProcess(
             ["anyorder", *args], code, out.read_text(), err.read_text()
         )
+
+
+def run_two_ranks(script: Path, overrides: str, store: Path, timeout: float = 300) -> list[str]:
+    """Two gloo ranks of ``script`` (its arguments: the rank, a rendezvous file, the run's
+    overrides as JSON), one thread each, without the caller's launcher variables; returns
+    their outputs (stdout and stderr together) once both exit 0, else fails with the output
+    of the rank that did not."""
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(store), overrides],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-5000:]
+    return outputs

@@ -5,9 +5,6 @@ DDP), keeps fewer activations, and the setting is checked."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +12,7 @@ import torch
 from anyorder.config import load_config
 from anyorder.errors import ConfigError
 
-from conftest import tiny_model
+from conftest import run_two_ranks, tiny_model
 
 N = 12
 KINDS = [("gpt", {}), ("aogpt", {}), ("armd", {"n_layer": 3, "l2s": 2}), ("mdm", {})]
@@ -176,28 +173,7 @@ def test_two_processes_with_checkpointing_match_one_plain_process(tmp_path, fsdp
     script.write_text(WORKER)
     on = {**plain, "train.fsdp": fsdp, "train.activation_checkpointing": True}
     overrides = json.dumps(_run(tmp_path, "dist", **on))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, str(script)]
-    procs = [
-        subprocess.Popen(
-            [*cmd, str(rank), str(tmp_path / "store"), overrides],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
+    outputs = run_two_ranks(script, overrides, tmp_path / "store", timeout=300)
     assert "(blocks recomputed in backward)" in outputs[0]
     a, b = _weights(tmp_path / "single"), _weights(tmp_path / "dist")
     for k in a:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import run_two_ranks
 
 pytest.importorskip("peft")
 
@@ -405,28 +404,7 @@ def test_two_lora_processes_match_one(tmp_path, cache, bases, kind, targets, fsd
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     overrides = json.dumps(_overrides(dist_run, cache, kind, **over))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(tmp_path / "store"), overrides],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out
+    run_two_ranks(script, overrides, tmp_path / "store", timeout=300)
     for which in ("raw", "ema"):
         a = ck.load_model(single, weights=which).model.state_dict()
         b = ck.load_model(dist_run, weights=which).model.state_dict()

@@ -24,7 +24,7 @@ from anyorder.training.metrics import read_metrics
 from anyorder.training.setup import check_config
 from anyorder.training.state import EMA, lr_at
 
-from conftest import run_cli
+from conftest import run_cli, run_two_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -242,29 +242,7 @@ def test_two_processes_match_one(tmp_path, cache, single_runs, kind, fsdp):
     extra = {**DIST_EXTRA, "train.fsdp": fsdp}
     overrides = json.dumps(_overrides(dist_run, cache, kind, **extra))
     store = tmp_path / "store"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(store), overrides],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=180)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out
+    run_two_ranks(script, overrides, store, timeout=180)
 
     # Two ranks sum their halves' gradients in another order than one process does. AO-GPT's
     # adaLN starts at zero, where Adam's first steps move each weight by about lr whatever

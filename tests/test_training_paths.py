@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from anyorder.layers import RMSNorm
 from anyorder.orders import strided
 
-from conftest import tiny_model
+from conftest import run_two_ranks, tiny_model
 
 N = 12
 
@@ -201,9 +201,6 @@ def test_compiled_two_processes_match_one_eager_process(tmp_path, fsdp: bool) ->
     """``train.compile=true`` under DDP and FSDP2 (two gloo ranks; dynamo + AOT autograd)
     gives the weights and losses of one eager process."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from anyorder.training.loop import train
     from test_train import DIST_EXTRA, WORKER, _cfg, _losses, _overrides, _weights
@@ -222,28 +219,7 @@ def test_compiled_two_processes_match_one_eager_process(tmp_path, fsdp: bool) ->
     )
     extra = {**DIST_EXTRA, "train.fsdp": fsdp, "train.compile": True}
     overrides = json.dumps(_overrides(run, cache, "armd", **extra))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, str(script)]
-    procs = [
-        subprocess.Popen(
-            [*cmd, str(rank), str(tmp_path / "store"), overrides],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
+    outputs = run_two_ranks(script, overrides, tmp_path / "store", timeout=600)
     assert "(compiled)" in outputs[0]
     for which in ("raw", "ema"):
         a, b = _weights(single, which), _weights(run, which)
