@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from anyorder.data.sources import _first_line, _hf_local, _import_datasets, resolve_files
+from anyorder.data.sources import (
+    _first_line,
+    _hf_local,
+    _import_datasets,
+    jsonl_records,
+    resolve_files,
+)
 from anyorder.data.tokenizers import Tokenizer
 from anyorder.errors import DataError, preview
 
@@ -250,17 +256,7 @@ def detect_chat(source: str) -> bool:
 
 def _jsonl_records(path: Path) -> Iterator[tuple[Any, str]]:
     try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove the line"
-                    ) from None
-                yield record, f"{path}:{lineno}"
+        yield from jsonl_records(path)
     except UnicodeDecodeError:
         raise DataError(f"{path} is not UTF-8 text; convert it to UTF-8") from None
     except OSError as e:

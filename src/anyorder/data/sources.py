@@ -235,6 +235,22 @@ def resolve_files(source: str) -> list[Path]:
     )
 
 
+def jsonl_records(path: Path) -> Iterator[tuple[Any, str]]:
+    """The records of a ``.jsonl`` file with where each stands (``path:line``), blank lines
+    skipped; a line that is not JSON stops with one line naming it."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove the line"
+                ) from None
+            yield record, f"{path}:{lineno}"
+
+
 def _text_of(record: Any, text_field: str, where: str) -> str:
     if not isinstance(record, dict) or text_field not in record:
         fields = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
@@ -285,17 +301,8 @@ def _read_file(path: Path, text_field: str, pieces: bool = False) -> Iterator[st
             with open(path, encoding="utf-8") as f:
                 yield _checked(f.read(), path)
         elif suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(
-                            f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove the line"
-                        ) from None
-                    yield _text_of(record, text_field, f"{path}:{lineno}")
+            for record, where in jsonl_records(path):
+                yield _text_of(record, text_field, where)
         else:
             yield from _read_parquet(path, text_field)
     except DataError:
