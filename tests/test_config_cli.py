@@ -142,12 +142,14 @@ def test_a_variant_on_the_command_line_replaces_the_files_variant_keys(tmp_path,
 
 
 def test_a_model_too_big_for_memory_is_refused_before_anything_is_allocated() -> None:
-    """A context of 10**15 (say, a hand-edited config.json) is refused by build_model with
-    the estimate, at once; count_params, which builds on the meta device, still counts."""
+    """A context of 10**15 (say, a hand-edited config.json) on a model with a position table
+    is refused by build_model with the estimate, at once; count_params, which builds on the
+    meta device, still counts. (With RoPE the weights do not grow with the context: such a
+    model builds, and what would be too long is refused where a length is asked for.)"""
     from anyorder import build_model
     from anyorder.models import count_params
 
-    cfg = ModelConfig(kind="armd", n_layer=2, n_head=2, d_model=32, seq_len=10**15)
+    cfg = ModelConfig(kind="gpt", n_layer=2, n_head=2, d_model=32, seq_len=10**15)
     with pytest.raises(ConfigError, match=r"context 1,000,000,000,000,000\), more than this"):
         build_model(cfg)  # 512,000 TB: had it allocated, this would fail otherwise
     small = ModelConfig(kind="armd", n_layer=2, n_head=2, d_model=32, seq_len=64)

@@ -311,7 +311,7 @@ def _export_config_seq_len(folder: Path) -> None:
 
 
 def _export_config_seq_len_huge(folder: Path) -> None:
-    _good_export(folder)  # the weights do not hold seq_len (ARMD with RoPE): only memory can
+    _good_export(folder)  # the weights do not hold seq_len (ARMD with RoPE): the length can
     _edit_json(folder / "good" / "config.json", lambda c: {**c, "seq_len": 10**15})
 
 

@@ -175,9 +175,15 @@ def test_config_overrides_give_a_config_or_a_config_error(overrides):
         assert str(e) and "\n" not in str(e)
         return
     assert isinstance(cfg, RunConfig)
-    for f in dataclasses.fields(cfg.train):  # every value has its declared type
-        v = getattr(cfg.train, f.name)
-        assert v is None or isinstance(v, (int, float, str, bool, tuple))
+    sections = [cfg.train]
+    while sections:  # every value has its declared type, in nested sections too (train.lora)
+        section = sections.pop()
+        for f in dataclasses.fields(section):
+            v = getattr(section, f.name)
+            if dataclasses.is_dataclass(v):
+                sections.append(v)
+            else:
+                assert v is None or isinstance(v, (int, float, str, bool, tuple))
 
 
 @settings(
