@@ -131,6 +131,8 @@ def sample_logits(
     The rows are drawn in chunks of :data:`DRAW_ELEMENTS` (:data:`DRAW_ELEMENTS_GPU` on a
     GPU) float64 values, in order, from the one generator; the chunks depend on the shape
     alone (no host sync)."""
+    if top_k == 1:  # a point mass at any temperature: the argmax, without the float64
+        return logits.argmax(dim=-1)  # draw over the vocabulary (the generator is unused)
     V = logits.shape[-1]
     flat = logits.reshape(-1, V)
     limit = DRAW_ELEMENTS if logits.device.type == "cpu" else DRAW_ELEMENTS_GPU

@@ -272,7 +272,9 @@ def run_plan(
     for i, p in enumerate(plan.passes):
         passes += 1
         if p.prefill:
-            engine.run(plan.prefill.table[0], tok, plan.prefill)
+            # the prompt's keys and values only: no logits (at a 128k vocabulary the head
+            # over every prompt slot cost more than the prompt's layers)
+            engine.run(plan.prefill.table[0], tok, plan.prefill, queries=slice(0, 0))
             engine.fork()
             continue
         start, Q = p.dims[-2], p.dims[-1]
