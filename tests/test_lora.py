@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -356,38 +355,6 @@ def test_a_target_the_model_lacks_is_refused():
 
 # ----------------------------------------------------------------------------- distributed
 
-WORKER = textwrap.dedent(
-    """
-    import json, os, sys
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    rank, store, overrides = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method="file://" + store, rank=rank, world_size=2,
-        timeout=timedelta(seconds=120),
-    )
-    from anyorder.config import load_config
-    from anyorder.training.loop import train
-
-    code = 0
-    try:
-        train(load_config(None, overrides), resume=False, progress=False)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-    """
-)
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -402,6 +369,8 @@ def test_two_lora_processes_match_one(tmp_path, cache, bases, kind, targets, fsd
     single, dist_run = tmp_path / "single", tmp_path / "dist"
     train(_cfg(single, cache, kind, **over), resume=False, progress=False)
     script = tmp_path / "worker.py"
+    from test_train import WORKER  # a gloo rank of `anyorder.training.loop.train`
+
     script.write_text(WORKER)
     overrides = json.dumps(_overrides(dist_run, cache, kind, **over))
     run_two_ranks(script, overrides, tmp_path / "store", timeout=300)
