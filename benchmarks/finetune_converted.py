@@ -33,7 +33,6 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -156,7 +155,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from anyorder.checkpoint.exported import load_exported
     from anyorder.cli import main as cli
-    from anyorder.config import DataConfig, to_dict
+    from anyorder.config import DataConfig, load_config, to_dict
     from anyorder.data import prepare
     from anyorder.evaluation.estimators import bits_per_byte
     from anyorder.training.validation import validate
@@ -183,7 +182,7 @@ def main() -> None:
             rc = cli([*argv, "--tokenizer", "bytes", "--seq-len", str(args.seq_len)])
             assert rc == 0, f"convert --to {kind} failed"
             model = load_exported(out).model.float()
-            cfg = SimpleNamespace(model=SimpleNamespace(kind=kind))
+            cfg = load_config(None, [f"model.kind={kind}"])  # what validation reads
             step0[kind] = validate(
                 model, data, cfg, torch.device("cpu"), batches=args.eval_batches,
                 batch_size=args.batch,

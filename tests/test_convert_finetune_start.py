@@ -11,8 +11,6 @@ benchmarks/finetune_converted.py; its figures are in docs/results.md.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +20,10 @@ import transformers as tr  # noqa: E402
 
 from anyorder.checkpoint.exported import load_exported  # noqa: E402
 from anyorder.cli import main  # noqa: E402
-from anyorder.config import DataConfig  # noqa: E402
+from anyorder.config import (
+    DataConfig,  # noqa: E402
+    load_config,  # noqa: E402
+)
 from anyorder.data import iter_eval_blocks, prepare  # noqa: E402
 from anyorder.training.validation import validate  # noqa: E402
 
@@ -64,7 +65,7 @@ def test_converted_aogpt_validates_at_the_sources_left_to_right_loss(tmp_path):
         16,
         progress=False,
     )
-    cfg = SimpleNamespace(model=SimpleNamespace(kind="aogpt"))
+    cfg = load_config(None, ["model.kind=aogpt"])  # validation reads the kind and the condition
     got = validate(loaded.model, data, cfg, torch.device("cpu"), batches=2, batch_size=4)
     xs = torch.cat(list(iter_eval_blocks(data, "val", 8, batch_size=4)))
     assert got["val/blocks"] == len(xs) == 8
