@@ -160,7 +160,7 @@ def add_demo(p: argparse.ArgumentParser) -> None:
         "--steps",
         type=int,
         default=None,
-        help="training steps (default 4500, about 15 minutes in all on 2 idle cores of the "
+        help="training steps (default 4500, about 8-9 minutes in all on 2 idle cores of the "
         "machine the README names; the same steps give the same report). Stopped by a signal, "
         "the same command again resumes it",
     )

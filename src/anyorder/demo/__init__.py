@@ -1,6 +1,6 @@
 """``anyorder demo``: train a tiny ARMD on Python's own docs, sample, evaluate, report.
 
-The whole job ran on two idle CPU cores in about 15 minutes on the machine the README names
+The whole job ran on two idle CPU cores in about 8-9 minutes on the machine the README names
 (each run measures and reports its own time) and needs no download: the corpus is
 ``pydoc_data.topics`` (shipped with CPython) read as UTF-8 bytes.
 

@@ -21,9 +21,10 @@ THREADS = 2
 """torch threads of the demo (pinned, not taken from the load: results then do not depend
 on how busy the machine is)."""
 STEPS = 4500
-"""Optimizer steps of the default demo (about 15 minutes in all on 2 idle cores of the
-machine the README names, in fp32; the demo measures and reports its own time on every run)."""
-CALIBRATED_S_PER_STEP = 0.105
+"""Optimizer steps of the default demo (about 8 minutes in all on 2 idle cores of the
+machine the README names, in fp32, 8.9 with its kernels limited to AVX2; the demo measures and
+reports its own time on every run)."""
+CALIBRATED_S_PER_STEP = 0.101
 """Wall seconds per training step on 2 idle cores of that machine, validations included:
 only ``--minutes`` uses it, to plan the schedules before ``train`` has measured this
 machine's speed on its first steps (it then fits the steps to the budget)."""
