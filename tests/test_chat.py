@@ -72,12 +72,14 @@ def _direct(model, ids: list[int], new: int, seed: int, **kw) -> str:
         ("aogpt", dict(order="l2r"), dict(order="l2r")),
         ("armd", dict(steps=4), dict(order="random", steps=4)),
         ("aogpt", dict(speculative=4), dict(order="random", speculative=4)),
+        ("armd", dict(streams=2), dict(streams=2)),  # the answer's room rounded down to 2s
     ],
 )
 def test_chat_is_the_sampler_after_the_rendered_prompt(exports, kind, chat_kw, sample_kw):
     model = anyorder.load(exports[kind])
     ids = _plain_prompt([{"role": "user", "content": PROMPT}])
     new = SEQ - len(ids)
+    new -= new % sample_kw.get("streams", 1)
     ended = []
     for seed in range(2):
         want, end = _direct(model.model, ids, new, seed, **sample_kw)
@@ -97,9 +99,12 @@ def test_messages_max_new_tokens_and_the_answer_alone(exports):
     got = model.chat(messages, seed=7, max_new_tokens=5)
     assert got == want and len(got) <= 5
     assert "<|" not in got
-    # strided decoding takes no prompt (the sampler says so): neither does a chat
-    with pytest.raises(SamplingError, match=r"^strided decoding takes no prompt; use a random"):
-        anyorder.load(exports["armd"]).chat("x", streams=2)
+    armd = anyorder.load(exports["armd"])
+    with pytest.raises(SamplingError, match=r"^max_new_tokens=5 is not a multiple of the 2 "):
+        armd.chat("x", streams=2, max_new_tokens=5)
+    ids = _plain_prompt([{"role": "user", "content": "x"}])
+    want, _ = _direct(armd.model, ids, 6, 7, streams=3)
+    assert armd.chat("x", streams=3, max_new_tokens=6, seed=7) == want
     with pytest.raises(SamplingError, match=r"^max_new_tokens=99 must lie in 1\.\.\d+ \(the"):
         model.chat("x", max_new_tokens=99)
     with pytest.raises(SamplingError, match=r"^the chat prompt is \d+ tokens with its template, "):
@@ -139,10 +144,14 @@ def test_cli_chat_prints_the_answer_alone(exports, capsys):
          "--length"),
         (["--chat", "x", "--max-new-tokens", "0"], "--max-new-tokens=0 must lie in 1..39 (the "
          "model's context of 64 tokens less the prompt's 25)"),
+        (["--chat", "x", "--max-new-tokens", "7", "--streams", "3"], "--max-new-tokens=7 is "
+         "not a multiple of the 3 streams (strided decoding cuts the answer into equal "
+         "streams); use 6 or leave --max-new-tokens out"),
     ],
 )  # fmt: skip
 def test_cli_chat_errors(exports, capsys, argv, message):
     from anyorder.cli import main
 
-    assert main(["sample", str(exports["aogpt"]), "--device", "cpu", *argv]) == 2
+    kind = "armd" if "--streams" in argv else "aogpt"  # strided decoding is armd's
+    assert main(["sample", str(exports[kind]), "--device", "cpu", *argv]) == 2
     assert capsys.readouterr().err == f"anyorder sample: error: {message}\n"

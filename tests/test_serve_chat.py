@@ -49,6 +49,7 @@ def _template_ids(message: str) -> list[int]:
         ({"mode": "random"}, dict(order="random")),
         ({"mode": "l2r", "speculative": 3}, dict(order="l2r", speculative=3)),
         ({"mode": "lemma1", "steps": 4, "num_samples": 2}, dict(order="random", steps=4)),
+        ({"mode": "strided", "streams": 4}, dict(streams=4)),  # 4 heads, then 4 per pass
     ],
 )
 def test_a_chat_request_returns_the_answers_alone(server, folder, extra, kw) -> None:
@@ -69,6 +70,8 @@ def test_a_chat_request_returns_the_answers_alone(server, folder, extra, kw) -> 
     common = dict(batch=batch, prompt=prompt, known=known, generator=gen, **kw)
     res = speculative_sample(model, n, k, **common) if k else sample(model, n, **common)
     assert done["tokens"] == res.tokens.tolist()
+    if "streams" in kw:  # the passes over the answer's 20 slots: 4 heads, then 4 per pass
+        assert start["total_steps"] == int(res.step_of.max()) + 1 == 4 + 20 // 4 - 1
     for row, answer in zip(res.tokens.tolist(), done["texts"]):
         tail = row[len(ids) :]
         tail = tail[: tail.index(256)] if 256 in tail else tail

@@ -347,8 +347,9 @@ class Model:
         bounds.check_controls(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         cfg = self.model.cfg
         prompt, known = chat_prompt(
-            prompt_or_messages, self._tok(), cfg.seq_len, cfg.vocab_size, max_new_tokens
-        )
+            prompt_or_messages, self._tok(), cfg.seq_len, cfg.vocab_size, max_new_tokens,
+            streams=streams,
+        )  # fmt: skip
         bounds.check_steps(steps, len(prompt))
         return self._sample(
             len(prompt), 1, prompt, known, order, streams, steps, "linear", False, temperature,

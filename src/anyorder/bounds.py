@@ -220,11 +220,18 @@ def check_fit(seq_len: int, *, length: int | None = None, steps: int | None = No
 
 
 def check_new_tokens(
-    new: int | None, seq_len: int, prompt_len: int, *, name: str = "max_new_tokens"
+    new: int | None,
+    seq_len: int,
+    prompt_len: int,
+    *,
+    name: str = "max_new_tokens",
+    streams: int | None = None,
 ) -> int:
     """Tokens to generate after a prompt of ``prompt_len`` tokens: ``new`` in
     ``1..seq_len - prompt_len``, or all of that room when None. ``name`` is how the caller
-    spells ``new`` in the error.
+    spells ``new`` in the error. With ``streams=S`` (strided decoding cuts the answer into
+    ``S`` equal streams) the default is the largest multiple of ``S`` that fits, and a
+    ``new`` that ``S`` does not divide is refused.
 
     Raises:
         SamplingError: a prompt that leaves no room, or ``new`` out of range.
@@ -236,11 +243,19 @@ def check_new_tokens(
             f"answer in the model's context of {seq_len}; shorten the prompt"
         )
     if new is None:
-        return room
+        if streams is None or not _is_int(streams) or streams < 1 or room < streams:
+            return room  # the sampler names a bad S
+        return room - room % streams
     if not _is_int(new) or not 1 <= new <= room:
         raise SamplingError(
             f"{name}={shown(new)} must lie in 1..{room} (the model's context of {seq_len} "
             f"tokens less the prompt's {prompt_len})"
+        )
+    if streams is not None and _is_int(streams) and streams >= 1 and new % streams:
+        raise SamplingError(
+            f"{name}={new} is not a multiple of the {streams} streams (strided decoding cuts "
+            f"the answer into equal streams); use {new - new % streams or streams} or leave "
+            f"{name} out"
         )
     return int(new)
 

@@ -255,7 +255,7 @@ def _sample_prompt(args: argparse.Namespace, model, tok) -> tuple[int, Any, Any]
         cfg = model.cfg
         prompt, known = chat_prompt(
             args.chat, tok, cfg.seq_len, cfg.vocab_size, args.max_new_tokens,
-            name="--max-new-tokens",
+            name="--max-new-tokens", streams=args.streams,
         )  # fmt: skip
         n = len(prompt)
         bounds.check_steps(args.steps, n)

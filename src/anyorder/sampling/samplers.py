@@ -482,13 +482,9 @@ def sample(
         return encoder_sample(model, n, steps=steps, **diffusion, **common)
     common["graphs"] = graphs
     if streams is not None:
-        if prompt is not None and bool(known.any()):
-            raise SamplingError(
-                "strided decoding takes no prompt; use a random or l2r order to condition"
-            )
         if isinstance(order, Tensor) or order not in (None, "strided"):
             raise SamplingError("streams fix the order (strided); leave the order out")
-        return strided_sample(model, n, streams, **common)
+        return strided_sample(model, n, streams, prompt=prompt, known=known, **common)
     if order == "strided":
         raise SamplingError("the strided order needs a number of streams S (--streams)")
     if steps is not None:

@@ -116,6 +116,7 @@ def chat_prompt(
     max_new: int | None = None,
     *,
     name: str = "max_new_tokens",
+    streams: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Tokens and known mask of a chat request: the rendered prompt, then ``max_new`` slots
     for the answer (default: the rest of the context).
@@ -128,6 +129,8 @@ def chat_prompt(
         vocab_size: the model's vocabulary (the rendered ids must lie below it).
         max_new: answer tokens at most.
         name: how the caller spells ``max_new`` in errors (``--max-new-tokens``).
+        streams: strided decoding's ``S``: the answer's length is a multiple of it
+            (:func:`anyorder.bounds.check_new_tokens`).
 
     Returns:
         ``(tokens, known)``: (n,) int64 ids (0 in the answer's slots) and (n,) bool, the
@@ -146,7 +149,7 @@ def chat_prompt(
             f"the tokenizer gives ids up to {max(ids)} but the model reads {vocab_size}; use "
             "the model's own tokenizer"
         )
-    new = bounds.check_new_tokens(max_new, seq_len, len(ids), name=name)
+    new = bounds.check_new_tokens(max_new, seq_len, len(ids), name=name, streams=streams)
     n = len(ids) + new
     return bounds.prefix_prompt(ids, n, length=f"n={n}", name=name)
 

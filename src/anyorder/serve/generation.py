@@ -294,7 +294,10 @@ def plan_request(loaded: Loaded, req: GenRequest) -> Plan:
     steps = req.steps if req.mode == "lemma1" else None
     if req.chat:
         cfg = model.cfg
-        prompt, known = chat_prompt(req.text, tok, seq_len, cfg.vocab_size, req.max_new_tokens)
+        streams = req.streams if req.mode == "strided" else None
+        prompt, known = chat_prompt(
+            req.text, tok, seq_len, cfg.vocab_size, req.max_new_tokens, streams=streams
+        )
         n = len(prompt)
         bounds.check_steps(steps, n)
     elif template:
@@ -332,8 +335,8 @@ def plan_request(loaded: Loaded, req: GenRequest) -> Plan:
         total = req.steps
     else:
         kwargs["streams"] = req.streams
-        if req.streams >= 1 and n % req.streams == 0:
-            total = int(strided(1, n, req.streams).blocks.max()) + 1
+        if req.streams >= 1 and total % req.streams == 0:  # the streams cut what follows k
+            total = int(strided(1, total, req.streams).blocks.max()) + 1
     return Plan(n, kwargs, template, req.chat, total)
 
 
