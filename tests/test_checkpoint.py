@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +82,44 @@ def test_tied_head_is_written_once_and_stays_tied(tmp_path):
     assert "head.weight" not in stored and "tok_emb.weight" in stored
     loaded = ck.load_model(path)  # a checkpoint folder directly
     assert loaded.model.head.weight is loaded.model.tok_emb.weight
+
+
+def _mapped_file(t: torch.Tensor) -> str:
+    """The file /proc/self/maps says holds ``t``'s first byte ("" for anonymous memory)."""
+    ptr = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        lo, hi = (int(v, 16) for v in fields[0].split("-"))
+        if lo <= ptr < hi:
+            return fields[5] if len(fields) > 5 else ""
+    return ""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc maps")
+def test_loaded_weights_read_the_file_in_place_and_writes_stay_private(tmp_path):
+    """A loaded parameter is the file's (private) mapping, not a copy; writing to it (as
+    training does) copies the page and leaves the file, and the next load, unchanged."""
+    cfg = _config("gpt", tmp_path)
+    model = _model(cfg)
+    path = _save(tmp_path / "run", 1, cfg, model)
+    file = path / "model.safetensors"
+    before = file.read_bytes()
+    loaded = ck.load_model(path).model
+    matrices = [p for p in loaded.parameters() if p.dim() == 2]
+    assert len(matrices) > 2 and all(_mapped_file(p) == str(file.resolve()) for p in matrices)
+    assert loaded.head.weight is loaded.tok_emb.weight  # still one Parameter
+    with torch.no_grad():
+        loaded.tok_emb.weight.add_(1.0)
+    assert _mapped_file(loaded.tok_emb.weight) == str(file.resolve())  # same address
+    assert file.read_bytes() == before
+    again = ck.load_model(path).model
+    torch.testing.assert_close(again.tok_emb.weight, model.tok_emb.weight, rtol=0, atol=0)
+    torch.testing.assert_close(loaded.tok_emb.weight, model.tok_emb.weight + 1.0)
+    # a dtype the model does not hold is copied (cast), not shared
+    m16 = _model(cfg).to(torch.bfloat16)
+    ck.adopt_state(m16, dict(again.state_dict()))
+    assert m16.tok_emb.weight.dtype == torch.bfloat16
+    assert _mapped_file(m16.tok_emb.weight) != str(file.resolve())
 
 
 def test_ema_weights_are_preferred_and_raw_on_request(tmp_path):

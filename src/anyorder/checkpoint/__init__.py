@@ -52,6 +52,7 @@ from anyorder.checkpoint.load import (
 from anyorder.checkpoint.loaded import Loaded, check_tokenizer_fits
 from anyorder.checkpoint.save import apply_umask, make_temp_dir, prune, reading, save_checkpoint
 from anyorder.checkpoint.weights import (
+    adopt_state,
     fit_state,
     header_problem,
     load_weights,
@@ -87,6 +88,7 @@ __all__ = [
     "load_exported",
     "load_model",
     "load_weights",
+    "adopt_state",
     "make_temp_dir",
     "manifest_problem",
     "prune",

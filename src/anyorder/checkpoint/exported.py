@@ -43,6 +43,7 @@ import torch
 
 from anyorder.checkpoint.loaded import Loaded, check_tokenizer_fits
 from anyorder.checkpoint.weights import (
+    adopt_state,
     check_finite,
     fit_state,
     header_problem,
@@ -180,7 +181,7 @@ def load_state(model: AnyOrderLM, path: Path, expected_sha256: str | None = None
     if detail:
         raise CheckpointError(f"{path} does not fit the model config.json describes ({detail})")
     check_finite(state, path, "export or convert it again from finite weights")
-    model.load_state_dict(state, strict=True)
+    adopt_state(model, state)
 
 
 def check_stored_dtype(value: Any, key: str = "torch_dtype", where: str = CONFIG_NAME) -> None:
