@@ -206,3 +206,48 @@ def test_arms_filter_runs_only_the_matching_arms(root: Path) -> None:
     assert list(res["arms"]) == ["aogpt published, 10% l2r"]
     with pytest.raises(ConfigError, match="--arms 'nope' matches no arm; the arms are: gpt"):
         run_experiment("four", _ctx(root, "four-nope", only="nope"))
+
+
+def test_instruct_scores_the_lora_arm_adapted_not_its_base(tmp_path: Path, monkeypatch) -> None:
+    """The gpt-lora arm's step 0 is its base, and its last checkpoint is scored as the base
+    with the adapters added by hand (W + alpha / r * B A, from the adapter file), not as the
+    bare base."""
+    from safetensors.torch import load_file
+
+    from anyorder.checkpoint import list_checkpoints, load_model
+    from anyorder.experiments import instruct
+
+    scored = []
+    real = instruct.score
+    monkeypatch.setattr(instruct, "score", lambda m, *a, **k: scored.append(m) or real(m, *a, **k))
+    res = run_experiment("instruct", _ctx(tmp_path, "i", only="gpt-lora"))
+    assert list(res["scores"]) == ["gpt-lora"] and res["steps"] == [0, 4]
+    first, last = scored
+    runs = tmp_path / "runs"
+    base = load_model(runs / "instruct-base-gpt-s0").model
+    ckpt = list_checkpoints(runs / "instruct-gpt-lora-s0")[-1]
+    adapters = load_file(str(ckpt / "model.safetensors"))
+    lora = instruct.LORA
+    scale = float(lora[1].split("=")[1]) / float(lora[0].split("=")[1])  # alpha / r
+    merged = base.state_dict()
+    names = {k.split(".lora_")[0] for k in adapters}
+    assert names == {f"blocks.0.attn.{m}" for m in ("qkv", "proj")}  # the default targets
+    for name in names:
+        a, b = (adapters[f"{name}.lora_{x}.default.weight"] for x in "AB")
+        merged[f"{name}.weight"] = merged[f"{name}.weight"] + scale * b @ a
+    by_hand = load_model(runs / "instruct-base-gpt-s0").model
+    by_hand.load_state_dict(merged)
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = {k: m(x) for k, m in (("first", first), ("last", last),
+                  ("base", base), ("by_hand", by_hand))}  # fmt: skip
+    torch.testing.assert_close(logits["first"], logits["base"], rtol=0, atol=0)
+    torch.testing.assert_close(logits["last"], logits["by_hand"], rtol=1e-5, atol=1e-5)
+    assert (logits["last"] - logits["base"]).abs().max() > 1e-3  # the adapters moved it
+
+
+def test_instruct_arms_unknown(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^--arms 'lora' matches no arm; the arms are: gpt, "
+                       r"aogpt, armd, gpt-full, gpt-lora$"):  # fmt: skip
+        run_experiment("instruct", _ctx(tmp_path, "i", only="lora"))
+    assert not (tmp_path / "runs").exists()  # nothing written
