@@ -247,7 +247,25 @@ def test_instruct_scores_the_lora_arm_adapted_not_its_base(tmp_path: Path, monke
 
 
 def test_instruct_arms_unknown(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^--arms 'lora' matches no arm; the arms are: gpt, "
-                       r"aogpt, armd, gpt-full, gpt-lora$"):  # fmt: skip
+    arms = "gpt, aogpt, armd, gpt-full, gpt-lora, gpt-lora-lr2e-3, gpt-lora-attn\\+mlp"
+    with pytest.raises(ConfigError, match=rf"^--arms 'lora' matches no arm; the arms are: {arms}$"):
         run_experiment("instruct", _ctx(tmp_path, "i", only="lora"))
     assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_instruct_fine_tuned_arms_configs() -> None:
+    """The fine-tuned arms differ as their names say (the smoke run trains two of them)."""
+    from anyorder.config import load_config
+    from anyorder.experiments.instruct import ABLATIONS, FINE_TUNED
+
+    got = {}
+    for arm, overrides in FINE_TUNED.items():
+        t = load_config(None, ["train.lr=2e-3", *overrides]).train  # the runs' lr, then the arm's
+        got[arm] = (t.lr, t.lora.r, t.lora.alpha, t.lora.targets)
+    assert got == {
+        "gpt-full": (2e-3, 0, 16.0, ("attn",)),
+        "gpt-lora": (2e-2, 8, 16.0, ("attn",)),
+        "gpt-lora-lr2e-3": (2e-3, 8, 16.0, ("attn",)),
+        "gpt-lora-attn+mlp": (2e-2, 8, 16.0, ("attn", "mlp")),
+    }
+    assert set(ABLATIONS) == set(FINE_TUNED) - {"gpt-full", "gpt-lora"}

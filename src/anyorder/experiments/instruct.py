@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from anyorder.experiments.runs import OURS, Context, model_overrides, train_run
+from anyorder.experiments.runs import DATA_SOURCE, OURS, Context, model_overrides, train_run
 
 ANSWER = 16
 """Answer slots decoded after the prompt (the task's longest answer is 15 bytes, + EOS)."""
@@ -65,9 +65,18 @@ full run's lr it moves the layers far less per step than full training does; 10x
 usual ratio of LoRA to full fine-tuning lrs in published recipes (e.g. 2e-4 against 2e-5
 on 7B models). Both arms clip gradients at 1 and decay weights at 0.1 like the others."""
 LORA = ["train.lora.r=8", "train.lora.alpha=16", f"train.lr={LORA_LR}"]
-FINE_TUNED: dict[str, list[str]] = {"gpt-full": [], "gpt-lora": LORA}
+FINE_TUNED: dict[str, list[str]] = {
+    "gpt-full": [],
+    "gpt-lora": LORA,
+    # the two choices LoRA's result depends on most, one at a time: the full arm's lr, and
+    # adapters on the MLP too (every linear layer of the blocks, as QLoRA recommends)
+    "gpt-lora-lr2e-3": [*LORA, "train.lr=2e-3"],
+    "gpt-lora-attn+mlp": [*LORA, "train.lora.targets=[attn,mlp]"],
+}
 """Arm -> overrides of the runs fine-tuned from the pretrained base (on top of gpt's)."""
 ARMS = (*KINDS, *FINE_TUNED)
+ABLATIONS = ("gpt-lora-lr2e-3", "gpt-lora-attn+mlp")
+"""Arms the smoke run leaves out unless ``--arms`` names them (overrides of gpt-lora's)."""
 
 
 def _shape(ctx: Context) -> list[str]:
@@ -230,6 +239,45 @@ def _curves(ctx: Context, arm: str, seed: int, data: dict[str, Path]) -> dict[st
     return out
 
 
+def trainable(run: dict[str, Any]) -> tuple[int, int]:
+    """``(parameters that train, parameters of the model)`` of a run: its adapters alone under
+    ``train.lora`` (counted on a model of its config, no weights read)."""
+    from anyorder.config import config_from_dict
+    from anyorder.models import build_model
+    from anyorder.models.lora import adapter_keys, add_adapters, lora_on
+
+    cfg = config_from_dict(run["config"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+        total = sum(p.numel() for p in model.parameters())
+        if not lora_on(cfg):
+            return total, total
+        add_adapters(model, cfg.train.lora)
+    train = sum(p.numel() for n, p in model.named_parameters() if n in adapter_keys(model))
+    return train, total
+
+
+def _fine_tuned_lines(ctx: Context, arms: list[str], data: dict[str, Path]) -> str:
+    """What the fine-tuned arms trained: the base, parameters that train, wall times."""
+    rows = []
+    for arm in (a for a in arms if a in FINE_TUNED):
+        runs = [instruct_run(ctx, arm, s, data["train"], _steps(ctx)) for s in range(ctx.seeds)]
+        train, total = trainable(runs[0])
+        lr = runs[0]["config"]["train"]["lr"]
+        walls = ", ".join(f"{r['wall_s']:.0f}" for r in runs)
+        rows.append(f"| {arm} | {lr:g} | {train:,} of {total:,} | {walls} |")
+    if not rows:
+        return ""
+    bases = [base_run(ctx, s) for s in range(ctx.seeds)]
+    walls = ", ".join(f"{b['wall_s']:.0f}" for b in bases)
+    return (
+        f"\nThe fine-tuned arms start from a gpt of the same shape pretrained left to right on "
+        f"`{DATA_SOURCE}` for {bases[0]['steps']} steps (one per seed: {walls} s; its step 0 "
+        "row is that base):\n\n| arm | lr | parameters that train | wall s per seed |\n"
+        "|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
+
+
 def exp_instruct(ctx: Context) -> dict[str, Any]:
     """Exact match on held-out prompts against training steps, per kind and decoder."""
     from anyorder.errors import ConfigError
@@ -238,6 +286,8 @@ def exp_instruct(ctx: Context) -> dict[str, Any]:
     if ctx.scale != "cpu":
         raise ConfigError("experiment instruct runs at --scale cpu only (tiny models, here)")
     arms = [a for a in ARMS if ctx.only in (None, a)]  # --arms ARM: that arm alone
+    if ctx.smoke and ctx.only is None:  # the code path in seconds: gpt-lora's is theirs
+        arms = [a for a in arms if a not in ABLATIONS]
     if not arms:
         raise ConfigError(f"--arms {ctx.only!r} matches no arm; the arms are: {', '.join(ARMS)}")
     data = task_data(ctx)
@@ -265,6 +315,6 @@ def exp_instruct(ctx: Context) -> dict[str, Any]:
         f"Exact match on {n} held-out prompts (mean ± standard error over {ctx.seeds} "
         f"seed(s); one seed's binomial standard error is at most {bar:.3f}), against "
         f"training steps (step 0: untrained).\n\n" + "\n".join(lines) + "\n\nAt the last "
-        "step, per task:\n\n" + "\n".join(finals) + "\n"
+        "step, per task:\n\n" + "\n".join(finals) + "\n" + _fine_tuned_lines(ctx, arms, data)
     )
     return {"scores": scores, "steps": steps, "markdown": md}
