@@ -68,14 +68,21 @@ LORA = ["train.lora.r=8", "train.lora.alpha=16", f"train.lr={LORA_LR}"]
 FINE_TUNED: dict[str, list[str]] = {
     "gpt-full": [],
     "gpt-lora": LORA,
-    # the two choices LoRA's result depends on most, one at a time: the full arm's lr, and
-    # adapters on the MLP too (every linear layer of the blocks, as QLoRA recommends)
+    # the choices LoRA's result depends on most, one at a time: the full arm's lr; adapters
+    # on the MLP too (every linear layer of the blocks, as QLoRA recommends); and those at
+    # rank 64 (60% of the model's parameters), alpha / r kept at 2
     "gpt-lora-lr2e-3": [*LORA, "train.lr=2e-3"],
     "gpt-lora-attn+mlp": [*LORA, "train.lora.targets=[attn,mlp]"],
+    "gpt-lora-r64-attn+mlp": [
+        *LORA,
+        "train.lora.targets=[attn,mlp]",
+        "train.lora.r=64",
+        "train.lora.alpha=128",
+    ],
 }
 """Arm -> overrides of the runs fine-tuned from the pretrained base (on top of gpt's)."""
 ARMS = (*KINDS, *FINE_TUNED)
-ABLATIONS = ("gpt-lora-lr2e-3", "gpt-lora-attn+mlp")
+ABLATIONS = ("gpt-lora-lr2e-3", "gpt-lora-attn+mlp", "gpt-lora-r64-attn+mlp")
 """Arms the smoke run leaves out unless ``--arms`` names them (overrides of gpt-lora's)."""
 
 
