@@ -112,9 +112,12 @@ def base_run(ctx: Context, seed: int) -> dict[str, Any]:
     return train_run(ctx, "instruct-base-gpt", "gpt", [], seed, steps=steps, extra=extra)
 
 
-def instruct_run(ctx: Context, arm: str, seed: int, data: Path, steps: int) -> dict[str, Any]:
-    """Train (or reuse) one arm's run on the task; checkpoints every quarter. The arms of
-    :data:`FINE_TUNED` start from :func:`base_run`'s model of the same seed."""
+def instruct_run(
+    ctx: Context, arm: str, seed: int, data: Path, steps: int, name: str | None = None
+) -> dict[str, Any]:
+    """Train (or reuse) one arm's run on the task (in ``instruct-ARM``, or ``name``);
+    checkpoints every quarter. The arms of :data:`FINE_TUNED` start from :func:`base_run`'s
+    model of the same seed."""
     kind = "gpt" if arm in FINE_TUNED else arm
     order = ["order.condition=prompt"] + ([] if kind == "gpt" else ["order.kind=uniform"])
     order += OURS if kind == "aogpt" else []
@@ -128,7 +131,8 @@ def instruct_run(ctx: Context, arm: str, seed: int, data: Path, steps: int) -> d
     ]
     if arm in FINE_TUNED:
         extra += [f"train.init_from={base_run(ctx, seed)['run_dir']}", *FINE_TUNED[arm]]
-    return train_run(ctx, f"instruct-{arm}", kind, order, seed, steps=steps, extra=extra)
+    name = name or f"instruct-{arm}"
+    return train_run(ctx, name, kind, order, seed, steps=steps, extra=extra)
 
 
 def decode_answers(
@@ -218,14 +222,20 @@ def _untrained(ctx: Context, run: dict[str, Any]) -> Any:
 
 def _curves(ctx: Context, arm: str, seed: int, data: dict[str, Path]) -> dict[str, Any]:
     """One run's scores: per decoder, per evaluated step (0 = untrained, or the base)."""
+    run = instruct_run(ctx, arm, seed, data["train"], _steps(ctx))
+    gpt = arm == "gpt" or arm in FINE_TUNED
+    return run_scores(ctx, run, list(DECODERS)[:1] if gpt else list(DECODERS), data, seed)
+
+
+def run_scores(
+    ctx: Context, run: dict[str, Any], decoders: list[str], data: dict[str, Path], seed: int
+) -> dict[str, Any]:
+    """A trained run's scores (kept beside it): per decoder, per step (0: its start)."""
     import json
 
     from anyorder.checkpoint import list_checkpoints, load_model
 
-    run = instruct_run(ctx, arm, seed, data["train"], _steps(ctx))
     records = [json.loads(x) for x in data["heldout"].read_text().splitlines()]
-    gpt = arm == "gpt" or arm in FINE_TUNED
-    decoders = list(DECODERS)[:1] if gpt else list(DECODERS)
     cache = Path(run["run_dir"]) / "instruct-scores.json"
     key = {"decoders": {d: DECODERS[d] for d in decoders}, "heldout": records}
     if cache.exists():  # the scores of this run's checkpoints on these prompts, kept
