@@ -248,7 +248,7 @@ def test_instruct_scores_the_lora_arm_adapted_not_its_base(tmp_path: Path, monke
 
 def test_instruct_arms_unknown(tmp_path: Path) -> None:
     arms = "gpt, aogpt, armd, gpt-full, gpt-lora, gpt-lora-lr2e-3, gpt-lora-attn\\+mlp, "
-    arms += "gpt-lora-r64-attn\\+mlp"
+    arms += "gpt-lora-r64-attn\\+mlp, gpt-lora-r64-attn\\+mlp-lr2e-3"
     with pytest.raises(ConfigError, match=rf"^--arms 'lora' matches no arm; the arms are: {arms}$"):
         run_experiment("instruct", _ctx(tmp_path, "i", only="lora"))
     assert not (tmp_path / "runs").exists()  # nothing written
@@ -269,5 +269,6 @@ def test_instruct_fine_tuned_arms_configs() -> None:
         "gpt-lora-lr2e-3": (2e-3, 8, 16.0, ("attn",)),
         "gpt-lora-attn+mlp": (2e-2, 8, 16.0, ("attn", "mlp")),
         "gpt-lora-r64-attn+mlp": (2e-2, 64, 128.0, ("attn", "mlp")),
+        "gpt-lora-r64-attn+mlp-lr2e-3": (2e-3, 64, 128.0, ("attn", "mlp")),
     }
-    assert set(ABLATIONS) == set(FINE_TUNED) - {"gpt-full", "gpt-lora"}
+    assert set(ABLATIONS) == set(FINE_TUNED) - {"gpt-full", "gpt-lora"}  # smoke: not these

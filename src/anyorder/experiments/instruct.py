@@ -65,24 +65,21 @@ full run's lr it moves the layers far less per step than full training does; 10x
 usual ratio of LoRA to full fine-tuning lrs in published recipes (e.g. 2e-4 against 2e-5
 on 7B models). Both arms clip gradients at 1 and decay weights at 0.1 like the others."""
 LORA = ["train.lora.r=8", "train.lora.alpha=16", f"train.lr={LORA_LR}"]
+R64 = ["train.lora.targets=[attn,mlp]", "train.lora.r=64", "train.lora.alpha=128"]
 FINE_TUNED: dict[str, list[str]] = {
     "gpt-full": [],
     "gpt-lora": LORA,
     # the choices LoRA's result depends on most, one at a time: the full arm's lr; adapters
     # on the MLP too (every linear layer of the blocks, as QLoRA recommends); and those at
-    # rank 64 (60% of the model's parameters), alpha / r kept at 2
+    # rank 64 (60% of the model's parameters), alpha / r kept at 2, at both lrs
     "gpt-lora-lr2e-3": [*LORA, "train.lr=2e-3"],
     "gpt-lora-attn+mlp": [*LORA, "train.lora.targets=[attn,mlp]"],
-    "gpt-lora-r64-attn+mlp": [
-        *LORA,
-        "train.lora.targets=[attn,mlp]",
-        "train.lora.r=64",
-        "train.lora.alpha=128",
-    ],
+    "gpt-lora-r64-attn+mlp": [*LORA, *R64],
+    "gpt-lora-r64-attn+mlp-lr2e-3": [*LORA, *R64, "train.lr=2e-3"],
 }
 """Arm -> overrides of the runs fine-tuned from the pretrained base (on top of gpt's)."""
 ARMS = (*KINDS, *FINE_TUNED)
-ABLATIONS = ("gpt-lora-lr2e-3", "gpt-lora-attn+mlp", "gpt-lora-r64-attn+mlp")
+ABLATIONS = tuple(a for a in FINE_TUNED if a not in ("gpt-full", "gpt-lora"))
 """Arms the smoke run leaves out unless ``--arms`` names them (overrides of gpt-lora's)."""
 
 
