@@ -206,3 +206,69 @@ def test_arms_filter_runs_only_the_matching_arms(root: Path) -> None:
     assert list(res["arms"]) == ["aogpt published, 10% l2r"]
     with pytest.raises(ConfigError, match="--arms 'nope' matches no arm; the arms are: gpt"):
         run_experiment("four", _ctx(root, "four-nope", only="nope"))
+
+
+def test_instruct_scores_the_lora_arm_adapted_not_its_base(tmp_path: Path, monkeypatch) -> None:
+    """The gpt-lora arm's step 0 is its base, and its last checkpoint is scored as the base
+    with the adapters added by hand (W + alpha / r * B A, from the adapter file), not as the
+    bare base."""
+    from safetensors.torch import load_file
+
+    from anyorder.checkpoint import list_checkpoints, load_model
+    from anyorder.experiments import instruct
+
+    scored = []
+    real = instruct.score
+    monkeypatch.setattr(instruct, "score", lambda m, *a, **k: scored.append(m) or real(m, *a, **k))
+    res = run_experiment("instruct", _ctx(tmp_path, "i", only="gpt-lora"))
+    assert list(res["scores"]) == ["gpt-lora"] and res["steps"] == [0, 4]
+    first, last = scored
+    runs = tmp_path / "runs"
+    base = load_model(runs / "instruct-base-gpt-s0").model
+    ckpt = list_checkpoints(runs / "instruct-gpt-lora-s0")[-1]
+    adapters = load_file(str(ckpt / "model.safetensors"))
+    lora = instruct.LORA
+    scale = float(lora[1].split("=")[1]) / float(lora[0].split("=")[1])  # alpha / r
+    merged = base.state_dict()
+    names = {k.split(".lora_")[0] for k in adapters}
+    assert names == {f"blocks.0.attn.{m}" for m in ("qkv", "proj")}  # the default targets
+    for name in names:
+        a, b = (adapters[f"{name}.lora_{x}.default.weight"] for x in "AB")
+        merged[f"{name}.weight"] = merged[f"{name}.weight"] + scale * b @ a
+    by_hand = load_model(runs / "instruct-base-gpt-s0").model
+    by_hand.load_state_dict(merged)
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = {k: m(x) for k, m in (("first", first), ("last", last),
+                  ("base", base), ("by_hand", by_hand))}  # fmt: skip
+    torch.testing.assert_close(logits["first"], logits["base"], rtol=0, atol=0)
+    torch.testing.assert_close(logits["last"], logits["by_hand"], rtol=1e-5, atol=1e-5)
+    assert (logits["last"] - logits["base"]).abs().max() > 1e-3  # the adapters moved it
+
+
+def test_instruct_arms_unknown(tmp_path: Path) -> None:
+    arms = "gpt, aogpt, armd, gpt-full, gpt-lora, gpt-lora-lr2e-3, gpt-lora-attn\\+mlp, "
+    arms += "gpt-lora-r64-attn\\+mlp, gpt-lora-r64-attn\\+mlp-lr2e-3"
+    with pytest.raises(ConfigError, match=rf"^--arms 'lora' matches no arm; the arms are: {arms}$"):
+        run_experiment("instruct", _ctx(tmp_path, "i", only="lora"))
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_instruct_fine_tuned_arms_configs() -> None:
+    """The fine-tuned arms differ as their names say (the smoke run trains two of them)."""
+    from anyorder.config import load_config
+    from anyorder.experiments.instruct import ABLATIONS, FINE_TUNED
+
+    got = {}
+    for arm, overrides in FINE_TUNED.items():
+        t = load_config(None, ["train.lr=2e-3", *overrides]).train  # the runs' lr, then the arm's
+        got[arm] = (t.lr, t.lora.r, t.lora.alpha, t.lora.targets)
+    assert got == {
+        "gpt-full": (2e-3, 0, 16.0, ("attn",)),
+        "gpt-lora": (2e-2, 8, 16.0, ("attn",)),
+        "gpt-lora-lr2e-3": (2e-3, 8, 16.0, ("attn",)),
+        "gpt-lora-attn+mlp": (2e-2, 8, 16.0, ("attn", "mlp")),
+        "gpt-lora-r64-attn+mlp": (2e-2, 64, 128.0, ("attn", "mlp")),
+        "gpt-lora-r64-attn+mlp-lr2e-3": (2e-3, 64, 128.0, ("attn", "mlp")),
+    }
+    assert set(ABLATIONS) == set(FINE_TUNED) - {"gpt-full", "gpt-lora"}  # smoke: not these
