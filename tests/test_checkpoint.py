@@ -122,6 +122,39 @@ def test_loaded_weights_read_the_file_in_place_and_writes_stay_private(tmp_path)
     assert _mapped_file(m16.tok_emb.weight) != str(file.resolve())
 
 
+def test_loading_skips_the_random_initialisation(tmp_path, monkeypatch):
+    """Every weight is loaded, so none is drawn first (a 1B model's draw is seconds); the
+    init functions work again afterwards, and a fresh model still draws them."""
+    from torch.nn import init
+
+    from anyorder.checkpoint.exporting import save_pretrained
+    from anyorder.models import build_model
+
+    cfg = _config("aogpt", tmp_path)
+    model = _model(cfg)
+    run_ckpt = _save(tmp_path / "run", 1, cfg, model)
+    export = save_pretrained(model, tmp_path / "exp", ByteTokenizer())
+    calls = []
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("normal_", "trunc_normal_", "kaiming_uniform_", "uniform_", "zeros_"):
+        monkeypatch.setattr(init, name, spy(name, getattr(init, name)))
+    x = torch.randint(0, 257, (1, 16), generator=torch.Generator().manual_seed(0))
+    order = uniform(1, 16, torch.Generator().manual_seed(1)).order
+    for loaded in (ck.load_model(run_ckpt).model, ck.load_exported(export).model):
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x, order), model(x, order), rtol=0, atol=0)
+    assert calls == []
+    build_model(cfg.model)
+    assert {"normal_", "zeros_"} <= set(calls)
+
+
 def test_ema_weights_are_preferred_and_raw_on_request(tmp_path):
     cfg = _config("armd", tmp_path)
     model = _model(cfg, seed=0)

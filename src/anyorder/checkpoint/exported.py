@@ -273,7 +273,7 @@ def load_exported(
             f"{folder / CONFIG_NAME} records no weights_sha256 (the checksum of "
             f"{WEIGHTS_NAME}), so its weights cannot be checked; export or download it again"
         )
-    model = build_model(model_cfg)
+    model = build_model(model_cfg, init=False)  # every weight is loaded next
     load_state(model, weights, sha)
     tokenizer = _read_tokenizer(folder)
     check_tokenizer_fits(tokenizer, model_cfg.vocab_size, repr(str(spec)))

@@ -260,7 +260,7 @@ def _load_checkpoint(ckpt: Path, weights: str, device: str | torch.device) -> Lo
                 f"weights in {file} do not fit the model its config.yaml describes "
                 f"({problem}); the checkpoint was altered or written by another version"
             )
-        model = build_model(config.model)
+        model = build_model(config.model, init=False)  # every weight is loaded next
         load_weights(model, file)
     model.to(device).eval()
     return Loaded(

@@ -178,7 +178,7 @@ def header_problem(model_cfg: Any, shapes: Mapping[str, tuple[int, ...]]) -> str
     if emb is None or len(emb) != 2 or emb[1] != model_cfg.d_model:
         return f"tok_emb.weight is {emb}, the config says d_model={model_cfg.d_model}"
     with torch.device("meta"):
-        model = build_model(model_cfg)
+        model = build_model(model_cfg, init=False)  # shapes only
     aliases = tied_aliases(model)
     want = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in aliases}
     missing = sorted(set(want) - set(shapes))
