@@ -36,6 +36,7 @@ import argparse
 import json
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -90,8 +91,15 @@ def build_source(folder: Path, layers: int, dtype: torch.dtype) -> None:
     del hf
 
 
-DECODERS = {"hf": "hf generate", "gpt": "gpt", "aogpt": "aogpt random", "armd": "armd random"}
-"""``--decoders`` names -> the table's labels."""
+DECODERS = {
+    "hf": "hf generate",
+    "gpt": "gpt",
+    "gpt-huge": "gpt, huge pages",
+    "aogpt": "aogpt random",
+    "armd": "armd random",
+}
+"""``--decoders`` names -> the table's labels (``gpt-huge``: the gpt loaded with
+``huge_pages=True``, its weights copied into 2 MB pages)."""
 
 
 def decoders(hf, ours: dict, batch: int, p: int, new: int) -> dict:
@@ -127,7 +135,7 @@ def decoders(hf, ours: dict, batch: int, p: int, new: int) -> dict:
         return run
 
     fns = {"hf generate": theirs} if hf is not None else {}
-    order = {"gpt": "l2r", "aogpt": "random", "armd": "random"}
+    order = {"gpt": "l2r", "gpt-huge": "l2r", "aogpt": "random", "armd": "random"}
     return fns | {DECODERS[kind]: ours_fn(kind, order[kind]) for kind in ours}
 
 
@@ -148,6 +156,7 @@ def main() -> None:
     device = setup(args)
     import transformers as tr
 
+    import anyorder
     from anyorder.checkpoint.exported import load_exported
     from anyorder.interop.streaming import convert_family
 
@@ -168,6 +177,10 @@ def main() -> None:
         for kind in [k for k in ("gpt", "aogpt", "armd") if k in wanted]:
             convert_family(root / "src", kind, root / kind, seq_len=max(n, 64))
             ours[kind] = load_exported(root / kind).model.to(dtype).eval()
+        if "gpt-huge" in wanted:
+            start = time.perf_counter()
+            ours["gpt-huge"] = anyorder.load(root / "gpt", huge_pages=True).model.to(dtype)
+            print(f"loaded the gpt into huge pages in {time.perf_counter() - start:.1f} s")
         for batch in [int(b) for b in args.batches.split(",")]:
             fns = decoders(hf, ours, batch, p, new)
             agree = None
@@ -183,6 +196,12 @@ def main() -> None:
             ratio = {}
             if "hf generate" in t:
                 ratio["gpt"] = ("ours_over_theirs", tps["gpt"] / tps["hf generate"], "x hf")
+                if "gpt, huge pages" in t:
+                    ratio["gpt, huge pages"] = (
+                        "huge_over_theirs",
+                        tps["gpt, huge pages"] / tps["hf generate"],
+                        "x hf",
+                    )
             for k in ("aogpt", "armd"):
                 if DECODERS[k] in t:
                     ratio[DECODERS[k]] = (f"{k}_over_gpt", t[DECODERS[k]] / t["gpt"], "x gpt time")

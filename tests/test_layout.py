@@ -24,7 +24,11 @@ MAX_FUNCTION_LINES = 100
 # bottom to top; a module may import its own layer (without a cycle) and the ones below
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundation", {"errors", "bounds", "progress", "runlock", "atomic", "version"}),
-    ("core", {"config", "orders", "flops", "memory", "precision", "layers", "cache", "models"}),
+    (
+        "core",
+        {"config", "orders", "flops", "memory", "precision", "hugepages", "layers", "cache"}
+        | {"models"},
+    ),
     ("data", {"data"}),
     ("weights", {"checkpoint", "interop"}),
     ("sampling", {"sampling", "sample"}),

@@ -453,6 +453,7 @@ def serve(
     dtype: str = "auto",
     weights: str = "ema",
     verbose: bool = False,
+    huge_pages: bool = True,
 ) -> None:
     """Load a model and serve the page until interrupted (``anyorder serve``).
 
@@ -465,6 +466,7 @@ def serve(
         dtype: ``auto`` (bf16 autocast on CUDA), ``fp32`` or ``bf16``.
         weights: ``ema`` or ``raw`` (training checkpoints).
         verbose: log every request.
+        huge_pages: weights in 2 MB pages on a CPU (:mod:`anyorder.hugepages`).
 
     Raises:
         CheckpointError: no model there (the default folder: run ``make demo`` first).
@@ -479,7 +481,7 @@ def serve(
                 f"no model at {checkpoint}: run `make demo` first or pass a checkpoint"
             )
     dev = resolve_device(device, what="--device")
-    loaded = load_any(checkpoint, weights=weights, device=dev)
+    loaded = load_any(checkpoint, weights=weights, device=dev, huge_pages=huge_pages)
     app = App(loaded, limits, autocast=dtype == "bf16" or (dtype == "auto" and dev.type == "cuda"))
     server = make_server(app, host, port, verbose=verbose)
     h, p = server.server_address[:2]
