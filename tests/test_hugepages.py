@@ -58,6 +58,18 @@ def test_big_weights_move_into_advised_aligned_regions_and_compute_the_same():
         torch.testing.assert_close(model(x), want, rtol=0, atol=0)
 
 
+@needs_thp
+def test_a_refused_mapping_leaves_the_weights_where_they_are(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    model = _big_model()
+    ptr = model.tok_emb.weight.data_ptr()
+    monkeypatch.setattr(hugepages.mmap, "mmap", refuse)
+    assert hugepages.place_in_huge_pages(model) == 0
+    assert model.tok_emb.weight.data_ptr() == ptr
+
+
 def test_nothing_moves_where_the_kernel_offers_no_huge_pages(tmp_path, monkeypatch):
     mode = tmp_path / "enabled"
     mode.write_text("always madvise [never]\n")

@@ -65,7 +65,8 @@ def place_in_huge_pages(model: nn.Module) -> int:
     advised for huge pages, values unchanged.
 
     Returns:
-        The bytes moved (0 where the kernel offers no huge pages).
+        The bytes moved (0 where the kernel offers no huge pages; the ones before the
+        first that could not be mapped, if the system refuses a mapping).
     """
     if not available():
         return 0
@@ -74,6 +75,9 @@ def place_in_huge_pages(model: nn.Module) -> int:
         for param in model.parameters():  # a tied weight once
             nbytes = param.numel() * param.element_size()
             if param.device.type == "cpu" and nbytes >= HUGE_PAGE:
-                param.data = huge_copy(param.data)
+                try:
+                    param.data = huge_copy(param.data)
+                except OSError:  # no address space or memory for another copy: stay put
+                    break
                 moved += nbytes
     return moved
