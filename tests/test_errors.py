@@ -402,6 +402,7 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "infill-bad-hole": (["sample", "run", "--infill", "a[MASK:0]b"], {}, None),
     "infill-no-hole": (["sample", "run", "--infill", "abc"], {}, None),
     "streams-do-not-divide": (["sample", "run", "--streams", "5"], {}, None),
+    "streams-zero": (["sample", "run", "--streams", "0"], {}, None),
     "chat-with-length": (["sample", "run", "--chat", "hi", "--length", "20"], {}, None),
     "max-new-tokens-without-chat": (["sample", "run", "--max-new-tokens", "4"], {}, None),
     "chat-prompt-too-long": (["sample", "run", "--chat", "x" * 20], {}, None),

@@ -196,7 +196,12 @@ def strided(batch: int, n: int, streams: int, device: torch.device | str | None 
     (``n=8, S=2``: positions ``[0,4 | 1,5 | 2,6 | 3,7]``). The ``S`` heads are generated one
     at a time (blocks ``0..S-1``); after that each group of ``S`` is one block.
     """
-    if streams < 1 or n % streams:
+    if streams < 1:
+        raise ConfigError(
+            f"streams S={shown(streams)} must be at least 1 (S tokens per pass after the S "
+            f"stream heads); pick S among the divisors of {n}"
+        )
+    if n % streams:
         raise ConfigError(
             f"streams S={shown(streams)} does not divide the sequence length n={n}; "
             f"pick S among the divisors of {n}"
