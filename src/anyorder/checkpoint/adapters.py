@@ -136,7 +136,7 @@ def export_adapters(ckpt: Path, folder: Path, file: Path, config: RunConfig) -> 
             "choose a new folder or delete it"
         )
     with torch.device("meta"):  # the names and shapes alone: no memory for the base
-        model = build_model(config.model)
+        model = build_model(config.model, init=False)
     add_adapters(model, config.train.lora)
     state = read_adapters(model, file)
     tensors = get_peft_model_state_dict(model, state_dict=state)

@@ -264,7 +264,7 @@ def trainable(run: dict[str, Any]) -> tuple[int, int]:
 
     cfg = config_from_dict(run["config"])
     with torch.device("meta"):
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, init=False)  # shapes only
         total = sum(p.numel() for p in model.parameters())
         if not lora_on(cfg):
             return total, total

@@ -305,7 +305,7 @@ def convert_family(
     tok = _tokenizer(folder, tokenizer, cfg.vocab_size)
     src = Source(folder)
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = build_model(cfg, init=False)  # names and shapes only
     mapping = weight_map(fam, cfg.n_layer)
     if cfg.tie_embeddings:
         mapping.pop("head.weight")
