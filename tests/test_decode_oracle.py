@@ -48,7 +48,11 @@ KINDS = ["gpt", "aogpt", "aogpt", "armd", "armd", "armd", "aogpt-ref", "sigmagpt
 PATHS = ["cpu", "gpu-plan", "bucketed", "emulate"]
 SEQ = 140  # the models' context: room for the slow profile's sizes
 RAN: Counter[str] = Counter()
-ATOL = 1e-5
+ATOL = 2.5e-5
+"""Two fp32 round-offs, the decoder's and the oracle's own: over 372 drawn modern-trunk
+requests (600-example runs), each lay up to 1.1e-5 from the same computation in fp64
+(logits up to 4.4: q/k/v biases, SwiGLU, untied heads), so they can differ by twice that.
+A wrong cache, position or mask moves a logit by 0.1 to 10."""
 
 
 @pytest.fixture(scope="module", autouse=True)
