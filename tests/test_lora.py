@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_train import _overrides  # the same tiny run as full training's tests
+
 from conftest import run_two_ranks
 
 pytest.importorskip("peft")
@@ -106,33 +108,6 @@ def test_only_the_adapters_are_trainable_and_optimized(optimizer: str) -> None:
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("lora_cache")
-
-
-def _overrides(run: Path, cache: Path, kind: str, **extra) -> list[str]:
-    values = {
-        "model.kind": kind,
-        "model.n_layer": 2,
-        "model.n_head": 2,
-        "model.d_model": 32,
-        "model.seq_len": 32,
-        "data.source": "builtin:pydoc",
-        "data.max_documents": 40,
-        "data.cache_dir": str(cache),
-        "train.out_dir": str(run),
-        "train.steps": 6,
-        "train.batch_size": 8,
-        "train.lr": 0.01,
-        "train.warmup_steps": 2,
-        "train.eval_every": 0,
-        "train.eval_batches": 1,
-        "train.ckpt_every": 0,
-        "train.log_every": 1,
-        "train.ema": 0.9,
-        "train.device": "cpu",
-        "order.kind": "uniform",
-    }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
 
 
 def _cfg(run: Path, cache: Path, kind: str, **extra):
