@@ -17,6 +17,10 @@ architecture (:func:`anyorder.flops.decode_flops_per_sequence`) and the forward 
   conditionals are nearly flat, so drafts are accepted far more often than with a trained
   model: read these rows for the cost of a pass, not for the passes a real model saves.
 
+With ``--compare-prepacked`` every row gets a twin with the CPU's prepacked weights turned
+off (``<label> plain``: ``F.linear`` on the weights as built; ``layers/linear.py``), timed in
+the same rounds, and a table of plain time over prepacked time per sampler.
+
 The last table checks the issue's targets (aogpt/gpt <= 1.10 at batch 1 and 16, armd/gpt
 <= 1.25 at batch 1, SBP S=4 over S=1 >= 3.6 at batch 1).
 
@@ -53,7 +57,7 @@ from _bench import (
     verdict,
     write_json,
 )
-from anyorder import build_model, preset
+from anyorder import build_model, preset, use_prepacked
 from anyorder.flops import decode_flops_per_sequence
 from anyorder.sample import lemma1_sample, sequential_sample, strided_sample
 from anyorder.sampling.confidence import confidence_sample
@@ -79,8 +83,11 @@ GPU_TARGETS = [  # (label, batch, sampler, seconds per batch at most): issue 14,
 ]
 
 
-def settings(n: int, batch: int, lemma1: bool, spec: tuple[int, ...] = ()) -> list[tuple]:
-    """(label, model kind, sampler call) of every row for one batch size."""
+def settings(
+    n: int, batch: int, lemma1: bool, spec: tuple[int, ...] = (), plain: bool = False
+) -> list[tuple]:
+    """(label, model kind, sampler call) of every row for one batch size (``plain``: and
+    each row's twin without prepacked weights)."""
     rows = [
         ("gpt", "gpt", dict(fn=sequential_sample)),
         ("aogpt seq", "aogpt", dict(fn=sequential_sample)),
@@ -98,6 +105,8 @@ def settings(n: int, batch: int, lemma1: bool, spec: tuple[int, ...] = ()) -> li
             (f"{k} spec K={K}", k, dict(fn=speculative_sample, K=K)) for k in ("aogpt", "armd")
         ]
         rows.append((f"aogpt conf spec K={K}", "aogpt", dict(fn=confidence_sample, K=K)))
+    if plain:
+        rows += [(f"{label} plain", kind, dict(spec, plain=True)) for label, kind, spec in rows]
     return rows
 
 
@@ -107,6 +116,9 @@ def call(
     """One batch of samples with the sampler of ``spec``."""
     spec = dict(spec)
     fn = spec.pop("fn")
+    if spec.pop("plain", False):
+        with use_prepacked(False):
+            return call(model, n, batch, spec | {"fn": fn}, seed, device, graphs)
     gen = torch.Generator(device).manual_seed(seed)
     kw = dict(batch=batch, generator=gen, graphs=graphs)
     if fn is strided_sample:
@@ -140,6 +152,9 @@ def main() -> None:
     )
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs (see above)")
     ap.add_argument(
+        "--compare-prepacked", action="store_true", help="each row again without prepacking"
+    )
+    ap.add_argument(
         "--budget", type=float, default=None, help="seconds per batch size: fewer rounds to fit"
     )
     add_common(ap, "benchmarks/results/decode.json")
@@ -164,7 +179,7 @@ def main() -> None:
         flops = {k: decode_flops_per_sequence(c, n) for k, c in cfgs.items()}
         for batch in (int(b) for b in args.batches.split(",")):
             ks = tuple(int(k) for k in args.speculative.split(",") if k)
-            rows = settings(n, batch, args.lemma1, ks)
+            rows = settings(n, batch, args.lemma1, ks, args.compare_prepacked)
             fns = {
                 label: functools.partial(call, models[kind], n, batch, spec, 0, device, args.graphs)
                 for label, kind, spec in rows
@@ -219,6 +234,14 @@ def main() -> None:
                 ],
                 table,
             )
+            twins = [
+                [label, by_label[label + " plain"]["seconds_per_batch"] / row["seconds_per_batch"]]
+                for label, row in by_label.items()
+                if label + " plain" in by_label
+            ]
+            if twins:
+                title = f"{size}, batch {batch}: plain time / prepacked time"
+                print_table(title, ["sampler", "x"], twins)
             for label, b, name, bound in GPU_TARGETS if device.type == "cuda" else []:
                 if b == batch and name in by_label and size == "small":
                     value = by_label[name]["seconds_per_batch"]

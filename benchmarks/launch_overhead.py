@@ -177,7 +177,8 @@ def measure(fn: Callable[[], int]) -> dict:
 @contextlib.contextmanager
 def gpu_path():
     """Decode as on a GPU: never pack, bucket the key levels (both live in the plan; before
-    the sampling package, the packing threshold was in ``anyorder.sample``)."""
+    the sampling package, the packing threshold was in ``anyorder.sample``), no prepacked
+    weights."""
     try:
         import anyorder.sampling.plan as where
     except ImportError:
@@ -190,8 +191,13 @@ def gpu_path():
         rounds = None
     if rounds is not None:
         rounds.STATIC_ON_CPU = True
+    try:  # a GPU never reads prepacked weights (the CPU's, layers/linear.py)
+        from anyorder.layers.linear import use_prepacked
+    except ImportError:
+        use_prepacked = None
     try:
-        yield
+        with use_prepacked(False) if use_prepacked else contextlib.nullcontext():
+            yield
     finally:
         where._PACK_BELOW, where.BUCKET_ON_CPU = saved
         if rounds is not None:

@@ -13,6 +13,9 @@ threads and prompt):
   ``anyorder.load(...).generate`` and ``anyorder sample`` call) with ``top_k=1`` (greedy) and
   the KV cache, fed the prompt (the BOS is the converted model's own slot);
 * ``aogpt`` / ``armd``: the converted any-order models, random order, one token per pass.
+* ``gpt-plain``: the same gpt with the CPU's prepacked weights turned off
+  (``use_prepacked(False)``: ``F.linear`` on the weights as loaded, as ``generate`` runs);
+  the gpt's first call, which makes the copies, is timed apart and printed.
 
 Before timing, the greedy tokens of ``gpt`` are checked equal to ``generate``'s (fp32: every
 token; bf16: the two round in different places, so near-ties may split; the agreeing fraction
@@ -95,16 +98,19 @@ DECODERS = {
     "hf": "hf generate",
     "gpt": "gpt",
     "gpt-huge": "gpt, huge pages",
+    "gpt-plain": "gpt, prepacking off",
     "aogpt": "aogpt random",
     "armd": "armd random",
 }
 """``--decoders`` names -> the table's labels (``gpt-huge``: the gpt loaded with
-``huge_pages=True``, its weights copied into 2 MB pages)."""
+``huge_pages=True``, its weights copied into 2 MB pages; ``gpt-plain``: the same gpt with
+the CPU's prepacked weights turned off, ``F.linear`` on the weights as loaded)."""
 
 
 def decoders(hf, ours: dict, batch: int, p: int, new: int) -> dict:
     """The timed calls on one random prompt of ``p`` tokens, ``new`` tokens each: ``hf``
     (when not None) and each kind in ``ours``."""
+    from anyorder.layers.linear import use_prepacked
     from anyorder.sample import sample
 
     n = p + new
@@ -126,7 +132,7 @@ def decoders(hf, ours: dict, batch: int, p: int, new: int) -> dict:
     def ours_fn(kind: str, order: str):
         def run():
             g = torch.Generator().manual_seed(0)
-            with torch.inference_mode():
+            with torch.inference_mode(), use_prepacked(kind != "gpt-plain"):
                 return sample(
                     ours[kind], n, order=order, batch=batch, prompt=full, known=known,
                     top_k=1, generator=g,
@@ -135,7 +141,8 @@ def decoders(hf, ours: dict, batch: int, p: int, new: int) -> dict:
         return run
 
     fns = {"hf generate": theirs} if hf is not None else {}
-    order = {"gpt": "l2r", "gpt-huge": "l2r", "aogpt": "random", "armd": "random"}
+    order = dict(gpt="l2r", aogpt="random", armd="random")
+    order |= {"gpt-huge": "l2r", "gpt-plain": "l2r"}
     return fns | {DECODERS[kind]: ours_fn(kind, order[kind]) for kind in ours}
 
 
@@ -177,6 +184,8 @@ def main() -> None:
         for kind in [k for k in ("gpt", "aogpt", "armd") if k in wanted]:
             convert_family(root / "src", kind, root / kind, seq_len=max(n, 64))
             ours[kind] = load_exported(root / kind).model.to(dtype).eval()
+        if "gpt-plain" in wanted:
+            ours["gpt-plain"] = ours["gpt"]  # the same weights, run without the copies
         if "gpt-huge" in wanted:
             start = time.perf_counter()
             ours["gpt-huge"] = anyorder.load(root / "gpt", huge_pages=True).model.to(dtype)
@@ -184,8 +193,12 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             fns = decoders(hf, ours, batch, p, new)
             agree = None
+            start = time.perf_counter()  # the first call makes the prepacked copies
+            a = fns["gpt"]()
+            first = time.perf_counter() - start
+            print(f"batch {batch}: the gpt's first call took {first:.1f} s")
             if hf is not None:
-                a, b = fns["gpt"](), fns["hf generate"]()
+                b = fns["hf generate"]()
                 agree = (a[:, p:] == b[:, p:]).float().mean().item()
                 print(f"batch {batch}: greedy tokens of gpt equal generate's at {agree:.1%}")
                 if dtype == torch.float32:
@@ -196,16 +209,14 @@ def main() -> None:
             ratio = {}
             if "hf generate" in t:
                 ratio["gpt"] = ("ours_over_theirs", tps["gpt"] / tps["hf generate"], "x hf")
-                if "gpt, huge pages" in t:
-                    ratio["gpt, huge pages"] = (
-                        "huge_over_theirs",
-                        tps["gpt, huge pages"] / tps["hf generate"],
-                        "x hf",
-                    )
+                for k, key in (("gpt, huge pages", "huge"), ("gpt, prepacking off", "plain")):
+                    if k in t:
+                        ratio[k] = (f"{key}_over_theirs", tps[k] / tps["hf generate"], "x hf")
             for k in ("aogpt", "armd"):
                 if DECODERS[k] in t:
                     ratio[DECODERS[k]] = (f"{k}_over_gpt", t[DECODERS[k]] / t["gpt"], "x gpt time")
             out[batch] = dict(seconds=t, tokens_per_s=tps, agree=agree, rounds=times)
+            out[batch]["gpt_first_call_s"] = first
             out[batch] |= {key: value for key, value, _ in ratio.values()}
             for k in fns:
                 shown = f"{ratio[k][1]:.2f}{ratio[k][2]}" if k in ratio else ""

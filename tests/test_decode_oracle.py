@@ -15,7 +15,9 @@ request at random and compares every decided slot's logits with an independent o
   per row);
 * the path: the CPU's default (packed, exact key levels), the GPU's bucketed plan run eagerly
   on the CPU (no packing), the bucketed plan with packing (what the benchmarks count), and
-  the CUDA-graph replay emulated (the device counter walks each group's table).
+  the CUDA-graph replay emulated (the device counter walks each group's table); each with
+  the linear layers' prepacked weights (the CPU's default, ``layers/linear.py``) or without
+  (drawn per request, two in three with).
 
 The oracle runs the model's training forward once per decided slot, with nothing cached: a
 slot decided in a step whose first slot is ``d`` is what the forward predicts at slot ``d``
@@ -37,9 +39,11 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+import anyorder.layers.linear as linear_mod
 import anyorder.sampling.plan as plan_mod
 from anyorder import build_model, preset
 from anyorder.data import ByteTokenizer
+from anyorder.layers.linear import use_prepacked
 from anyorder.orders import strided
 from anyorder.sample import naive_sample, parse_template, sample, strided_sample
 from test_sample import slot_oracle
@@ -147,6 +151,19 @@ def _path(path: str):
         plan_mod.BUCKET_ON_CPU, plan_mod._PACK_BELOW = saved
 
 
+@contextlib.contextmanager
+def _prepacked(req: dict):
+    """The request's prepacking: on (every weight copied, however small: these models are
+    far below the default's :data:`~anyorder.layers.linear.MIN_WEIGHT`) or off."""
+    saved = linear_mod.MIN_WEIGHT
+    linear_mod.MIN_WEIGHT = 0
+    try:
+        with use_prepacked(req.get("prepack", True)):
+            yield
+    finally:
+        linear_mod.MIN_WEIGHT = saved
+
+
 @st.composite
 def requests(draw, n_max: int):
     kind = draw(st.sampled_from(KINDS))
@@ -183,6 +200,7 @@ def requests(draw, n_max: int):
             st.text("xy", max_size=3)
         )
     req["seed"] = draw(st.integers(0, 2**31 - 1))
+    req["prepack"] = draw(st.sampled_from([True, True, False]))
     return req
 
 
@@ -213,7 +231,7 @@ def _run(req: dict, path: str):
     prompt, known, n = _prompt(req, gen, vocab)
     if n > SEQ:
         return None
-    with _path(path) as graphs:
+    with _path(path) as graphs, _prepacked(req):
         kw = dict(generator=gen, keep_logits=True, graphs=graphs)
         if req["mode"] == "strided":
             out = strided_sample(
@@ -245,6 +263,9 @@ def _check_path(req: dict, path: str) -> None:
         return
     model, out, n = ran
     RAN[f"{req['kind']}/{req['mode']}/{path}"] += 1
+    if req.get("prepack", True):  # copies made by this decode or an earlier one on the model
+        packs = linear_mod._packs.get(model)
+        RAN["prepacked: copies" if packs and packs.entries else "prepacked: none yet"] += 1
     B = out.tokens.shape[0]
     k = int((out.step_of[0] == -1).sum())
     # every position is decided, exactly once (the plan asserts it too)
@@ -354,7 +375,7 @@ def eos_requests(draw, n_max: int):
     return dict(
         kind=kind, n_layer=n_layer, l2s=l2s, n=n, batch=batch, eos=eos, prompt=prompt, k=k,
         shared=draw(st.booleans()), eos_rate=draw(st.sampled_from([0.0, 0.3, 0.7])),
-        seed=draw(st.integers(0, 2**31 - 1)),
+        seed=draw(st.integers(0, 2**31 - 1)), prepack=draw(st.sampled_from([True, True, False])),
     )  # fmt: skip
 
 
@@ -389,7 +410,7 @@ def _check_eos(req: dict) -> None:
     slots = want.step_of.gather(1, want.order)
     ref = slot_oracle(model, want.tokens, want.order, want.step_of)
     for path in PATHS:
-        with _path(path) as graphs:
+        with _path(path) as graphs, _prepacked(req):
             out = sample(
                 model, n, order="l2r", keep_logits=True, graphs=graphs,
                 generator=torch.Generator().manual_seed(req["seed"]), **kw,

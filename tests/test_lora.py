@@ -20,6 +20,7 @@ from anyorder import checkpoint as ck  # noqa: E402
 from anyorder.cli import main  # noqa: E402
 from anyorder.config import LoraConfig, ModelConfig, load_config  # noqa: E402
 from anyorder.errors import CheckpointError, ConfigError  # noqa: E402
+from anyorder.layers.linear import Linear  # noqa: E402
 from anyorder.models import build_model  # noqa: E402
 from anyorder.models.lora import add_adapters, merge_adapters  # noqa: E402
 from anyorder.training.loop import train  # noqa: E402
@@ -83,7 +84,7 @@ def test_adapted_logits_are_w_plus_ba_and_the_merged_model_gives_them(kind: str)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         merged = merge_adapters(tuner)
         assert not any("lora" in k for k in merged.state_dict())
-        assert type(merged.blocks[0].attn.qkv) is torch.nn.Linear
+        assert type(merged.blocks[0].attn.qkv) is Linear  # the model's own layer again
         torch.testing.assert_close(merged(tokens, order), got, rtol=1e-5, atol=1e-5)
 
 
@@ -254,7 +255,7 @@ def test_export_merges_and_adapters_only_writes_peft_files(tmp_path, lora_run, b
     ]
     assert f"LoRA adapters (ema weights): wrote {apart}" in capsys.readouterr().out
     merged = ck.load_model(merged_dir).model
-    assert type(merged.blocks[0].attn.qkv) is torch.nn.Linear
+    assert type(merged.blocks[0].attn.qkv) is Linear
     # peft alone puts the exported adapters on the base: the same logits as the merged export
     config = PeftLoraConfig.from_pretrained(str(apart))
     assert config.base_model_name_or_path == str(bases["armd"].resolve())

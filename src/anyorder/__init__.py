@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from anyorder.config import ModelConfig, RunConfig, load_config, preset
 from anyorder.errors import AnyorderError
+from anyorder.layers.linear import use_prepacked
 from anyorder.models import build_model
 from anyorder.version import __version__
 
@@ -37,6 +38,7 @@ __all__ = [
     "load",
     "load_config",
     "preset",
+    "use_prepacked",
     "__version__",
 ]
 

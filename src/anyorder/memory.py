@@ -55,6 +55,29 @@ def machine_memory(device: str = "cpu") -> int | None:
     return int(total)
 
 
+def available_memory() -> int:
+    """Bytes the host could hand out now without swapping: ``MemAvailable`` (free memory plus
+    what the kernel can reclaim, page cache included), within a cgroup's limit; the physical
+    memory's half where that cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+        else:
+            raise OSError("no MemAvailable")
+    except (OSError, ValueError, IndexError):
+        return (machine_memory() or 0) // 2
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+        if limit.isdigit() and used.isdigit():
+            avail = min(avail, max(0, int(limit) - int(used)))
+    except OSError:
+        pass
+    return avail
+
+
 def param_estimate(cfg: ModelConfig) -> int:
     """The number of parameters of the model ``cfg`` builds, from its fields alone (equal
     to ``sum(p.numel() for p in build_model(cfg).parameters())``, a tied head counted once):

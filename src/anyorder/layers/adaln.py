@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from anyorder.layers.linear import weight_and_bias
+from anyorder.layers.linear import Linear, weight_and_bias
 
 
 class AdaLN(nn.Module):
@@ -45,7 +45,7 @@ class AdaLN(nn.Module):
         super().__init__()
         self.chunks = chunks
         self.ones = ones
-        self.linear = nn.Linear(cond_dim, chunks * d_model)
+        self.linear = Linear(cond_dim, chunks * d_model)
         self.linear.zero_init = zero
 
     def _offset(self, out: Tensor) -> Tensor:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from anyorder.config import ModelConfig
 from anyorder.errors import ConfigError
 from anyorder.layers.flex import _load_flex
-from anyorder.layers.linear import weight_and_bias
+from anyorder.layers.linear import Linear, linear, weight_and_bias
 from anyorder.layers.masks import Mask, Packing, PreparedMask
 from anyorder.layers.norm import RMSNorm
 from anyorder.layers.rope import Positions, rotary, rotate
@@ -52,8 +52,8 @@ class Attention(nn.Module):
         # (no copy in the cache); plain multi-head attention passes no flag (same kernels)
         self.gqa = {"enable_gqa": True} if self.n_kv_head != self.n_head else {}
         width = self.q_width + 2 * self.kv_width
-        self.qkv = nn.Linear(cfg.d_model, width, bias=cfg.attn_bias)
-        self.proj = nn.Linear(self.q_width, cfg.d_model, bias=cfg.bias)
+        self.qkv = Linear(cfg.d_model, width, bias=cfg.attn_bias)
+        self.proj = Linear(self.q_width, cfg.d_model, bias=cfg.bias)
         self.proj.residual = True  # scaled init
         self.q_norm = RMSNorm(cfg.d_head, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(cfg.d_head, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
@@ -95,7 +95,7 @@ class Attention(nn.Module):
         """Queries only (the ARMD query stream reads the content stream's keys and values)."""
         d = self.q_width
         weight, bias = weight_and_bias(self.qkv)  # LoRA's adapters included
-        q = F.linear(x, weight[:d], None if bias is None else bias[:d])
+        q = linear(x, weight[:d], None if bias is None else bias[:d])
         q = q if packing is None else packing.unpack(q)
         return self._rotate(self._heads(q, self.n_head, self.q_norm), pos)
 
@@ -105,7 +105,7 @@ class Attention(nn.Module):
         """Keys and values only (the rows whose queries nobody reads)."""
         d = self.q_width
         weight, bias = weight_and_bias(self.qkv)
-        kv = F.linear(x, weight[d:], None if bias is None else bias[d:])
+        kv = linear(x, weight[d:], None if bias is None else bias[d:])
         k, v = (kv if packing is None else packing.unpack(kv)).split(self.kv_width, dim=-1)
         return self._rotate(self._heads(k, self.n_kv_head, self.k_norm), pos), self._heads(
             v, self.n_kv_head

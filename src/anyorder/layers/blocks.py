@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from anyorder.config import ModelConfig
 from anyorder.layers.adaln import AdaLN, Modulation, TargetCondition
 from anyorder.layers.attention import Attention, KVHook
+from anyorder.layers.linear import Linear, linear
 from anyorder.layers.masks import Mask, Packing
 from anyorder.layers.norm import make_norm
 from anyorder.layers.rope import Positions
@@ -32,8 +33,8 @@ class MLP(nn.Module):
         self.swiglu = cfg.mlp == "swiglu"
         self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
         hidden = cfg.mlp_hidden
-        self.fc = nn.Linear(cfg.d_model, (2 if self.swiglu else 1) * hidden, bias=cfg.bias)
-        self.proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.fc = Linear(cfg.d_model, (2 if self.swiglu else 1) * hidden, bias=cfg.bias)
+        self.proj = Linear(hidden, cfg.d_model, bias=cfg.bias)
         self.proj.residual = True
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -88,7 +89,7 @@ class Block(nn.Module):
         return m.gate(5, x, self.mlp(m.modulate(3, self.norm2(x))))
 
 
-class Head(nn.Linear):
+class Head(Linear):
     """The output projection ``d -> V``. With a padded table (``model.padded_vocab``) it holds
     the padding rows (so that weights map one to one and a tied head stays the token table)
     but computes the logits of the first ``vocab_size`` ids only: padding ids are never
@@ -102,7 +103,7 @@ class Head(nn.Linear):
         if self.used == self.out_features:
             return super().forward(x)
         bias = self.bias[: self.used] if self.bias is not None else None
-        return F.linear(x, self.weight[: self.used], bias)  # views of the first rows: no copy
+        return linear(x, self.weight[: self.used], bias)  # views of the first rows: no copy
 
 
 def init_normal(tensor: Tensor, std: float, cfg: ModelConfig) -> None:

@@ -1,4 +1,5 @@
-"""A linear layer's weight and bias as its forward applies them, LoRA adapters included.
+"""Linear layers: the weight and bias a layer applies, and prepacked weights for decoding on
+the CPU.
 
 Some paths read a layer's weight instead of calling it (ARMD's query-only and key/value-only
 projections slice the fused ``qkv`` weight; AO-GPT joins every adaLN linear into one
@@ -7,11 +8,45 @@ frozen base alone, so those paths would skip the adapters silently. :func:`weigh
 adds each active, unmerged adapter's delta (peft's own ``get_delta_weight``, which keeps
 the gradient to the adapters); a plain ``nn.Linear`` returns its own tensors, untouched.
 peft is never imported here: the wrapper is recognised by its ``base_layer``.
+
+**Prepacked weights.** On the CPU, ``F.linear`` of a few rows (a batch of decoding slots)
+runs well below the matmul's speed: measured at 16 rows, a 2048 -> 8192 product took
+15-20 ms through ``F.linear`` and 6 ms from a copy of the weight laid out in advance for
+oneDNN's kernels (``torch.ops.mkldnn._reorder_linear_weight``), the same product to
+round-off; at one row the two are level (docs/performance.md, "Prepacked weights").
+The decoding engines (``sampling/passes.py``) run their passes inside
+:func:`prepacked`: every product of two or more rows by one of the model's own CPU weights
+(fp32, or bf16 where oneDNN has bf16 kernels) then reads such a copy, made at its first use
+and kept with the model for later decodes (a decode of few multi-row passes makes none:
+``sampling.passes.EARN_PASSES``). A copy is remade when its weight changes in place
+(the tensor's version counter) and dropped when the weight is no longer the model's; copies
+stop being made once they would take more than half the memory available when the decode
+began. Products with a gradient, under autocast, on other devices, of one row, by small weights
+(:data:`MIN_WEIGHT`), or by tensors made during the forward (the adaLN join) run
+``F.linear`` as before. ``ANYORDER_PREPACK=0`` or
+``with use_prepacked(False):`` turns it off (the uncached oracle never uses it).
 """
 
 from __future__ import annotations
 
+import os
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+from anyorder.memory import available_memory
+
+MIN_ROWS = 2  # one row: F.linear's matrix-vector product is as fast (and needs no copy)
+MIN_WEIGHT = 1 << 18
+"""Elements a weight must exceed to be copied: oneDNN's call costs some 25 us more than
+``F.linear``'s, measured a loss at 64 x 192 and level at 256 x 768 (``gemm_rows.py``), a
+gain from 384 x 1152 on."""
+PACK_ROWS = 16  # the batch size oneDNN lays weights out for (any count >= 2 measured alike)
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def weight_and_bias(linear: nn.Module) -> tuple[Tensor, Tensor | None]:
@@ -25,3 +60,148 @@ def weight_and_bias(linear: nn.Module) -> tuple[Tensor, Tensor | None]:
             if name in linear.lora_A:
                 weight = weight + linear.get_delta_weight(name)
     return weight, base.bias
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product goes through :func:`linear` (same parameters, names and
+    initialisation; peft wraps it as any ``nn.Linear``)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``, from a prepacked copy of ``weight`` where one applies."""
+    if _active is not None:
+        out = _active.apply(x, weight, bias)
+        if out is not None:
+            return out
+    return F.linear(x, weight, bias)
+
+
+class Prepacked:
+    """oneDNN-laid-out copies of one model's CPU weights, keyed by the weight's view."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, tuple[Tensor, int, Tensor]] = {}  # key -> weight, version, copy
+        self.refused: set[tuple] = set()  # layouts oneDNN does not take here (bf16 on AVX2)
+        self.storages: set[int] = set()
+        self.bytes = 0
+        self.budget = 0
+        self.make = True  # whether a missing copy is made (see :func:`prepacked`)
+
+    def refresh(self, model: nn.Module) -> None:
+        """Take ``model``'s current parameters: copies of weights it no longer holds are
+        dropped, and the budget is half of the memory available now (beyond the copies)."""
+        self.storages = {
+            p.untyped_storage().data_ptr() for p in model.parameters() if p.device.type == "cpu"
+        }
+        for key, (weight, _, copy) in list(self.entries.items()):
+            if weight.untyped_storage().data_ptr() not in self.storages:
+                del self.entries[key]
+                self.bytes -= copy.numel() * copy.element_size()
+        self.budget = self.bytes + available_memory() // 2
+
+    def apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+        """``F.linear(x, weight, bias)`` from the copy, or None where none applies."""
+        if (
+            x.device.type != "cpu"
+            or x.dtype not in _DTYPES
+            or weight.dtype != x.dtype
+            or x.dim() < 2
+            or x.numel() < MIN_ROWS * x.shape[-1]
+            or weight.dim() != 2
+            or weight.numel() <= MIN_WEIGHT
+            or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype != x.dtype or bias.dim() != 1))
+            or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+            or torch.is_autocast_enabled("cpu")  # F.linear casts there; the copy would not
+        ):
+            return None
+        key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+        entry = self.entries.get(key)
+        if entry is None or entry[0]._version != entry[1]:
+            entry = self._pack(key, weight)
+            if entry is None:
+                return None
+        bias = None if bias is None else bias.detach()
+        return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
+
+    def _pack(self, key: tuple, weight: Tensor) -> tuple[Tensor, int, Tensor] | None:
+        stale = self.entries.pop(key, None)
+        if stale is not None:
+            self.bytes -= stale[2].numel() * stale[2].element_size()
+        size = weight.numel() * weight.element_size()
+        if (
+            not self.make
+            or key in self.refused
+            or weight.untyped_storage().data_ptr() not in self.storages  # made in the forward
+            or self.bytes + size > self.budget
+        ):
+            return None
+        try:
+            copy = _reorder(weight.detach())
+        except (RuntimeError, AttributeError, NotImplementedError):
+            self.refused.add(key)
+            return None
+        self.bytes += size
+        entry = self.entries[key] = (weight.detach(), weight._version, copy)
+        return entry
+
+
+def _reorder(weight: Tensor) -> Tensor:
+    """oneDNN's layout of ``weight`` for products of about :data:`PACK_ROWS` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+
+
+_active: Prepacked | None = None
+_enabled: bool = os.environ.get("ANYORDER_PREPACK", "1") not in ("0", "false", "off")
+_packs: weakref.WeakKeyDictionary[nn.Module, Prepacked] = weakref.WeakKeyDictionary()
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN's linear kernels (x86 and Arm builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@contextmanager
+def use_prepacked(enabled: bool) -> Iterator[None]:
+    """Turn prepacked weights on or off within (the default: on unless ``ANYORDER_PREPACK=0``)."""
+    global _enabled
+    before, _enabled = _enabled, bool(enabled)
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def prepacked_for(model: nn.Module) -> Prepacked | None:
+    """``model``'s copies, refreshed, for the decode about to run (None: not on the CPU, or
+    turned off)."""
+    if not (_enabled and available()):
+        return None
+    first = next(model.parameters(), None)
+    if first is None or first.device.type != "cpu":
+        return None
+    packs = _packs.get(model)
+    if packs is None:
+        packs = _packs[model] = Prepacked()
+    packs.refresh(model)
+    return packs
+
+
+@contextmanager
+def prepacked(packs: Prepacked | None, make: bool = True) -> Iterator[None]:
+    """Within, :func:`linear` reads ``packs`` (from :func:`prepacked_for`; None: plain).
+    ``make=False`` reads the copies already made and makes none (a decode too short to earn
+    a copy back: ``sampling/passes.py``)."""
+    global _active
+    before, _active = _active, packs
+    if packs is not None:
+        made, packs.make = packs.make, make
+    try:
+        yield
+    finally:
+        _active = before
+        if packs is not None:
+            packs.make = made

@@ -41,6 +41,7 @@ from anyorder.layers import (
     sinusoidal,
     slice_positions,
 )
+from anyorder.layers.linear import Linear
 from anyorder.models.base import AnyOrderLM
 
 
@@ -70,7 +71,7 @@ class ARMD(AnyOrderLM):
         self.l2s = cfg.two_stream_layers
         self.tok_emb = nn.Embedding(cfg.table_vocab, d)
         self.pos_emb = nn.Embedding(cfg.seq_len, d) if cfg.positional == "learned" else None
-        self.query_mlp = nn.Sequential(nn.Linear(d, d // 4), nn.GELU(), nn.Linear(d // 4, d))
+        self.query_mlp = nn.Sequential(Linear(d, d // 4), nn.GELU(), Linear(d // 4, d))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm_f = make_norm(cfg)
         self.head = Head(cfg)

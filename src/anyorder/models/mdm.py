@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from anyorder.config import ModelConfig
 from anyorder.layers import Block, init_weights, make_norm, positions
+from anyorder.layers.linear import Linear, linear
 from anyorder.models.base import AnyOrderLM
 from anyorder.orders import inverse, prompt_first
 
@@ -45,7 +46,7 @@ class MDM(AnyOrderLM):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm_f = make_norm(cfg)
         # Tied: the head is the embedding without the [MASK] row, so no head module.
-        self.head = None if cfg.tie_embeddings else nn.Linear(d, cfg.vocab_size, bias=False)
+        self.head = None if cfg.tie_embeddings else Linear(d, cfg.vocab_size, bias=False)
         init_weights(self, cfg)
 
     def denoise(self, x_t: Tensor) -> Tensor:
@@ -68,7 +69,7 @@ class MDM(AnyOrderLM):
         weight = (
             self.tok_emb.weight[: self.cfg.vocab_size] if self.head is None else self.head.weight
         )
-        return F.linear(h, weight)
+        return linear(h, weight)
 
     def visible(self, order: Tensor, blocks: Tensor | None) -> Tensor:
         """(B, n_slots, n_positions) True where a position is context for a slot."""

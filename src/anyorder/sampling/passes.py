@@ -30,6 +30,7 @@ from torch import Tensor
 from anyorder.cache import ARMDCache, StaticKV
 from anyorder.errors import SamplingError
 from anyorder.layers import Packing, PreparedMask, StreamPacking
+from anyorder.layers.linear import prepacked, prepacked_for
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.models.gpt import BOS
@@ -66,6 +67,21 @@ class _Masks:
         return torch.where(vis, self.zero, self.hidden)[:, None]  # (B, 1, Tq, K)
 
 
+EARN_PASSES = 8
+"""Prepacked copies of the weights (``layers/linear.py``) are made for a decode with at least
+this many passes of two rows or more: the copy costs about what 5-20 such passes save at 16
+rows (more at 2), and a batch-1 left-to-right decode (one multi-row pass, its prompt's) makes
+none. Copies already made are read by any decode."""
+
+
+def _earns_copies(plan: Plan, batch: int) -> bool:
+    passes = getattr(plan, "passes", None)
+    if passes is None:  # a speculative round's engine: drafts, several rows every pass
+        return True
+    wide = sum(1 for p in passes if not p.prefill and batch * sum(p.dims) >= 2)
+    return wide >= EARN_PASSES
+
+
 class GPTPasses:
     """Passes of the GPT/AO-GPT slot layout over one static cache."""
 
@@ -75,6 +91,8 @@ class GPTPasses:
         shape = (cfg.kv_heads, cfg.d_head)
         self.cache = StaticKV(cfg.n_layer, batch, plan.capacity, shape, dtype, model.device)
         self.masks = _Masks(dtype, model.device)
+        self.packs = prepacked_for(model)  # the CPU's prepacked weights (layers/linear.py)
+        self.make = _earns_copies(plan, batch)
 
     def run(
         self,
@@ -96,7 +114,8 @@ class GPTPasses:
         mask = None if dense else self.masks(cache.visible(rank, slot))
         pk = None if packing is None else Packing(packing[0], rows, T)
         x_in = tok[:rows].gather(1, x_col)
-        return self.model.decode(cache, x_in, pos, target, mask, queries=queries, packing=pk)
+        with prepacked(self.packs, make=self.make):
+            return self.model.decode(cache, x_in, pos, target, mask, queries=queries, packing=pk)
 
     def fork(self) -> None:
         self.cache.fork_first()
@@ -116,6 +135,8 @@ class ARMDPasses:
             torch.zeros(0, device=device),
         )
         self.masks = _Masks(dtype, device)
+        self.packs = prepacked_for(model)
+        self.make = _earns_copies(plan, batch)
         self.batch, self.block = batch, plan.block_mode
         # the content embeddings of the decided tokens, at their content slots: a query
         # row's prefix aggregate is their mean under its mask (counts come with the plan)
@@ -156,10 +177,11 @@ class ARMDPasses:
                 emb[:, sc : sc + C] = h0  # a dense pass has its rows alike
                 return emb[:, :K].sum(dim=1, keepdim=True) / count[:, C:, None]
 
-            return self.model.decode(
-                cache, tok[:rows].gather(1, col[:, :C]), pos[:, :C], pos[:, C:],
-                prefix=mean, queries=queries, row_pos=pos,
-            )  # fmt: skip
+            with prepacked(self.packs, make=self.make):
+                return self.model.decode(
+                    cache, tok[:rows].gather(1, col[:, :C]), pos[:, :C], pos[:, C:],
+                    prefix=mean, queries=queries, row_pos=pos,
+                )  # fmt: skip
         # two-stream rows over the content: content rows see rank <= their own (lim =
         # rank + 1), query rows rank < theirs; a query row that sees nothing reads slot 0
         # and is zeroed (ARMD's first block)
@@ -190,18 +212,19 @@ class ARMDPasses:
                 Packing(both, rows, C + G), Packing(cont, rows, C), Packing(query, rows, G),
                 n_content,
             )  # fmt: skip
-        return self.model.decode(
-            cache,
-            tok[:rows].gather(1, col[:, :C]),
-            pos[:, :C],
-            pos[:, C:],
-            query_mask=query_mask,
-            packing=pk,
-            prefix=prefix,
-            two_stream_mask=two,
-            queries=queries,
-            row_pos=pos,
-        )
+        with prepacked(self.packs, make=self.make):
+            return self.model.decode(
+                cache,
+                tok[:rows].gather(1, col[:, :C]),
+                pos[:, :C],
+                pos[:, C:],
+                query_mask=query_mask,
+                packing=pk,
+                prefix=prefix,
+                two_stream_mask=two,
+                queries=queries,
+                row_pos=pos,
+            )
 
     def fork(self) -> None:
         c = self.cache

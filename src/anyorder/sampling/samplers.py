@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from anyorder.errors import ConfigError, SamplingError
+from anyorder.layers.linear import prepacked, prepacked_for
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.models.mdm import MDM
@@ -405,10 +406,12 @@ def encoder_sample(
     step_of.scatter_(1, order[:, :k], -1)
     V = model.cfg.vocab_size
     logits_buf = torch.zeros(B, n + 1, V, device=device) if keep_logits else None
+    packs = prepacked_for(model)  # the CPU's prepacked weights (layers/linear.py)
     for step, start, part in zip(reveals.step.tolist(), spans, parts):
         q_slot = slots[:, start : start + part.shape[1]]
         q_pos = positions[:, start : start + part.shape[1]]  # (B, Q)
-        logits = model.denoise(x[:, :n])
+        with prepacked(packs):
+            logits = model.denoise(x[:, :n])
         logits = logits.gather(1, q_pos.clamp(max=n - 1)[..., None].expand(-1, -1, V))
         new = sample_logits(logits, generator, temperature, top_k, top_p)
         x.scatter_(1, q_pos, new)

@@ -1,0 +1,255 @@
+"""Prepacked weights on the CPU (``layers/linear.py``): the products F.linear gives, from
+copies that are never stale, never made under a gradient, bounded by the memory available.
+
+The decoding paths' own equality with the uncached oracle, with and without prepacked
+weights, is drawn in ``tests/test_decode_oracle.py``; here the mechanism itself, against an
+fp64 product computed independently.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import anyorder.layers.linear as lin
+from anyorder import build_model, preset
+from anyorder.layers.linear import Linear, prepacked, prepacked_for, use_prepacked
+from anyorder.sample import sample
+
+pytestmark = pytest.mark.skipif(not lin.available(), reason="this torch has no oneDNN kernels")
+
+
+@pytest.fixture(autouse=True)
+def _small_weights_too(monkeypatch):
+    """The layers here are small: copy them too (the default leaves out weights whose copy
+    would not pay, :data:`anyorder.layers.linear.MIN_WEIGHT`; tested at the end)."""
+    monkeypatch.setattr(lin, "MIN_WEIGHT", 0)
+
+
+def _fp64(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    out = x.double() @ layer.weight.double().T
+    return out if layer.bias is None else out + layer.bias.double()
+
+
+def _model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = preset("tiny", kind=kind, vocab_size=40, seq_len=32, n_layer=2, n_head=2, d_model=32)
+    return build_model(cfg).eval()
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    lead=st.lists(st.integers(1, 3), max_size=2),
+    rows=st.integers(1, 40),
+    d_in=st.integers(1, 70),
+    d_out=st.integers(1, 90),
+    bias=st.booleans(),
+    bf16=st.booleans(),
+)
+def test_a_prepacked_product_is_the_layers_product(lead, rows, d_in, d_out, bias, bf16) -> None:
+    """Any shape, one or more leading dimensions, with or without bias, fp32 or bf16: the
+    prepacked product equals the fp64 product to the dtype's round-off, and a copy is made
+    exactly when the product has two rows or more (where oneDNN takes the dtype)."""
+    torch.manual_seed(rows * 1000 + d_in)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    layer = Linear(d_in, d_out, bias=bias).to(dtype)
+    x = torch.randn(*lead, rows, d_in, dtype=dtype)
+    packs = prepacked_for(layer)
+    with torch.no_grad(), prepacked(packs):
+        got = layer(x)
+    assert got.shape == (*lead, rows, d_out) and got.dtype == dtype
+    eps = 2.0**-8 if bf16 else 2.0**-23
+    bound = float(x.abs().amax()) * float(layer.weight.detach().abs().amax()) * d_in
+    tol = 4 * eps * (bound + 1)  # a dot product of d_in terms, rounded in dtype
+    torch.testing.assert_close(got.double(), _fp64(x, layer), atol=tol, rtol=0)
+    packed = math.prod(lead) * rows >= lin.MIN_ROWS and not packs.refused
+    assert len(packs.entries) == int(packed)
+
+
+def test_a_weight_changed_in_place_is_repacked_never_stale() -> None:
+    layer = Linear(24, 40)
+    x = torch.randn(5, 24)
+    packs = prepacked_for(layer)
+    with torch.no_grad():
+        with prepacked(packs):
+            before = layer(x)
+        layer.weight.mul_(-2.0)
+        layer.bias.add_(1.0)
+        with prepacked(packs):
+            after = layer(x)
+    torch.testing.assert_close(before, F.linear(x, layer.weight / -2.0, layer.bias - 1.0))
+    torch.testing.assert_close(after, F.linear(x, layer.weight, layer.bias))
+    assert len(packs.entries) == 1  # the stale copy was replaced, not kept beside
+
+
+@pytest.mark.parametrize("kind", ["gpt", "aogpt", "armd"])
+def test_decoding_after_loading_other_weights_reads_the_new_weights(kind: str) -> None:
+    """A model decoded once (copies made), then given another model's weights, in place
+    (``load_state_dict``) and by replacing its tensors (``assign=True``): its next decode's
+    logits are the other model's, and the copies of the weights it let go are dropped."""
+    model, other = _model(kind, 0), _model(kind, 1)
+    kw = dict(batch=3, top_k=1, keep_logits=True)
+    sample(model, 12, generator=torch.Generator().manual_seed(0), **kw)
+    first = dict(lin._packs[model].entries)
+    assert first  # the decode made copies
+    with use_prepacked(False):
+        want = sample(other, 12, generator=torch.Generator().manual_seed(0), **kw)
+    for assign in (False, True):
+        model.load_state_dict(other.state_dict(), assign=assign)
+        got = sample(model, 12, generator=torch.Generator().manual_seed(0), **kw)
+        assert torch.equal(got.tokens, want.tokens)
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+    packs = lin._packs[model]
+    mine = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert all(w.untyped_storage().data_ptr() in mine for w, _, _ in packs.entries.values())
+    assert packs.bytes == sum(w.numel() * w.element_size() for w, _, _ in packs.entries.values())
+
+
+def test_decoding_packs_every_weight_of_the_model_and_nothing_made_in_the_forward() -> None:
+    """An AO-GPT decode at batch 2: every linear weight of the blocks and the head is read
+    from a copy; the adaLN join (a tensor the forward makes) is not copied."""
+    model = _model("aogpt")
+    out = sample(model, 10, batch=2, order="random", generator=torch.Generator().manual_seed(3))
+    assert out.tokens.shape == (2, 10)
+    packs = lin._packs[model]
+    mine = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    copied = {w.untyped_storage().data_ptr() for w, _, _ in packs.entries.values()}
+    assert copied <= mine
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and not name.endswith("ada.linear"):  # adaLN: joined
+            assert m.weight.untyped_storage().data_ptr() in copied, name
+
+
+def test_no_copy_under_a_gradient_and_the_gradient_is_f_linears() -> None:
+    layer = Linear(16, 8)
+    x = torch.randn(6, 16, requires_grad=True)
+    packs = prepacked_for(layer)
+    with prepacked(packs):
+        layer(x).square().sum().backward()
+    assert packs.entries == {}
+    ref = Linear(16, 8)
+    ref.load_state_dict(layer.state_dict())
+    x2 = x.detach().clone().requires_grad_(True)
+    F.linear(x2, ref.weight, ref.bias).square().sum().backward()
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_one_row_reads_the_weight_itself() -> None:
+    layer = Linear(16, 8)
+    packs = prepacked_for(layer)
+    with torch.no_grad(), prepacked(packs):
+        layer(torch.randn(1, 1, 16))
+    assert packs.entries == {}
+
+
+def test_copies_stop_at_half_the_available_memory(monkeypatch) -> None:
+    layer = Linear(64, 64)  # 16 kB of weight
+    x = torch.randn(4, 64)
+    monkeypatch.setattr(lin, "available_memory", lambda: 2 * 16384 - 2)
+    packs = prepacked_for(layer)
+    with torch.no_grad(), prepacked(packs):
+        got = layer(x)
+    assert packs.entries == {} and packs.bytes == 0
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+    monkeypatch.setattr(lin, "available_memory", lambda: 2 * 16384)
+    packs = prepacked_for(layer)
+    with torch.no_grad(), prepacked(packs):
+        layer(x)
+    assert packs.bytes == 16384
+
+
+def test_a_layout_onednn_refuses_falls_back_once(monkeypatch) -> None:
+    """Where oneDNN has no kernel for the dtype (bf16 on an AVX2 CPU), the product is
+    F.linear's, and the refusal is remembered (not retried every pass)."""
+    calls = []
+
+    def refuse(weight):
+        calls.append(weight.shape)
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support")
+
+    monkeypatch.setattr(lin, "_reorder", refuse)
+    layer = Linear(16, 8)
+    x = torch.randn(3, 16)
+    packs = prepacked_for(layer)
+    with torch.no_grad(), prepacked(packs):
+        a, b = layer(x), layer(x)
+    assert len(calls) == 1 and len(packs.refused) == 1 and packs.entries == {}
+    torch.testing.assert_close(a, F.linear(x, layer.weight, layer.bias))
+    assert torch.equal(a, b)
+
+
+def test_turned_off_by_the_context_and_by_the_environment() -> None:
+    layer = Linear(16, 8)
+    with use_prepacked(False):
+        assert prepacked_for(layer) is None
+    assert prepacked_for(layer) is not None
+    code = (
+        "import torch, anyorder.layers.linear as m; print(m.prepacked_for(torch.nn.Linear(2, 1)))"
+    )
+    env = dict(os.environ, ANYORDER_PREPACK="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None"
+
+
+def test_not_on_other_devices_or_a_meta_model() -> None:
+    layer = Linear(4, 4, device="meta")
+    assert prepacked_for(layer) is None
+
+
+def test_a_prefill_makes_no_copies_and_one_row_passes_none() -> None:
+    """Left to right at batch 1 after a 6-token prompt: the prefill (7 rows, once) and the
+    one-row passes read the weights themselves; at batch 2 the passes make the copies and a
+    later batch-1 prefill reads them."""
+    model = _model("gpt")
+    prompt = torch.randint(0, 40, (1, 16), generator=torch.Generator().manual_seed(0))
+    known = torch.zeros(1, 16, dtype=torch.bool)
+    known[:, :6] = True
+    kw = dict(prompt=prompt, known=known, top_k=1, keep_logits=True)
+    with use_prepacked(False):
+        want = sample(model, 16, **kw)
+    got = sample(model, 16, **kw)
+    assert lin._packs[model].entries == {}
+    assert torch.equal(got.tokens, want.tokens)
+    sample(model, 16, batch=2, **kw)
+    assert lin._packs[model].entries
+    again = sample(model, 16, **kw)
+    assert torch.equal(again.tokens, want.tokens)
+    torch.testing.assert_close(again.logits, want.logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "armd"])
+def test_under_bf16_autocast_decoding_is_the_plain_decode(kind: str) -> None:
+    """Autocast casts ``F.linear``'s operands; a copy would keep fp32 (and the cache, made in
+    the autocast dtype, would refuse it): under autocast the weights are read as they are."""
+    model = _model(kind)
+    kw = dict(batch=3, top_k=1, keep_logits=True)
+    outs = []
+    for on in (True, False):
+        with use_prepacked(on), torch.autocast("cpu", torch.bfloat16):
+            outs.append(sample(model, 12, generator=torch.Generator().manual_seed(0), **kw))
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert torch.equal(outs[0].logits, outs[1].logits)
+    assert lin._packs[model].entries == {}
+
+
+def test_small_weights_are_read_as_they_are(monkeypatch) -> None:
+    monkeypatch.setattr(lin, "MIN_WEIGHT", 1 << 18)
+    small, big = Linear(512, 512), Linear(512, 513)  # 2**18 elements and one row more
+    x = torch.randn(4, 512)
+    for layer, copied in ((small, False), (big, True)):
+        packs = prepacked_for(layer)
+        with torch.no_grad(), prepacked(packs):
+            got = layer(x)
+        assert bool(packs.entries) == copied
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
