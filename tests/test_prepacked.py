@@ -57,8 +57,8 @@ def _model(kind: str, seed: int = 0):
 )
 def test_a_prepacked_product_is_the_layers_product(lead, rows, d_in, d_out, bias, bf16) -> None:
     """Any shape, one or more leading dimensions, with or without bias, fp32 or bf16: the
-    prepacked product equals the fp64 product to the dtype's round-off, and a copy is made
-    exactly when the product has two rows or more (where oneDNN takes the dtype)."""
+    prepacked product equals the fp64 product to the dtype's round-off, from a copy laid out
+    for one row or for several (where oneDNN takes the dtype)."""
     torch.manual_seed(rows * 1000 + d_in)
     dtype = torch.bfloat16 if bf16 else torch.float32
     layer = Linear(d_in, d_out, bias=bias).to(dtype)
@@ -71,8 +71,8 @@ def test_a_prepacked_product_is_the_layers_product(lead, rows, d_in, d_out, bias
     bound = float(x.abs().amax()) * float(layer.weight.detach().abs().amax()) * d_in
     tol = 4 * eps * (bound + 1)  # a dot product of d_in terms, rounded in dtype
     torch.testing.assert_close(got.double(), _fp64(x, layer), atol=tol, rtol=0)
-    packed = math.prod(lead) * rows >= lin.MIN_ROWS and not packs.refused
-    assert len(packs.entries) == int(packed)
+    layout = lin.ONE_ROW if math.prod(lead) * rows == 1 else lin.MANY_ROWS
+    assert [key[-1] for key in packs.entries] == ([] if packs.refused else [layout])
 
 
 def test_a_weight_changed_in_place_is_repacked_never_stale() -> None:
@@ -144,12 +144,35 @@ def test_no_copy_under_a_gradient_and_the_gradient_is_f_linears() -> None:
     torch.testing.assert_close(x.grad, x2.grad)
 
 
-def test_one_row_reads_the_weight_itself() -> None:
+def test_each_row_count_reads_its_layout_or_the_weight(monkeypatch) -> None:
+    """One row reads a one-row copy or the weight itself, never a many-row copy (slower
+    there than F.linear); several rows read a many-row copy, else a one-row one; nothing is
+    made in a layout ``make`` leaves out."""
+    read = []
+    real = lin._product
+    monkeypatch.setattr(lin, "_product", lambda x, c, b: read.append(c) or real(x, c, b))
     layer = Linear(16, 8)
+    one, many = torch.randn(1, 16), torch.randn(5, 16)
     packs = prepacked_for(layer)
-    with torch.no_grad(), prepacked(packs):
-        layer(torch.randn(1, 1, 16))
-    assert packs.entries == {}
+
+    def run(x, make):
+        read.clear()
+        with torch.no_grad(), prepacked(packs, make=make):
+            got = layer(x)
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+        return {key[-1]: copy for key, (_, _, copy) in packs.entries.items()}, list(read)
+
+    copies, used = run(one, make=(lin.MANY_ROWS,))
+    assert copies == {} and used == []
+    copies, used = run(many, make=(lin.MANY_ROWS,))
+    assert set(copies) == {lin.MANY_ROWS} and used == [copies[lin.MANY_ROWS]]
+    copies, used = run(one, make=())
+    assert used == []  # the many-row copy is not read for one row
+    copies, used = run(one, make=(lin.ONE_ROW,))
+    assert set(copies) == {lin.ONE_ROW, lin.MANY_ROWS} and used == [copies[lin.ONE_ROW]]
+    del packs.entries[next(k for k in packs.entries if k[-1] == lin.MANY_ROWS)]
+    copies, used = run(many, make=())
+    assert set(copies) == {lin.ONE_ROW} and used == [copies[lin.ONE_ROW]]
 
 
 def test_copies_stop_at_half_the_available_memory(monkeypatch) -> None:
@@ -173,7 +196,7 @@ def test_a_layout_onednn_refuses_falls_back_once(monkeypatch) -> None:
     F.linear's, and the refusal is remembered (not retried every pass)."""
     calls = []
 
-    def refuse(weight):
+    def refuse(weight, rows):
         calls.append(weight.shape)
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support")
 
@@ -253,3 +276,20 @@ def test_small_weights_are_read_as_they_are(monkeypatch) -> None:
             got = layer(x)
         assert bool(packs.entries) == copied
         torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+
+
+def test_one_row_copies_come_once_the_model_has_decoded_enough_one_row_passes() -> None:
+    """Batch-1 left-to-right decodes of 12 one-row passes each: no copies for the first five
+    (60 passes), one-row copies in the sixth (72 >= 64), and the same tokens and logits
+    throughout as without prepacking."""
+    model = _model("gpt")
+    kw = dict(top_k=1, keep_logits=True)
+    with use_prepacked(False):
+        want = sample(model, 12, generator=torch.Generator().manual_seed(0), **kw)
+    for i in range(6):
+        got = sample(model, 12, generator=torch.Generator().manual_seed(0), **kw)
+        assert torch.equal(got.tokens, want.tokens)
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+        packs = lin._packs[model]
+        assert packs.one_row_passes == 12 * (i + 1)
+        assert {key[-1] for key in packs.entries} == (set() if i < 5 else {lin.ONE_ROW}), i

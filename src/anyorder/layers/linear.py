@@ -9,22 +9,29 @@ adds each active, unmerged adapter's delta (peft's own ``get_delta_weight``, whi
 the gradient to the adapters); a plain ``nn.Linear`` returns its own tensors, untouched.
 peft is never imported here: the wrapper is recognised by its ``base_layer``.
 
-**Prepacked weights.** On the CPU, ``F.linear`` of a few rows (a batch of decoding slots)
-runs well below the matmul's speed: measured at 16 rows, a 2048 -> 8192 product took
-15-20 ms through ``F.linear`` and 6 ms from a copy of the weight laid out in advance for
-oneDNN's kernels (``torch.ops.mkldnn._reorder_linear_weight``), the same product to
-round-off; at one row the two are level (docs/performance.md, "Prepacked weights").
-The decoding engines (``sampling/passes.py``) run their passes inside
-:func:`prepacked`: every product of two or more rows by one of the model's own CPU weights
-(fp32, or bf16 where oneDNN has bf16 kernels) then reads such a copy, made at its first use
-and kept with the model for later decodes (a decode of few multi-row passes makes none:
-``sampling.passes.EARN_PASSES``). A copy is remade when its weight changes in place
-(the tensor's version counter) and dropped when the weight is no longer the model's; copies
-stop being made once they would take more than half the memory available when the decode
-began. Products with a gradient, under autocast, on other devices, of one row, by small weights
-(:data:`MIN_WEIGHT`), or by tensors made during the forward (the adaLN join) run
-``F.linear`` as before. ``ANYORDER_PREPACK=0`` or
-``with use_prepacked(False):`` turns it off (the uncached oracle never uses it).
+**Prepacked weights.** On the CPU, ``F.linear`` of a few rows (decoding) runs well below
+what the same product costs from a copy of the weight laid out in advance for oneDNN's
+kernels (``torch.ops.mkldnn._reorder_linear_weight``), the same product to round-off:
+measured on an AMD EPYC, one thread, a 2048 -> 8192 product of 16 rows took 13-20 ms
+through ``F.linear`` and 6 ms from such a copy, and of one row 8.5 ms against 7.7 (the
+Llama-3.2-1B head: 300 -> 99 ms and 73 -> 54 ms; docs/performance.md, "Prepacked weights").
+The layout depends on the row count: one for one row (:data:`ONE_ROW`), one for more
+(:data:`MANY_ROWS`); a product of several rows reads the one-row copy where it has no other
+(still faster than ``F.linear``), a product of one row never reads the many-row copy
+(slower there than ``F.linear``).
+
+The decoding engines (``sampling/passes.py``) run their passes inside :func:`prepacked`,
+which says which layouts may be made (``sampling.passes`` decides what a decode earns back:
+many-row copies for decodes of at least 8 multi-row passes, one-row copies once the model
+has decoded 64 one-row passes, this decode's included). Every product by one of the model's
+own CPU weights (fp32, or bf16 where oneDNN has bf16 kernels) then reads a copy, made at
+its first use and kept with the model for later decodes. A copy is remade when its weight
+changes in place (the tensor's version counter) and dropped when the weight is no longer
+the model's; copies stop being made once they would take more than half the memory
+available when the decode began. Products with a gradient, under autocast, on other
+devices, by small weights (:data:`MIN_WEIGHT`), or by tensors made during the forward (the
+adaLN join) run ``F.linear`` as before. ``ANYORDER_PREPACK=0`` or ``with
+use_prepacked(False):`` turns it off (the uncached oracle never uses it).
 """
 
 from __future__ import annotations
@@ -40,12 +47,11 @@ from torch import Tensor, nn
 
 from anyorder.memory import available_memory
 
-MIN_ROWS = 2  # one row: F.linear's matrix-vector product is as fast (and needs no copy)
 MIN_WEIGHT = 1 << 18
 """Elements a weight must exceed to be copied: oneDNN's call costs some 25 us more than
-``F.linear``'s, measured a loss at 64 x 192 and level at 256 x 768 (``gemm_rows.py``), a
-gain from 384 x 1152 on."""
-PACK_ROWS = 16  # the batch size oneDNN lays weights out for (any count >= 2 measured alike)
+``F.linear``'s, measured a loss at 256 x 768 and 256 x 1024 (one row and two), level at
+384 x 1152, a gain from 512 x 1536 on (``gemm_rows.py``)."""
+ONE_ROW, MANY_ROWS = 1, 16  # the row counts oneDNN lays a copy out for (2-128 measured alike)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -88,7 +94,8 @@ class Prepacked:
         self.storages: set[int] = set()
         self.bytes = 0
         self.budget = 0
-        self.make = True  # whether a missing copy is made (see :func:`prepacked`)
+        self.make: frozenset[int] = frozenset()  # the layouts a missing copy is made in
+        self.one_row_passes = 0  # decoded so far (``sampling.passes`` counts them)
 
     def refresh(self, model: nn.Module) -> None:
         """Take ``model``'s current parameters: copies of weights it no longer holds are
@@ -109,7 +116,6 @@ class Prepacked:
             or x.dtype not in _DTYPES
             or weight.dtype != x.dtype
             or x.dim() < 2
-            or x.numel() < MIN_ROWS * x.shape[-1]
             or weight.dim() != 2
             or weight.numel() <= MIN_WEIGHT
             or not weight.is_contiguous()
@@ -118,29 +124,38 @@ class Prepacked:
             or torch.is_autocast_enabled("cpu")  # F.linear casts there; the copy would not
         ):
             return None
-        key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
-        entry = self.entries.get(key)
-        if entry is None or entry[0]._version != entry[1]:
-            entry = self._pack(key, weight)
+        view = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+        layout = ONE_ROW if x.numel() == x.shape[-1] else MANY_ROWS
+        entry = self._current((*view, layout))
+        if entry is None and layout == MANY_ROWS:
+            entry = self._current((*view, ONE_ROW))
+        if entry is None:
+            entry = self._pack((*view, layout), weight)
             if entry is None:
                 return None
-        bias = None if bias is None else bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
+        return _product(x, entry[2], None if bias is None else bias.detach())
+
+    def _current(self, key: tuple) -> tuple[Tensor, int, Tensor] | None:
+        """The copy under ``key`` if its weight has not changed since (a stale one is
+        dropped)."""
+        entry = self.entries.get(key)
+        if entry is not None and entry[0]._version != entry[1]:
+            del self.entries[key]
+            self.bytes -= entry[2].numel() * entry[2].element_size()
+            entry = None
+        return entry
 
     def _pack(self, key: tuple, weight: Tensor) -> tuple[Tensor, int, Tensor] | None:
-        stale = self.entries.pop(key, None)
-        if stale is not None:
-            self.bytes -= stale[2].numel() * stale[2].element_size()
         size = weight.numel() * weight.element_size()
         if (
-            not self.make
+            key[-1] not in self.make
             or key in self.refused
             or weight.untyped_storage().data_ptr() not in self.storages  # made in the forward
             or self.bytes + size > self.budget
         ):
             return None
         try:
-            copy = _reorder(weight.detach())
+            copy = _reorder(weight.detach(), key[-1])
         except (RuntimeError, AttributeError, NotImplementedError):
             self.refused.add(key)
             return None
@@ -149,9 +164,14 @@ class Prepacked:
         return entry
 
 
-def _reorder(weight: Tensor) -> Tensor:
-    """oneDNN's layout of ``weight`` for products of about :data:`PACK_ROWS` rows."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+def _product(x: Tensor, copy: Tensor, bias: Tensor | None) -> Tensor:
+    """``x`` times a copy's weight, plus ``bias``."""
+    return torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
+
+
+def _reorder(weight: Tensor, rows: int) -> Tensor:
+    """oneDNN's layout of ``weight`` for products of ``rows`` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
 
 _active: Prepacked | None = None
@@ -191,14 +211,14 @@ def prepacked_for(model: nn.Module) -> Prepacked | None:
 
 
 @contextmanager
-def prepacked(packs: Prepacked | None, make: bool = True) -> Iterator[None]:
-    """Within, :func:`linear` reads ``packs`` (from :func:`prepacked_for`; None: plain).
-    ``make=False`` reads the copies already made and makes none (a decode too short to earn
-    a copy back: ``sampling/passes.py``)."""
+def prepacked(packs: Prepacked | None, make=(ONE_ROW, MANY_ROWS)) -> Iterator[None]:
+    """Within, :func:`linear` reads ``packs`` (from :func:`prepacked_for`; None: plain) and
+    makes missing copies in the layouts ``make`` only (``()``: none; a decode too short to
+    earn a copy back, ``sampling/passes.py``)."""
     global _active
     before, _active = _active, packs
     if packs is not None:
-        made, packs.make = packs.make, make
+        made, packs.make = packs.make, frozenset(make)
     try:
         yield
     finally:

@@ -30,7 +30,7 @@ from torch import Tensor
 from anyorder.cache import ARMDCache, StaticKV
 from anyorder.errors import SamplingError
 from anyorder.layers import Packing, PreparedMask, StreamPacking
-from anyorder.layers.linear import prepacked, prepacked_for
+from anyorder.layers.linear import MANY_ROWS, ONE_ROW, Prepacked, prepacked, prepacked_for
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.models.gpt import BOS
@@ -68,18 +68,27 @@ class _Masks:
 
 
 EARN_PASSES = 8
-"""Prepacked copies of the weights (``layers/linear.py``) are made for a decode with at least
-this many passes of two rows or more: the copy costs about what 5-20 such passes save at 16
-rows (more at 2), and a batch-1 left-to-right decode (one multi-row pass, its prompt's) makes
-none. Copies already made are read by any decode."""
+"""Many-row prepacked copies of the weights (``layers/linear.py``) are made for a decode of
+at least this many passes of two rows or more: a copy costs about what 5-20 such passes save
+at 16 rows (more at 2; measured in docs/performance.md), and a batch-1 left-to-right decode
+(one multi-row pass, its prompt's) makes none."""
+EARN_ONE_ROW_PASSES = 64
+"""One-row copies are made once the model has decoded this many one-row passes, this
+decode's included: one saves some 15% of a one-row pass and costs about 50 of them."""
 
 
-def _earns_copies(plan: Plan, batch: int) -> bool:
+def earned(packs: Prepacked | None, plan: Plan, batch: int) -> tuple[int, ...]:
+    """The layouts of the copies a decode of ``plan`` makes (:func:`~anyorder.layers.linear.
+    prepacked`), counting its one-row passes into ``packs``."""
+    if packs is None:
+        return ()
     passes = getattr(plan, "passes", None)
     if passes is None:  # a speculative round's engine: drafts, several rows every pass
-        return True
-    wide = sum(1 for p in passes if not p.prefill and batch * sum(p.dims) >= 2)
-    return wide >= EARN_PASSES
+        return (MANY_ROWS,)
+    rows = [batch * sum(p.dims) for p in passes if not p.prefill]
+    packs.one_row_passes += sum(1 for r in rows if r == 1)
+    out = (MANY_ROWS,) if sum(1 for r in rows if r > 1) >= EARN_PASSES else ()
+    return out + ((ONE_ROW,) if packs.one_row_passes >= EARN_ONE_ROW_PASSES else ())
 
 
 class GPTPasses:
@@ -92,7 +101,7 @@ class GPTPasses:
         self.cache = StaticKV(cfg.n_layer, batch, plan.capacity, shape, dtype, model.device)
         self.masks = _Masks(dtype, model.device)
         self.packs = prepacked_for(model)  # the CPU's prepacked weights (layers/linear.py)
-        self.make = _earns_copies(plan, batch)
+        self.make = earned(self.packs, plan, batch)
 
     def run(
         self,
@@ -136,7 +145,7 @@ class ARMDPasses:
         )
         self.masks = _Masks(dtype, device)
         self.packs = prepacked_for(model)
-        self.make = _earns_copies(plan, batch)
+        self.make = earned(self.packs, plan, batch)
         self.batch, self.block = batch, plan.block_mode
         # the content embeddings of the decided tokens, at their content slots: a query
         # row's prefix aggregate is their mean under its mask (counts come with the plan)

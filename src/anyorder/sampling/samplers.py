@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from anyorder.errors import ConfigError, SamplingError
-from anyorder.layers.linear import prepacked, prepacked_for
+from anyorder.layers.linear import MANY_ROWS, prepacked, prepacked_for
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.models.mdm import MDM
@@ -44,7 +44,7 @@ from anyorder.sampling.draws import (
     sample_logits,
 )
 from anyorder.sampling.graphs import resolve_mode
-from anyorder.sampling.passes import Controls, check_stop_order, run_plan
+from anyorder.sampling.passes import EARN_PASSES, Controls, check_stop_order, run_plan
 from anyorder.sampling.plan import Plan
 from anyorder.sampling.schedules import RevealPlan, check_reveal, draw_reveals
 
@@ -410,7 +410,7 @@ def encoder_sample(
     for step, start, part in zip(reveals.step.tolist(), spans, parts):
         q_slot = slots[:, start : start + part.shape[1]]
         q_pos = positions[:, start : start + part.shape[1]]  # (B, Q)
-        with prepacked(packs):
+        with prepacked(packs, make=(MANY_ROWS,) if len(parts) >= EARN_PASSES else ()):
             logits = model.denoise(x[:, :n])
         logits = logits.gather(1, q_pos.clamp(max=n - 1)[..., None].expand(-1, -1, V))
         new = sample_logits(logits, generator, temperature, top_k, top_p)
