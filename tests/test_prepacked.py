@@ -146,8 +146,8 @@ def test_no_copy_under_a_gradient_and_the_gradient_is_f_linears() -> None:
 
 def test_each_row_count_reads_its_layout_or_the_weight(monkeypatch) -> None:
     """One row reads a one-row copy or the weight itself, never a many-row copy (slower
-    there than F.linear); several rows read a many-row copy, else a one-row one; nothing is
-    made in a layout ``make`` leaves out."""
+    there than F.linear); several rows read a many-row copy, made where allowed, else a
+    one-row one; nothing is made in a layout ``make`` leaves out."""
     read = []
     real = lin._product
     monkeypatch.setattr(lin, "_product", lambda x, c, b: read.append(c) or real(x, c, b))
@@ -171,8 +171,11 @@ def test_each_row_count_reads_its_layout_or_the_weight(monkeypatch) -> None:
     copies, used = run(one, make=(lin.ONE_ROW,))
     assert set(copies) == {lin.ONE_ROW, lin.MANY_ROWS} and used == [copies[lin.ONE_ROW]]
     del packs.entries[next(k for k in packs.entries if k[-1] == lin.MANY_ROWS)]
+    packs.bytes -= layer.weight.numel() * 4
     copies, used = run(many, make=())
     assert set(copies) == {lin.ONE_ROW} and used == [copies[lin.ONE_ROW]]
+    copies, used = run(many, make=(lin.MANY_ROWS,))  # may make its own: makes it
+    assert set(copies) == {lin.ONE_ROW, lin.MANY_ROWS} and used == [copies[lin.MANY_ROWS]]
 
 
 def test_copies_stop_at_half_the_available_memory(monkeypatch) -> None:

@@ -17,8 +17,8 @@ through ``F.linear`` and 6 ms from such a copy, and of one row 8.5 ms against 7.
 Llama-3.2-1B head: 300 -> 99 ms and 73 -> 54 ms; docs/performance.md, "Prepacked weights").
 The layout depends on the row count: one for one row (:data:`ONE_ROW`), one for more
 (:data:`MANY_ROWS`); a product of several rows reads the one-row copy where it has no other
-(still faster than ``F.linear``), a product of one row never reads the many-row copy
-(slower there than ``F.linear``).
+and may make none (still faster than ``F.linear``), a product of one row never reads the
+many-row copy (slower there than ``F.linear``).
 
 The decoding engines (``sampling/passes.py``) run their passes inside :func:`prepacked`,
 which says which layouts may be made (``sampling.passes`` decides what a decode earns back:
@@ -126,13 +126,11 @@ class Prepacked:
             return None
         view = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
         layout = ONE_ROW if x.numel() == x.shape[-1] else MANY_ROWS
-        entry = self._current((*view, layout))
+        entry = self._current((*view, layout)) or self._pack((*view, layout), weight)
         if entry is None and layout == MANY_ROWS:
             entry = self._current((*view, ONE_ROW))
         if entry is None:
-            entry = self._pack((*view, layout), weight)
-            if entry is None:
-                return None
+            return None
         return _product(x, entry[2], None if bias is None else bias.detach())
 
     def _current(self, key: tuple) -> tuple[Tensor, int, Tensor] | None:
