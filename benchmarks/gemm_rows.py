@@ -6,8 +6,10 @@ streams. Where one pass is bound by reading the weights, M rows cost about what 
 costs; where the BLAS loops over rows, they cost M times as much. This prints the time of
 ``F.linear`` on the trunk's weight shapes (several matrices in turn, so that they come from
 memory as in a model) for M = 1, 2, 3, 4, 8, relative to M = 1, and beside it the same
-product from a prepacked copy of each weight (oneDNN's layout, what the decoders use on the
-CPU for two rows or more: ``layers/linear.py``), over ``F.linear``'s time at that M.
+product from a prepacked copy of each weight (oneDNN's layout for one row or for several,
+what the decoders read on the CPU: ``layers/linear.py``), over ``F.linear``'s time at that
+M (every weight copied, whatever its size: the decoders leave out those of at most
+``MIN_WEIGHT`` elements).
 
     python benchmarks/gemm_rows.py                 # d = 256 (tiny) and 768 (small width)
     python benchmarks/gemm_rows.py --widths 2048 --rows 1,2,4,8,16,64   # Llama-3.2-1B
@@ -38,8 +40,10 @@ def cost(x: torch.Tensor, weights: list[torch.Tensor], reps: int, op=F.linear) -
 
 def prepacked_op(weights: list[torch.Tensor]):
     """``op(x, w)`` reading each weight's prepacked copy (made here, outside the timing)."""
+    import anyorder.layers.linear as lin
     from anyorder.layers.linear import Linear, prepacked, prepacked_for
 
+    lin.MIN_WEIGHT, lin.RACE = 0, False  # time the small ones too, every copy read
     layers = {}
     for w in weights:
         layer = Linear(w.shape[1], w.shape[0], bias=False)
@@ -79,7 +83,7 @@ def main() -> None:
             print(f"d={d:4d} {name:8s} {cells}")
             if args.prepacked:
                 op = prepacked_op(weights)
-                p = {m: cost(torch.randn(m, inp), weights, reps, op) for m in rows if m > 1}
+                p = {m: cost(torch.randn(m, inp), weights, reps, op) for m in rows}
                 cells = "  ".join(
                     f"M={m}: {1e6 * p[m]:6.0f} ({p[m] / t[m]:.2f}x F.linear)" for m in p
                 )

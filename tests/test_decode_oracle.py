@@ -153,15 +153,16 @@ def _path(path: str):
 
 @contextlib.contextmanager
 def _prepacked(req: dict):
-    """The request's prepacking: on (every weight copied, however small: these models are
-    far below the default's :data:`~anyorder.layers.linear.MIN_WEIGHT`) or off."""
-    saved = linear_mod.MIN_WEIGHT
-    linear_mod.MIN_WEIGHT = 0
+    """The request's prepacking: on (every weight copied and read, however small: these
+    models are far below the default's :data:`~anyorder.layers.linear.MIN_WEIGHT`, and
+    would lose the default's races, :data:`~anyorder.layers.linear.RACE`) or off."""
+    saved = linear_mod.MIN_WEIGHT, linear_mod.RACE
+    linear_mod.MIN_WEIGHT, linear_mod.RACE = 0, False
     try:
         with use_prepacked(req.get("prepack", True)):
             yield
     finally:
-        linear_mod.MIN_WEIGHT = saved
+        linear_mod.MIN_WEIGHT, linear_mod.RACE = saved
 
 
 @st.composite

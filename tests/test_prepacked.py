@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -31,8 +32,11 @@ pytestmark = pytest.mark.skipif(not lin.available(), reason="this torch has no o
 @pytest.fixture(autouse=True)
 def _small_weights_too(monkeypatch):
     """The layers here are small: copy them too (the default leaves out weights whose copy
-    would not pay, :data:`anyorder.layers.linear.MIN_WEIGHT`; tested at the end)."""
+    would not pay, :data:`anyorder.layers.linear.MIN_WEIGHT`), and read every copy made
+    (the default reads those that won a race, :data:`~anyorder.layers.linear.RACE`); both
+    tested at the end."""
     monkeypatch.setattr(lin, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(lin, "RACE", False)  # read every copy (the race is tested at the end)
 
 
 def _fp64(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -296,3 +300,39 @@ def test_one_row_copies_come_once_the_model_has_decoded_enough_one_row_passes() 
         packs = lin._packs[model]
         assert packs.one_row_passes == 12 * (i + 1)
         assert {key[-1] for key in packs.entries} == (set() if i < 5 else {lin.ONE_ROW}), i
+
+
+@pytest.mark.parametrize("copy_wins", [True, False])
+def test_a_copy_is_read_only_where_it_won_its_race(monkeypatch, copy_wins: bool) -> None:
+    """The first product of each shape and row count times both ways: a slower copy is
+    never read again (F.linear's output from then on), a faster one always; the verdict
+    holds per row count (in powers of two), and the output is right either way."""
+    monkeypatch.setattr(lin, "RACE", True)
+    monkeypatch.setattr(lin, "_faster", {})
+    read = []
+    real_product, real_plain = lin._product, lin._plain
+
+    def product(x, copy, bias):
+        read.append(x.shape[0])
+        if not copy_wins:
+            time.sleep(0.02)
+        return real_product(x, copy, bias)
+
+    def plain(x, weight, bias):
+        if copy_wins:
+            time.sleep(0.02)
+        return real_plain(x, weight, bias)
+
+    monkeypatch.setattr(lin, "_product", product)
+    monkeypatch.setattr(lin, "_plain", plain)
+    layer = Linear(16, 8)
+    packs = prepacked_for(layer)
+    for rows in (3, 4, 3, 5, 4):
+        x = torch.randn(rows, 16)
+        with torch.no_grad(), prepacked(packs):
+            got = layer(x)
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+    # rows 3 and 4 share a race (up to 4), 5 has its own (up to 8): 3 products each
+    races = [3, 3, 3, 5, 5, 5]
+    assert read == (races[:3] + [4, 3] + races[3:] + [4] if copy_wins else races)
+    assert set(lin._faster.values()) == {copy_wins} and len(lin._faster) == 2

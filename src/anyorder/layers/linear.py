@@ -25,7 +25,8 @@ which says which layouts may be made (``sampling.passes`` decides what a decode 
 many-row copies for decodes of at least 8 multi-row passes, one-row copies once the model
 has decoded 64 one-row passes, this decode's included). Every product by one of the model's
 own CPU weights (fp32, or bf16 where oneDNN has bf16 kernels) then reads a copy, made at
-its first use and kept with the model for later decodes. A copy is remade when its weight
+its first use and kept with the model for later decodes, where a race on this CPU found the
+copy faster (:data:`RACE`). A copy is remade when its weight
 changes in place (the tensor's version counter) and dropped when the weight is no longer
 the model's; copies stop being made once they would take more than half the memory
 available when the decode began. Products with a gradient, under autocast, on other
@@ -37,6 +38,7 @@ use_prepacked(False):`` turns it off (the uncached oracle never uses it).
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,6 +54,13 @@ MIN_WEIGHT = 1 << 18
 ``F.linear``'s, measured a loss at 256 x 768 and 256 x 1024 (one row and two), level at
 384 x 1152, a gain from 512 x 1536 on (``gemm_rows.py``)."""
 ONE_ROW, MANY_ROWS = 1, 16  # the row counts oneDNN lays a copy out for (2-128 measured alike)
+RACE = True
+"""Whether a copy's product is first timed against ``F.linear``'s, once per weight shape,
+dtype, layout and row count (in powers of two) in a process, and read only where it won:
+which is faster depends on the CPU (measured: with AVX-512 the copies win from 512 x 1536
+on at 2-16 rows; limited to AVX2, a 2048 x 512 product of 16 rows took 1.5x as long from
+the copy). Tests turn it off to read every copy."""
+_faster: dict[tuple, bool] = {}  # the races' verdicts (this process, this CPU)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -125,13 +134,21 @@ class Prepacked:
         ):
             return None
         view = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
-        layout = ONE_ROW if x.numel() == x.shape[-1] else MANY_ROWS
+        rows = x.numel() // x.shape[-1]
+        layout = ONE_ROW if rows == 1 else MANY_ROWS
         entry = self._current((*view, layout)) or self._pack((*view, layout), weight)
         if entry is None and layout == MANY_ROWS:
-            entry = self._current((*view, ONE_ROW))
+            layout, entry = ONE_ROW, self._current((*view, ONE_ROW))
         if entry is None:
             return None
-        return _product(x, entry[2], None if bias is None else bias.detach())
+        bias = None if bias is None else bias.detach()
+        race = (view[1], weight.dtype, layout, 1 << (rows - 1).bit_length())
+        faster = _faster.get(race) if RACE else True
+        if faster is None:
+            faster, out = _race(x, weight, bias, entry[2])
+            _faster[race] = faster
+            return out
+        return _product(x, entry[2], bias) if faster else None
 
     def _current(self, key: tuple) -> tuple[Tensor, int, Tensor] | None:
         """The copy under ``key`` if its weight has not changed since (a stale one is
@@ -165,6 +182,26 @@ class Prepacked:
 def _product(x: Tensor, copy: Tensor, bias: Tensor | None) -> Tensor:
     """``x`` times a copy's weight, plus ``bias``."""
     return torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
+
+
+def _plain(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _race(x: Tensor, weight: Tensor, bias: Tensor | None, copy: Tensor) -> tuple[bool, Tensor]:
+    """Whether the copy's product beats ``F.linear``'s on ``x`` here (best of two timed
+    calls each, alternating, after one each; it must be 5% faster), and the winner's
+    output."""
+    runs = (lambda: _product(x, copy, bias), lambda: _plain(x, weight, bias))
+    outs = [run() for run in runs]
+    best = [float("inf")] * 2
+    for _ in range(2):
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - start)
+    faster = best[0] < 0.95 * best[1]
+    return faster, outs[0] if faster else outs[1]
 
 
 def _reorder(weight: Tensor, rows: int) -> Tensor:
