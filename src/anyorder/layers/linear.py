@@ -51,15 +51,15 @@ from anyorder.memory import available_memory
 
 MIN_WEIGHT = 1 << 18
 """Elements a weight must exceed to be copied: oneDNN's call costs some 25 us more than
-``F.linear``'s, measured a loss at 256 x 768 and 256 x 1024 (one row and two), level at
-384 x 1152, a gain from 512 x 1536 on (``gemm_rows.py``)."""
+``F.linear``'s, measured a loss at 768 x 256 and 1024 x 256 (out x in; one row and two),
+level at 1152 x 384, a gain from 1536 x 512 on (``gemm_rows.py``)."""
 ONE_ROW, MANY_ROWS = 1, 16  # the row counts oneDNN lays a copy out for (2-128 measured alike)
 RACE = True
 """Whether a copy's product is first timed against ``F.linear``'s, once per weight shape,
 dtype, layout and row count (in powers of two) in a process, and read only where it won:
-which is faster depends on the CPU (measured: with AVX-512 the copies win from 512 x 1536
-on at 2-16 rows; limited to AVX2, a 2048 x 512 product of 16 rows took 1.5x as long from
-the copy). Tests turn it off to read every copy."""
+which is faster depends on the CPU (measured: with AVX-512 the copies win from 1536 x 512
+(out x in) on at 2-16 rows; limited to AVX2, 16 rows by a 512 x 2048 weight took 1.5x as
+long from the copy). Tests turn it off to read every copy."""
 _faster: dict[tuple, bool] = {}  # the races' verdicts (this process, this CPU)
 _DTYPES = (torch.float32, torch.bfloat16)
 
