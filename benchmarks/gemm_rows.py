@@ -43,7 +43,7 @@ def prepacked_op(weights: list[torch.Tensor]):
     import anyorder.layers.linear as lin
     from anyorder.layers.linear import Linear, prepacked, prepacked_for
 
-    lin.MIN_WEIGHT, lin.RACE = 0, False  # time the small ones too, every copy read
+    lin.MIN_WEIGHT, lin.MIN_ONE_ROW_WEIGHT, lin.RACE = 0, 0, False  # every copy, read
     layers = {}
     for w in weights:
         layer = Linear(w.shape[1], w.shape[0], bias=False)

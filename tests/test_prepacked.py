@@ -36,6 +36,7 @@ def _small_weights_too(monkeypatch):
     (the default reads those that won a race, :data:`~anyorder.layers.linear.RACE`); both
     tested at the end."""
     monkeypatch.setattr(lin, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(lin, "MIN_ONE_ROW_WEIGHT", 0)
     monkeypatch.setattr(lin, "RACE", False)  # read every copy (the race is tested at the end)
 
 

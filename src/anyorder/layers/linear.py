@@ -53,6 +53,11 @@ MIN_WEIGHT = 1 << 18
 """Elements a weight must exceed to be copied: oneDNN's call costs some 25 us more than
 ``F.linear``'s, measured a loss at 768 x 256 and 1024 x 256 (out x in; one row and two),
 level at 1152 x 384, a gain from 1536 x 512 on (``gemm_rows.py``)."""
+MIN_ONE_ROW_WEIGHT = 1 << 22
+"""Elements a weight must exceed for a one-row copy: one row by a 768-wide model's weights
+(2.4M elements at most) ran 4-12% slower from copies in the decoders (``decode.py
+--compare-prepacked``), where the Llama-3.2-1B shape's (4.2M-263M) ran faster, its head
+(73 -> 54 ms) most: at one row a product costs little more than the call's own overhead."""
 ONE_ROW, MANY_ROWS = 1, 16  # the row counts oneDNN lays a copy out for (2-128 measured alike)
 RACE = True
 """Whether a copy's product is first timed against ``F.linear``'s, once per weight shape,
@@ -164,6 +169,7 @@ class Prepacked:
         size = weight.numel() * weight.element_size()
         if (
             key[-1] not in self.make
+            or (key[-1] == ONE_ROW and weight.numel() <= MIN_ONE_ROW_WEIGHT)
             or key in self.refused
             or weight.untyped_storage().data_ptr() not in self.storages  # made in the forward
             or self.bytes + size > self.budget
@@ -188,15 +194,30 @@ def _plain(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return F.linear(x, weight, bias)
 
 
+FLUSH_BYTES = 64 << 20
+"""Written between the race's timed calls, so that each reads its weight from memory as in
+a model larger than the caches (back to back, a weight that fits the last-level cache comes
+from it: at 768 wide, one row, the copies won such races and lost in the model)."""
+_flush: Tensor | None = None
+
+
+def _evict() -> None:
+    global _flush
+    if _flush is None:
+        _flush = torch.empty(FLUSH_BYTES // 4)
+    _flush.fill_(1.0)
+
+
 def _race(x: Tensor, weight: Tensor, bias: Tensor | None, copy: Tensor) -> tuple[bool, Tensor]:
     """Whether the copy's product beats ``F.linear``'s on ``x`` here (best of two timed
-    calls each, alternating, after one each; it must be 5% faster), and the winner's
-    output."""
+    calls each, alternating, after one each, the caches flushed before each; it must be 5%
+    faster), and the winner's output."""
     runs = (lambda: _product(x, copy, bias), lambda: _plain(x, weight, bias))
     outs = [run() for run in runs]
     best = [float("inf")] * 2
     for _ in range(2):
         for i, run in enumerate(runs):
+            _evict()
             start = time.perf_counter()
             run()
             best[i] = min(best[i], time.perf_counter() - start)
