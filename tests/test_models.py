@@ -4,6 +4,7 @@ attention against an explicit reference, AO-GPT vs GPT, overfitting, parameter c
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -285,6 +286,69 @@ def test_count_params_is_the_built_models_count(kind: str) -> None:
     w = torch.empty(64)
     torch.nn.init.normal_(w)
     assert w.std() > 0.5
+
+
+def _draws(fn) -> bool:
+    """Whether ``fn`` (a ``torch.nn.init`` function, or the module's current one) changed
+    a tensor of sevens."""
+    t = torch.full((256,), 7.0)
+    fn(t)
+    return not bool((t == 7.0).all())
+
+
+def test_loads_in_two_threads_at_once_leave_the_init_functions_in_place() -> None:
+    """Two loads (``build_model(init=False)``) overlapping in two threads, the first to
+    start finishing first: afterwards torch.nn.init draws again. Each context saving and
+    restoring the functions itself left the second's no-ops in place for good, and every
+    model built later had uninitialised (NaN) weights (a CI run: 445 failures)."""
+    from torch.nn import init
+
+    from anyorder.models import _inits_off
+
+    real = {name: getattr(init, name) for name in ("normal_", "zeros_", "trunc_normal_")}
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def first() -> None:
+        with _inits_off():
+            a_in.set()
+            assert b_in.wait(30)
+            seen["first, inside"] = _draws(lambda t: init.normal_(t))
+        a_out.set()
+
+    def second() -> None:
+        assert a_in.wait(30)
+        with _inits_off():
+            b_in.set()
+            assert a_out.wait(30)
+            seen["second, inside, after the first closed"] = _draws(lambda t: init.normal_(t))
+            seen["another thread meanwhile"] = _other_thread_draws()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert seen == {
+        "first, inside": False,
+        "second, inside, after the first closed": False,
+        "another thread meanwhile": True,
+    }
+    assert all(getattr(init, name) is fn for name, fn in real.items())
+    model = build_model(preset("tiny", kind="aogpt", vocab_size=11, seq_len=8, d_model=32))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert model.tok_emb.weight.std() > 0.01
+
+
+def _other_thread_draws() -> bool:
+    """Whether a thread outside any load draws (its models are initialised as usual)."""
+    from torch.nn import init
+
+    out: list[bool] = []
+    t = threading.Thread(target=lambda: out.append(_draws(lambda x: init.normal_(x))))
+    t.start()
+    t.join(30)
+    return out == [True]
 
 
 def test_count_params_imports_no_dynamo() -> None:

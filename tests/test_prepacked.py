@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -231,6 +232,57 @@ def test_turned_off_by_the_context_and_by_the_environment() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None"
+
+
+def test_a_threads_prepacking_is_its_own() -> None:
+    """What one thread's ``prepacked()`` or ``use_prepacked()`` says holds in that thread:
+    another, meanwhile, multiplies by the weight itself (bit for bit F.linear's) and turns
+    nothing on or off for it; two threads entering and leaving out of order leave neither
+    with a copy to read afterwards. Decodes of one model in several threads share its
+    copies, made once."""
+    layer = Linear(48, 40)
+    x = torch.randn(5, 48)
+    packs = prepacked_for(layer)
+    inside, done = threading.Event(), threading.Event()
+    got: dict[str, object] = {}
+
+    def decoding() -> None:  # a decode in another thread, open while this one works
+        with torch.no_grad(), prepacked(packs):
+            got["copy"] = layer(x)
+            inside.set()
+            assert done.wait(30)
+            with use_prepacked(False):
+                got["off there"] = prepacked_for(layer) is None
+            got["copy again"] = layer(x)
+
+    thread = threading.Thread(target=decoding)
+    thread.start()
+    assert inside.wait(30)
+    with torch.no_grad():
+        here = layer(x)
+    assert torch.equal(here, F.linear(x, layer.weight, layer.bias))
+    assert prepacked_for(layer) is packs  # on here, whatever the other thread turns off
+    done.set()
+    thread.join(30)
+    assert got["off there"] is True
+    assert set(packs.entries) == {(layer.weight.data_ptr(), (40, 48), torch.float32, 16)}
+    torch.testing.assert_close(got["copy"], _fp64(x, layer).float(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got["copy"], got["copy again"])
+    assert lin._here.packs is None
+
+    outs: list[torch.Tensor] = []
+
+    def decode() -> None:
+        with torch.no_grad(), prepacked(prepacked_for(layer)):
+            outs.extend(layer(x) for _ in range(50))
+
+    threads = [threading.Thread(target=decode) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(outs) == 200 and all(torch.equal(o, got["copy"]) for o in outs)
+    assert len(packs.entries) == 1 and packs.bytes == 40 * 48 * 4
 
 
 def test_not_on_other_devices_or_a_meta_model() -> None:

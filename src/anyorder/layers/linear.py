@@ -38,6 +38,7 @@ use_prepacked(False):`` turns it off (the uncached oracle never uses it).
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -92,39 +93,46 @@ class Linear(nn.Linear):
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, from a prepacked copy of ``weight`` where one applies."""
-    if _active is not None:
-        out = _active.apply(x, weight, bias)
+    packs = getattr(_here, "packs", None)
+    if packs is not None:
+        out = packs.apply(x, weight, bias, _here.make)
         if out is not None:
             return out
     return F.linear(x, weight, bias)
 
 
 class Prepacked:
-    """oneDNN-laid-out copies of one model's CPU weights, keyed by the weight's view."""
+    """oneDNN-laid-out copies of one model's CPU weights, keyed by the weight's view (decodes
+    of the model in several threads share them: a lock guards their making and dropping)."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
         self.entries: dict[tuple, tuple[Tensor, int, Tensor]] = {}  # key -> weight, version, copy
         self.refused: set[tuple] = set()  # layouts oneDNN does not take here (bf16 on AVX2)
         self.storages: set[int] = set()
         self.bytes = 0
         self.budget = 0
-        self.make: frozenset[int] = frozenset()  # the layouts a missing copy is made in
         self.one_row_passes = 0  # decoded so far (``sampling.passes`` counts them)
 
     def refresh(self, model: nn.Module) -> None:
         """Take ``model``'s current parameters: copies of weights it no longer holds are
         dropped, and the budget is half of the memory available now (beyond the copies)."""
-        self.storages = {
+        storages = {
             p.untyped_storage().data_ptr() for p in model.parameters() if p.device.type == "cpu"
         }
-        for key, (weight, _, copy) in list(self.entries.items()):
-            if weight.untyped_storage().data_ptr() not in self.storages:
-                del self.entries[key]
-                self.bytes -= copy.numel() * copy.element_size()
-        self.budget = self.bytes + available_memory() // 2
+        with self.lock:
+            self.storages = storages
+            for key, (weight, _, copy) in list(self.entries.items()):
+                if weight.untyped_storage().data_ptr() not in storages:
+                    del self.entries[key]
+                    self.bytes -= copy.numel() * copy.element_size()
+            self.budget = self.bytes + available_memory() // 2
 
-    def apply(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
-        """``F.linear(x, weight, bias)`` from the copy, or None where none applies."""
+    def apply(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None, make: frozenset[int] = frozenset()
+    ) -> Tensor | None:
+        """``F.linear(x, weight, bias)`` from the copy, or None where none applies (a missing
+        copy is made where its layout is in ``make``)."""
         if (
             x.device.type != "cpu"
             or x.dtype not in _DTYPES
@@ -141,9 +149,10 @@ class Prepacked:
         view = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
         rows = x.numel() // x.shape[-1]
         layout = ONE_ROW if rows == 1 else MANY_ROWS
-        entry = self._current((*view, layout)) or self._pack((*view, layout), weight)
-        if entry is None and layout == MANY_ROWS:
-            layout, entry = ONE_ROW, self._current((*view, ONE_ROW))
+        with self.lock:
+            entry = self._current((*view, layout)) or self._pack((*view, layout), weight, make)
+            if entry is None and layout == MANY_ROWS:
+                layout, entry = ONE_ROW, self._current((*view, ONE_ROW))
         if entry is None:
             return None
         bias = None if bias is None else bias.detach()
@@ -165,10 +174,12 @@ class Prepacked:
             entry = None
         return entry
 
-    def _pack(self, key: tuple, weight: Tensor) -> tuple[Tensor, int, Tensor] | None:
+    def _pack(
+        self, key: tuple, weight: Tensor, make: frozenset[int]
+    ) -> tuple[Tensor, int, Tensor] | None:
         size = weight.numel() * weight.element_size()
         if (
-            key[-1] not in self.make
+            key[-1] not in make
             or (key[-1] == ONE_ROW and weight.numel() <= MIN_ONE_ROW_WEIGHT)
             or key in self.refused
             or weight.untyped_storage().data_ptr() not in self.storages  # made in the forward
@@ -230,9 +241,21 @@ def _reorder(weight: Tensor, rows: int) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
 
-_active: Prepacked | None = None
-_enabled: bool = os.environ.get("ANYORDER_PREPACK", "1") not in ("0", "false", "off")
+_ENABLED = os.environ.get("ANYORDER_PREPACK", "1") not in ("0", "false", "off")
+
+
+class _Here(threading.local):
+    """This thread's state: the copies its products read (``packs``, within
+    :func:`prepacked`), the layouts they may make, and whether prepacking is on here."""
+
+    packs: Prepacked | None = None
+    make: frozenset[int] = frozenset()
+    enabled: bool = _ENABLED
+
+
+_here = _Here()
 _packs: weakref.WeakKeyDictionary[nn.Module, Prepacked] = weakref.WeakKeyDictionary()
+_PACKS_LOCK = threading.Lock()
 
 
 def available() -> bool:
@@ -242,42 +265,39 @@ def available() -> bool:
 
 @contextmanager
 def use_prepacked(enabled: bool) -> Iterator[None]:
-    """Turn prepacked weights on or off within (the default: on unless ``ANYORDER_PREPACK=0``)."""
-    global _enabled
-    before, _enabled = _enabled, bool(enabled)
+    """Turn prepacked weights on or off within, in this thread (the default: on unless
+    ``ANYORDER_PREPACK=0``)."""
+    before, _here.enabled = _here.enabled, bool(enabled)
     try:
         yield
     finally:
-        _enabled = before
+        _here.enabled = before
 
 
 def prepacked_for(model: nn.Module) -> Prepacked | None:
     """``model``'s copies, refreshed, for the decode about to run (None: not on the CPU, or
     turned off)."""
-    if not (_enabled and available()):
+    if not (_here.enabled and available()):
         return None
     first = next(model.parameters(), None)
     if first is None or first.device.type != "cpu":
         return None
-    packs = _packs.get(model)
-    if packs is None:
-        packs = _packs[model] = Prepacked()
+    with _PACKS_LOCK:
+        packs = _packs.get(model)
+        if packs is None:
+            packs = _packs[model] = Prepacked()
     packs.refresh(model)
     return packs
 
 
 @contextmanager
 def prepacked(packs: Prepacked | None, make=(ONE_ROW, MANY_ROWS)) -> Iterator[None]:
-    """Within, :func:`linear` reads ``packs`` (from :func:`prepacked_for`; None: plain) and
-    makes missing copies in the layouts ``make`` only (``()``: none; a decode too short to
-    earn a copy back, ``sampling/passes.py``)."""
-    global _active
-    before, _active = _active, packs
-    if packs is not None:
-        made, packs.make = packs.make, frozenset(make)
+    """Within, in this thread, :func:`linear` reads ``packs`` (from :func:`prepacked_for`;
+    None: plain) and makes missing copies in the layouts ``make`` only (``()``: none; a
+    decode too short to earn a copy back, ``sampling/passes.py``)."""
+    before = _here.packs, _here.make
+    _here.packs, _here.make = packs, frozenset(make)
     try:
         yield
     finally:
-        _active = before
-        if packs is not None:
-            packs.make = made
+        _here.packs, _here.make = before

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from anyorder.config import ModelConfig
 from anyorder.memory import check_model_memory
@@ -57,20 +60,55 @@ def count_params(cfg: ModelConfig) -> int:
         return MODELS[cfg.kind](cfg).num_params()  # meta tensors: no memory to check
 
 
+_INITS_LOCK = threading.Lock()
+_inits_saved: dict[str, Any] = {}  # torch.nn.init's own functions while ours stand in
+_inits_users = 0  # _inits_off contexts open, all threads together
+_inits_local = threading.local()  # .off: this thread's open _inits_off contexts
+
+
 @contextmanager
 def _inits_off() -> Iterator[None]:
     """``torch.nn.init``'s functions, the ones the models' constructors call, return their
-    tensor untouched for the duration (restored after, on error too)."""
+    tensor untouched for the duration, in this thread only (restored after, on error too).
+
+    Other threads draw as usual meanwhile, and the originals come back when the last open
+    context in any thread closes: each thread saving and restoring the module's functions
+    itself left them switched off for good when two loads overlapped (the first to finish
+    restored the originals, the second the no-ops it had saved), and every model built later
+    in the process kept the uninitialised memory it was allocated (seen: NaN weights).
+    """
     from torch.nn import init
 
-    saved = {name: getattr(init, name) for name in _INITS}
+    global _inits_users
+    with _INITS_LOCK:
+        if _inits_users == 0:
+            _inits_saved.update({name: getattr(init, name) for name in _INITS})
+            for name, fn in _inits_saved.items():
+                setattr(init, name, _skipped_here(fn))
+        _inits_users += 1
+    _inits_local.off = getattr(_inits_local, "off", 0) + 1
     try:
-        for name in _INITS:
-            setattr(init, name, lambda tensor, *args, **kwargs: tensor)
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(init, name, fn)
+        _inits_local.off -= 1
+        with _INITS_LOCK:
+            _inits_users -= 1
+            if _inits_users == 0:
+                for name, fn in _inits_saved.items():
+                    setattr(init, name, fn)
+                _inits_saved.clear()
+
+
+def _skipped_here(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, but a no-op returning its tensor in a thread inside :func:`_inits_off`."""
+
+    @functools.wraps(fn)
+    def init_fn(tensor, *args, **kwargs):
+        if getattr(_inits_local, "off", 0):
+            return tensor
+        return fn(tensor, *args, **kwargs)
+
+    return init_fn
 
 
 __all__ = ["AOGPT", "ARMD", "GPT", "MDM", "MODELS", "AnyOrderLM", "build_model", "count_params"]
