@@ -17,6 +17,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from anyorder import build_model, preset
+from anyorder.layers import linear as linear_mod
+from anyorder.models import _INITS
 from anyorder.models.base import AnyOrderLM
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,6 +63,26 @@ def tiny_model(kind: str, seed: int = 0, **overrides) -> AnyOrderLM:
     cfg = dict(vocab_size=11, seq_len=16, n_layer=2, n_head=4, d_model=64)
     cfg.update(overrides)
     return build_model(preset("tiny", kind=kind, **cfg)).eval()
+
+
+_INIT_FNS = {name: getattr(torch.nn.init, name) for name in _INITS}  # as torch made them
+
+
+def _process_state_check(when: str) -> None:
+    changed = [n for n, fn in _INIT_FNS.items() if getattr(torch.nn.init, n) is not fn]
+    assert not changed, f"torch.nn.init's {changed} are not torch's own {when}"
+    assert linear_mod._here.packs is None, f"a prepacked() context is open {when}"
+
+
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    """torch.nn.init's functions are torch's own, and no prepacking is open in this
+    thread, before and after each test (module fixtures included), so that a leak fails
+    where it happens: once, two loads in two threads left init switched off, and every
+    later test in the process failed on NaN weights."""
+    _process_state_check("before this test (a fixture or an earlier test changed them)")
+    yield
+    _process_state_check("after this test")
 
 
 @pytest.fixture
