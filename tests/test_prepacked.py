@@ -281,7 +281,9 @@ def test_a_threads_prepacking_is_its_own() -> None:
         t.start()
     for t in threads:
         t.join(60)
-    assert len(outs) == 200 and all(torch.equal(o, got["copy"]) for o in outs)
+    assert len(outs) == 200
+    for o in outs:  # each thread's product may split its work differently: round-off apart
+        torch.testing.assert_close(o, got["copy"], atol=1e-6, rtol=1e-6)
     assert len(packs.entries) == 1 and packs.bytes == 40 * 48 * 4
 
 
