@@ -93,7 +93,7 @@ class Linear(nn.Linear):
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, from a prepacked copy of ``weight`` where one applies."""
-    packs = getattr(_here, "packs", None)
+    packs = _here.packs
     if packs is not None:
         out = packs.apply(x, weight, bias, _here.make)
         if out is not None:
