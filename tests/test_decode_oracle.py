@@ -156,13 +156,8 @@ def _prepacked(req: dict):
     """The request's prepacking: on (every weight copied and read, however small: these
     models are far below the default's :data:`~anyorder.layers.linear.MIN_WEIGHT`, and
     would lose the default's races, :data:`~anyorder.layers.linear.RACE`) or off."""
-    saved = linear_mod.MIN_WEIGHT, linear_mod.MIN_ONE_ROW_WEIGHT, linear_mod.RACE
-    linear_mod.MIN_WEIGHT, linear_mod.MIN_ONE_ROW_WEIGHT, linear_mod.RACE = 0, 0, False
-    try:
-        with use_prepacked(req.get("prepack", True)):
-            yield
-    finally:
-        linear_mod.MIN_WEIGHT, linear_mod.MIN_ONE_ROW_WEIGHT, linear_mod.RACE = saved
+    with linear_mod.every_copy(), use_prepacked(req.get("prepack", True)):
+        yield
 
 
 @st.composite

@@ -31,14 +31,13 @@ pytestmark = pytest.mark.skipif(not lin.available(), reason="this torch has no o
 
 
 @pytest.fixture(autouse=True)
-def _small_weights_too(monkeypatch):
+def _small_weights_too():
     """The layers here are small: copy them too (the default leaves out weights whose copy
     would not pay, :data:`anyorder.layers.linear.MIN_WEIGHT`), and read every copy made
     (the default reads those that won a race, :data:`~anyorder.layers.linear.RACE`); both
     tested at the end."""
-    monkeypatch.setattr(lin, "MIN_WEIGHT", 0)
-    monkeypatch.setattr(lin, "MIN_ONE_ROW_WEIGHT", 0)
-    monkeypatch.setattr(lin, "RACE", False)  # read every copy (the race is tested at the end)
+    with lin.every_copy():  # the race is tested at the end
+        yield
 
 
 def _fp64(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:

@@ -122,10 +122,10 @@ class Prepacked:
         }
         with self.lock:
             self.storages = storages
-            for key, (weight, _, copy) in list(self.entries.items()):
+            for key, (weight, _, _) in list(self.entries.items()):
                 if weight.untyped_storage().data_ptr() not in storages:
                     del self.entries[key]
-                    self.bytes -= copy.numel() * copy.element_size()
+                    self.bytes -= _nbytes(weight)
             self.budget = self.bytes + available_memory() // 2
 
     def apply(
@@ -170,14 +170,14 @@ class Prepacked:
         entry = self.entries.get(key)
         if entry is not None and entry[0]._version != entry[1]:
             del self.entries[key]
-            self.bytes -= entry[2].numel() * entry[2].element_size()
+            self.bytes -= _nbytes(entry[0])
             entry = None
         return entry
 
     def _pack(
         self, key: tuple, weight: Tensor, make: frozenset[int]
     ) -> tuple[Tensor, int, Tensor] | None:
-        size = weight.numel() * weight.element_size()
+        size = _nbytes(weight)
         if (
             key[-1] not in make
             or (key[-1] == ONE_ROW and weight.numel() <= MIN_ONE_ROW_WEIGHT)
@@ -194,6 +194,11 @@ class Prepacked:
         self.bytes += size
         entry = self.entries[key] = (weight.detach(), weight._version, copy)
         return entry
+
+
+def _nbytes(weight: Tensor) -> int:
+    """What a copy of ``weight`` takes (the budget's unit): the weight's own bytes."""
+    return weight.numel() * weight.element_size()
 
 
 def _product(x: Tensor, copy: Tensor, bias: Tensor | None) -> Tensor:
@@ -301,3 +306,17 @@ def prepacked(packs: Prepacked | None, make=(ONE_ROW, MANY_ROWS)) -> Iterator[No
         yield
     finally:
         _here.packs, _here.make = before
+
+
+@contextmanager
+def every_copy() -> Iterator[None]:
+    """Within (process-wide; for tests and benchmarks): every weight is copied however small
+    (:data:`MIN_WEIGHT`, :data:`MIN_ONE_ROW_WEIGHT` at 0) and every copy read, unraced
+    (:data:`RACE` off)."""
+    global MIN_WEIGHT, MIN_ONE_ROW_WEIGHT, RACE
+    saved = MIN_WEIGHT, MIN_ONE_ROW_WEIGHT, RACE
+    MIN_WEIGHT, MIN_ONE_ROW_WEIGHT, RACE = 0, 0, False
+    try:
+        yield
+    finally:
+        MIN_WEIGHT, MIN_ONE_ROW_WEIGHT, RACE = saved
