@@ -227,10 +227,13 @@ def test_turned_off_by_the_context_and_by_the_environment() -> None:
     code = (
         "import torch, anyorder.layers.linear as m; print(m.prepacked_for(torch.nn.Linear(2, 1)))"
     )
-    env = dict(os.environ, ANYORDER_PREPACK="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "None"
+    code += "; print(m.prepacked_for(torch.nn.Linear(2, 1)) is not None)"
+    for value, on in (("0", False), ("False", False), (" off ", False), ("no", False), ("1", True)):
+        env = dict(os.environ, ANYORDER_PREPACK=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        first, second = out.stdout.strip().splitlines()
+        assert (first == "None", second) == (not on, str(on)), (value, out.stdout)
 
 
 def test_a_threads_prepacking_is_its_own() -> None:

@@ -246,7 +246,12 @@ def _reorder(weight: Tensor, rows: int) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
 
 
-_ENABLED = os.environ.get("ANYORDER_PREPACK", "1") not in ("0", "false", "off")
+_ENABLED = os.environ.get("ANYORDER_PREPACK", "1").strip().lower() not in (
+    "0",
+    "false",
+    "off",
+    "no",
+)
 
 
 class _Here(threading.local):
