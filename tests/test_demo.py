@@ -88,6 +88,10 @@ def test_demo_prints_its_estimate_and_progress_lines_and_twice_writes_the_same_r
     for label in ("left to right", "random order", "Lemma 1, 20 steps", "strided, S = 4"):
         assert f"| {label} |" in report
     assert "| any order, same targets |" in report and "nats" not in report
+    # the recipe names the precision the run trained in (the demo's config: fp32)
+    assert info["config"]["train"]["dtype"] == "fp32"
+    assert "weight decay 0.1, fp32 (no autocast) (the number of threads" in report
+    assert "bf16" not in report
     passes = {d["decoder"]: d["passes"] for d in info["samples"]["decoders"]}
     assert passes["l2r"] == passes["random"] == 80 and passes["lemma1"] <= 20
     assert passes["strided"] == 4 + 80 // 4 - 1

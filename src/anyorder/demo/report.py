@@ -233,6 +233,14 @@ def _validation_section(info: dict[str, Any]) -> list[str]:
     return lines
 
 
+# what the recipe line says of train.dtype: the run's own setting, never a constant
+_PRECISION = {
+    "fp32": "fp32 (no autocast)",
+    "bf16": "bf16 autocast",
+    "auto": "bf16 autocast only where this CPU computes it faster (train.dtype=auto)",
+}
+
+
 def _recipe_section(info: dict[str, Any]) -> list[str]:
     c = info["config"]
     m, t, o = c["model"], c["train"], c["order"]
@@ -248,8 +256,8 @@ def _recipe_section(info: dict[str, Any]) -> list[str]:
         f"- training: {info['step']:,} steps of {t['batch_size']} x {m['seq_len']} bytes "
         f"({info['tokens_seen']:,} bytes seen), AdamW lr {t['lr']:g} (warm-up "
         f"{t['warmup_steps']} steps, cosine to {t['min_lr_ratio']:g} x), beta2 {t['beta2']}, "
-        f"weight decay {t['weight_decay']}, bf16 autocast (the number of threads does not "
-        "change the result)",
+        f"weight decay {t['weight_decay']}, {_PRECISION[t['dtype']]} (the number of threads "
+        "does not change the result)",
         f"- generation orders in training: {order}",
         f"- seeds: training {t['seed']}, evaluation and samples {SEED}+; "
         f"{EVAL_ORDERS} validation orders, {PROMPTS} passages per decoder",
