@@ -257,3 +257,41 @@ def test_hf_local_folder_reads_the_same_examples(tmp_path):
     )
     np.testing.assert_array_equal(hub.train, local.train)
     np.testing.assert_array_equal(hub.lengths["val"], local.lengths["val"])
+
+
+UNREADABLE = [
+    ("[" * 100_000 + "]" * 100_000, "nests too deep for a JSON reader; fix or remove the line"),
+    ("9" * 10_000, "holds a number of more than 4300 digits, which Python's JSON reader refuses; "
+     "fix or remove the line"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("at", [1, 3])  # line 1: data.format=auto reads it to decide
+@pytest.mark.parametrize("field", ["prompt", "text"])  # chat data and text data alike
+@pytest.mark.parametrize("value, message", UNREADABLE, ids=["deep", "digits"])
+def test_a_line_json_cannot_read_is_one_line_through_the_cli(
+    tmp_path, capsys, at, field, value, message
+):
+    """A record nested 100,000 deep or holding a 10,000-digit number: ``anyorder train``
+    names the file and line, exit 2 (a RecursionError or ValueError traceback before)."""
+    from anyorder.cli import main
+
+    from conftest import REPO
+
+    good = [json.dumps(r) for r in pair_records()[:4]]
+    if field == "text":
+        good = [json.dumps({"text": p}) for p, _ in PAIRS[:4]]
+    bad = f'{{"{field}": "q", "response": "a", "n": {value}}}'
+    lines = [*good[: at - 1], bad, *good[at - 1 :]]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    argv = ["train", str(REPO / "configs/tiny-aogpt.yaml"), f"data.source={path}",
+            f"data.cache_dir={tmp_path}/cache", f"train.out_dir={tmp_path}/run",
+            "train.device=cpu"]  # fmt: skip
+    if field == "prompt" and at > 1:
+        argv.append("order.condition=prompt")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"anyorder train: error: {path}:{at} {message}"
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()

@@ -178,10 +178,13 @@ _LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
 )
 
 
-def _chat_row(bad: dict) -> tuple[list[str], dict[str, str], object]:
-    """A row training on corpus/chat.jsonl: a good prompt/response record, then ``bad``."""
-    good = {"prompt": "1+1", "response": "2"}
-    lines = "".join(json.dumps(r) + "\n" for r in (good, bad, good))
+def _chat_row(bad: dict | str) -> tuple[list[str], dict[str, str], object]:
+    """A row training on corpus/chat.jsonl: a good prompt/response record, then ``bad`` (a
+    record, or a line of text as it is)."""
+    good = json.dumps({"prompt": "1+1", "response": "2"})
+    lines = "".join(
+        r + "\n" for r in (good, bad if isinstance(bad, str) else json.dumps(bad), good)
+    )
     setup = _write("corpus/chat.jsonl", lines.encode())
     return [*TRAIN, "data.source=corpus/chat.jsonl", *FRESH], {}, setup
 
@@ -598,6 +601,10 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "data-chat-long-prompt": _chat_row({"prompt": "q" * 40, "response": "a"}),
     "data-chat-bad-role": _chat_row(
         {"messages": [{"role": "bot", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    ),
+    "data-chat-too-deep": _chat_row('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+    "data-chat-huge-number": _chat_row(
+        '{"prompt": "q", "response": "a", "n": ' + "9" * 10_000 + "}"
     ),
     "config-condition-text-data": ([*TRAIN, "order.condition=prompt", *FRESH], {}, None),
     # issue 24: write errors, weights that are not finite, damaged files, paths

@@ -249,7 +249,7 @@ def detect_chat(source: str) -> bool:
             for line in f:
                 if line.strip():
                     return is_chat_record(json.loads(line))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):  # a bad first line: the reader names it
         return False
     return False
 

@@ -31,6 +31,7 @@ import glob as globlib
 import itertools
 import json
 import os
+import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -247,6 +248,16 @@ def jsonl_records(path: Path) -> Iterator[tuple[Any, str]]:
             except json.JSONDecodeError as e:
                 raise DataError(
                     f"{path}:{lineno} is not valid JSON ({e.msg}); fix or remove the line"
+                ) from None
+            except RecursionError:  # json's C reader recurses once per level
+                raise DataError(
+                    f"{path}:{lineno} nests too deep for a JSON reader; fix or remove the line"
+                ) from None
+            except ValueError:  # a number longer than Python's int-from-string limit
+                raise DataError(
+                    f"{path}:{lineno} holds a number of more than "
+                    f"{sys.get_int_max_str_digits()} digits, which Python's JSON reader "
+                    "refuses; fix or remove the line"
                 ) from None
             yield record, f"{path}:{lineno}"
 
