@@ -33,6 +33,7 @@ from anyorder.experiments.runs import (
     run_name,
     train_run,
 )
+from anyorder.progress import progress
 
 # ============================================================================ 1. Eq. 5
 
@@ -89,9 +90,12 @@ def context_order_spread(
     return float(sd.mean()), float(sd.std() / math.sqrt(sd.numel()))
 
 
-def _eq5_models(trans: torch.Tensor, n: int, train_steps: int, g: torch.Generator) -> dict:
+def _eq5_models(
+    trans: torch.Tensor, n: int, train_steps: int, g: torch.Generator, bar: Any = None
+) -> dict:
     """The three toy models of one length, each trained ``train_steps`` steps on draws of the
-    chain (batch 64, uniform orders): mdm, aogpt published (``aogpt-ref``) and aogpt ours."""
+    chain (batch 64, uniform orders): mdm, aogpt published (``aogpt-ref``) and aogpt ours.
+    ``bar`` (a :func:`~anyorder.progress.progress`) counts the steps."""
     from anyorder import orders
     from anyorder.config import preset
     from anyorder.models import build_model
@@ -116,6 +120,8 @@ def _eq5_models(trans: torch.Tensor, n: int, train_steps: int, g: torch.Generato
             opt.zero_grad()
             loss.backward()
             opt.step()
+            if bar is not None:
+                bar.update(1)
         models[kind] = model.eval()
     return models
 
@@ -172,12 +178,18 @@ def exp_eq5(ctx: Context) -> dict[str, Any]:
     train_steps = 5 if ctx.smoke else 400
     members = 8
     rows = []
-    for n in lengths:
-        g = torch.Generator().manual_seed(100 + n)
-        trans = _toy_chain(V, n)
-        test = _toy_draw(trans, 4 if ctx.smoke else 16, n, g)
-        models = _eq5_models(trans, n, train_steps, g)
-        rows.append(_eq5_row(models, trans, test, members, g))
+    # one unit per training step of the 3 models, and one per length's enumeration
+    total = len(lengths) * (3 * train_steps + 1)
+    with progress(total=total, desc="eq5", unit="steps", enabled=ctx.progress) as bar:
+        for n in lengths:
+            g = torch.Generator().manual_seed(100 + n)
+            trans = _toy_chain(V, n)
+            test = _toy_draw(trans, 4 if ctx.smoke else 16, n, g)
+            bar.set_postfix_str(f"n = {n}: training mdm, aogpt and aogpt (ours)")
+            models = _eq5_models(trans, n, train_steps, g, bar)
+            bar.set_postfix_str(f"n = {n}: enumerating {math.factorial(n):,} orders")
+            rows.append(_eq5_row(models, trans, test, members, g))
+            bar.update(1)
     plot = _eq5_plot(rows, ctx.out / "plot.png")
     return {"rows": rows, "plot": plot, "markdown": _eq5_markdown(rows, train_steps, members)}
 
