@@ -192,6 +192,70 @@ def test_muon_state_round_trips(tmp_path):
     assert torch.equal(w, w2) and torch.equal(b, b2)
 
 
+def _half_empty(empty: str, gen: torch.Generator):
+    """Groups as ``make_optimizer`` builds them (a Muon group, AdamW's decayed and undecayed
+    groups) with one half holding no parameter, the parameters, and a maker of the torch
+    optimizer of the other half."""
+    mats = [torch.nn.Parameter(torch.randn(24, 40, generator=gen)) for _ in range(2)]
+    vec = torch.nn.Parameter(torch.randn(40, generator=gen))
+    if empty == "adamw":  # a LoRA run's adapters: matrices all
+        params = mats
+        sizes = {"muon": 2, "decayed": 0, "undecayed": 0}
+    else:
+        params = [mats[0], vec]
+        sizes = {"muon": 0, "decayed": 1, "undecayed": 1}
+    it = iter(params)
+    groups = [
+        {"params": [next(it) for _ in range(sizes[name])], "weight_decay": wd, **extra}
+        for name, wd, extra in (("muon", 0.1, {"muon": True}), ("decayed", 0.1, {}),
+                                ("undecayed", 0.0, {}))
+    ]  # fmt: skip
+
+    def reference(ps):
+        if empty == "adamw":
+            kw = {"momentum": 0.9, "adjust_lr_fn": "match_rms_adamw"}
+            return torch.optim.Muon(ps, lr=1e-2, weight_decay=0.1, **kw)
+        return torch.optim.AdamW(
+            [{"params": ps[:1], "weight_decay": 0.1}, {"params": ps[1:], "weight_decay": 0.0}],
+            lr=1e-2,
+            betas=(0.9, 0.95),
+        )
+
+    return groups, params, reference
+
+
+@pytest.mark.parametrize("empty", ["adamw", "muon"])
+def test_a_half_without_parameters_steps_and_resumes_as_the_other_alone(empty, tmp_path):
+    """Issue 40, item 2: a half without parameters (under LoRA every trainable tensor is a
+    matrix, so AdamW's groups are empty) used to fail in the constructor. Now the other half
+    steps exactly as its torch optimizer alone, under a schedule that sets every group's lr,
+    and its state dict resumes exactly."""
+    gen = torch.Generator().manual_seed(3)
+    groups, ps, make_ref = _half_empty(empty, gen)
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ref = make_ref(qs)
+    ours = MuonAdamW(groups, lr=1e-2, betas=(0.9, 0.95), momentum=0.9)
+    grads = [[torch.randn(p.shape, generator=gen) for p in ps] for _ in range(6)]
+    for step, gs in enumerate(grads):
+        if step == 3:  # save, and go on with a fresh optimizer that loads the state
+            torch.save(ours.state_dict(), tmp_path / "opt.pt")
+            again, _, _ = _half_empty(empty, torch.Generator().manual_seed(3))
+            for g_new, g_old in zip(again, ours.param_groups):
+                g_new["params"] = g_old["params"]
+            ours = MuonAdamW(again, lr=1e-2, betas=(0.9, 0.95), momentum=0.9)
+            ours.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+        lr = 1e-2 * (1 - step / 10)
+        for opt in (ours, ref):
+            for group in opt.param_groups:
+                group["lr"] = lr
+        for p, q, g in zip(ps, qs, gs):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
 def test_the_adaln_linears_take_adamw_and_older_muon_checkpoints_are_refused():
     """adaLN's linears start at zero, where Muon's first step has full size whatever the
     gradient: they take AdamW (docs/results.md: 5.3% against 7.7% above the floor). A

@@ -102,8 +102,11 @@ class MuonAdamW(torch.optim.Optimizer):
         if ns_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"ns_dtype={ns_dtype}: use torch.bfloat16 or torch.float32")
         self.ns_dtype = ns_dtype
-        self._muon = _torch_muon(muon, lr) if muon else None
-        self._adamw = torch.optim.AdamW(adamw, lr=lr) if adamw else None
+        # torch refuses an optimizer without parameters, and either half may hold none (a
+        # LoRA run's adapters are all matrices): a placeholder then gives that optimizer's
+        # defaults, and step() hands each one this optimizer's groups, never the placeholder
+        self._muon = _torch_muon(muon or [_placeholder()], lr)
+        self._adamw = torch.optim.AdamW(adamw or [_placeholder()], lr=lr)
         self._fill_groups()
 
     def _fill_groups(self) -> None:
@@ -123,9 +126,9 @@ class MuonAdamW(torch.optim.Optimizer):
         # the torch optimizers step over this optimizer's own group dicts and state, which
         # the schedule and load_state_dict may have replaced since the last step
         for opt, muon in ((self._muon, True), (self._adamw, False)):
-            if opt is None:
-                continue
             groups = [g for g in self.param_groups if g["muon"] is muon]
+            if not any(g["params"] for g in groups):  # this half holds no parameter
+                continue
             if muon and self.ns_dtype == torch.float32:
                 self._fp32_muon(groups)
                 continue
@@ -187,6 +190,11 @@ def orthogonalise(
         s = x @ x.T
         x = torch.addmm(x, torch.addmm(s, s, s, beta=b, alpha=c), x, beta=a)
     return x.T if tall else x
+
+
+def _placeholder() -> nn.Parameter:
+    """A 1 x 1 matrix for an optimizer half without parameters (see ``MuonAdamW.__init__``)."""
+    return nn.Parameter(torch.zeros(1, 1))
 
 
 def _torch_muon(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
