@@ -180,7 +180,7 @@ def test_device_map_and_dtype_are_honoured_or_refused(folders) -> None:
         transformers.AutoModel.from_pretrained(folder, dtype="int8")
     with pytest.raises(ConfigError, match=r"^dtype='int8' is not one an anyorder model runs in"):
         AnyorderModel.from_pretrained(folder, dtype="int8")
-    with pytest.raises(ConfigError, match=r"^AnyorderModel.from_pretrained does not take revision"):
+    with pytest.raises(ConfigError, match=r"^revision='v2' picks a hub revision, but '.*' is a l"):
         transformers.AutoModel.from_pretrained(folder, revision="v2")
 
 
@@ -465,3 +465,138 @@ def test_save_pretrained_round_trips_through_both_loaders(folders, tmp_path, kin
         torch.testing.assert_close(reloaded(x).logits, expected, atol=0, rtol=0)
     with pytest.raises(ConfigError, match=r"^save_pretrained\(push_to_hub=True\) is not supp"):
         hf.save_pretrained(tmp_path / "hub", push_to_hub=True)
+
+
+# -- what transformers' loaders pass (issue 40) ------------------------------------------
+
+
+def test_every_option_the_loaders_pass_at_its_default_is_accepted(folders) -> None:
+    """transformers' Auto classes pass subfolder="", cache_dir, force_download,
+    local_files_only, proxies, revision... on every call (5.x: and pipeline dtype="auto"):
+    at their defaults they change nothing and must not be refused."""
+    folder, x = folders["aogpt"], ids()
+    ours = anyorder.load(folder).model
+    defaults = dict(
+        subfolder="", revision=None, cache_dir=None, force_download=False,
+        local_files_only=False, proxies=None, token=None, trust_remote_code=False,
+        code_revision=None, low_cpu_mem_usage=None, use_safetensors=None,
+        attn_implementation=None, output_loading_info=False, device_map=None,
+        adapter_kwargs={},
+    )  # fmt: skip
+    for load in (AnyorderModel.from_pretrained, transformers.AutoModelForCausalLM.from_pretrained):
+        hf = load(folder, **defaults)
+        with torch.no_grad():
+            torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=0)
+    # options that do nothing for a local folder, whatever their value (as in transformers),
+    # and the attention kernel (anyorder's attention is its own: the same function)
+    hf = transformers.AutoModel.from_pretrained(
+        folder, attn_implementation="eager", cache_dir=str(folder.parent / "cache"),
+        local_files_only=True, token=True, trust_remote_code=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=0)
+    # pipeline passes dtype="auto": the stored dtype (float32 here)
+    pipe = transformers.pipeline("text-generation", model=str(folder))
+    assert type(pipe.model) is AnyorderModel and pipe.model.dtype == torch.float32
+
+
+def test_subfolder_is_read(tmp_path) -> None:
+    folder = export(tmp_path / "repo", "armd", name="inner")
+    ours = anyorder.load(folder).model
+    x = ids()
+    for sub in ("inner", "inner/"):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "repo", subfolder=sub)
+        with torch.no_grad():
+            torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=0)
+    with pytest.raises(CheckpointError, match=r"^'.*repo' has no subfolder 'nope'; check subf"):
+        AnyorderModel.from_pretrained(tmp_path / "repo", subfolder="nope")
+
+
+def _snapshots(cache: Path, repo_id: str, revisions: dict[str, Path]) -> None:
+    """Lay the folders out in ``cache`` as huggingface_hub stores downloaded snapshots, one
+    commit per revision name (a branch or tag: refs/<name>)."""
+    import shutil
+
+    root = cache / f"models--{repo_id.replace('/', '--')}"
+    for i, (name, folder) in enumerate(revisions.items()):
+        commit = f"{i:040x}"
+        shutil.copytree(folder, root / "snapshots" / commit)
+        (root / "refs").mkdir(parents=True, exist_ok=True)
+        (root / "refs" / name).write_text(commit)
+
+
+def test_a_hub_id_is_read_at_its_revision_from_cache_dir(tmp_path, monkeypatch) -> None:
+    """A hub id goes through anyorder's hub download with the revision transformers
+    resolved, cache_dir and local_files_only (here: a cache laid out like the hub's, read
+    offline); what that download cannot honour is one line naming it."""
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    main_ = export(tmp_path, "aogpt", name="main")
+    v2 = save_pretrained(
+        tiny_model("aogpt", seed=9, vocab_size=V, seq_len=N), tmp_path / "v2", ByteTokenizer()
+    )
+    cache = tmp_path / "hub"
+    _snapshots(cache, "someone/tiny", {"main": main_, "v2": v2})
+    x = ids()
+    for revision, folder in ((None, main_), ("v2", v2)):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            "someone/tiny", cache_dir=cache, local_files_only=True, revision=revision
+        )
+        with torch.no_grad():
+            expected = anyorder.load(folder).model(x)
+            torch.testing.assert_close(hf(x).logits, expected, atol=1e-5, rtol=0)
+    fixes = {
+        "token": ("hf_x", r"log in \(huggingface-cli login\) or set HF_TOKEN$"),
+        "proxies": ({"https": "p:1"}, r"set HTTPS_PROXY in the environment$"),
+        "force_download": (True, r"delete the model's folder from the hub cache$"),
+    }
+    for key, (value, fix) in fixes.items():
+        with pytest.raises(
+            ConfigError, match=rf"^from_pretrained\({key}=...\) is not passed to .*{fix}"
+        ):
+            AnyorderModel.from_pretrained("someone/tiny", cache_dir=cache, **{key: value})
+    with pytest.raises(CheckpointError, match=r"^model 'someone/absent' is neither a local fold"):
+        AnyorderModel.from_pretrained("someone/absent", cache_dir=cache, local_files_only=True)
+
+
+def test_options_that_change_meaning_are_refused_in_one_line(folders, tmp_path) -> None:
+    folder = folders["gpt"]
+    refused = [
+        (dict(revision="v2"), r"^revision='v2' picks a hub revision, but '.*' is a local folder;"),
+        (dict(output_loading_info=True), r"^AnyorderModel.from_pretrained does not take outp"),
+        (dict(quantization_config={"load_in_8bit": True}), r"does not take quantization_c"),
+        (dict(variant="fp16"), r"^AnyorderModel.from_pretrained does not take variant "),
+        # a model field given to from_pretrained lands in the config: the weights decide
+        (dict(n_layer=5), r"^the config sets n_layer=5, but the weights in '.*' have n_layer=2;"),
+    ]
+    for kwargs, message in refused:
+        with pytest.raises(ConfigError, match=message) as info:
+            transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        assert "\n" not in str(info.value)
+    other = export(tmp_path, "gpt", name="wide")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "n_head": 2}))
+    for config in (str(other), transformers.AutoConfig.from_pretrained(other)):
+        with pytest.raises(ConfigError, match=r"^the config sets n_head=2, but the weights in "):
+            AnyorderModel.from_pretrained(folder, config=config)
+    with pytest.raises(ConfigError, match=r"^config is a GPT2Config, not an AnyorderConfig; "):
+        AnyorderModel.from_pretrained(folder, config=transformers.GPT2Config())
+    same = AnyorderModel.from_pretrained(folder, config=str(folder))  # its own: accepted
+    assert same.config.to_model_config() == anyorder.load(folder).model.cfg
+
+
+@pytest.mark.parametrize("device_map", ["meta", {"": "meta"}, torch.device("meta")])
+def test_device_map_meta_is_refused_at_load(folders, device_map) -> None:
+    """device_map="meta" was accepted and generate then raised a bare RuntimeError."""
+    with pytest.raises(ConfigError, match=r"^device_map='meta' makes a model without weights, "):
+        transformers.AutoModelForCausalLM.from_pretrained(folders["gpt"], device_map=device_map)
+
+
+def test_a_device_that_is_not_here_is_refused_at_load(folders) -> None:
+    if torch.cuda.is_available():
+        bad = f"cuda:{torch.cuda.device_count()}"
+        message = rf"^device_map='{bad}': this machine has \d+ CUDA device\(s\), cuda:0..cuda:"
+    else:
+        bad, message = "cuda:1", r"^device_map='cuda:1': no CUDA device here; use 'cpu' or 'auto'$"
+    with pytest.raises(ConfigError, match=message):
+        transformers.AutoModelForCausalLM.from_pretrained(folders["gpt"], device_map=bad)

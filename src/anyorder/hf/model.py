@@ -42,86 +42,13 @@ from torch import Tensor
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from anyorder.checkpoint.exported import CONFIG_NAME, STORED_DTYPES, check_stored_dtype
+from anyorder.checkpoint.exported import CONFIG_NAME, check_stored_dtype
 from anyorder.errors import ConfigError
 from anyorder.hf.config import AnyorderConfig
 from anyorder.hf.generation import check_mask, generate
+from anyorder.hf.loading import HARMLESS, load_device, load_dtype, load_folder, unused
 
-_DTYPES = {name: getattr(torch, name) for name in STORED_DTYPES}
-_SPLIT_STRATEGIES = ("balanced", "balanced_low_0", "sequential")
-# from_pretrained options that change nothing here whatever their value: transformers' own
-# bookkeeping, and trust_remote_code (an export ships no code to trust: the classes are ours)
-_HARMLESS_LOAD = {
-    "_from_auto", "_from_pipeline", "_commit_hash", "trust_remote_code", "low_cpu_mem_usage",
-    "use_safetensors", "name_or_path",
-}  # fmt: skip
 _HARMLESS_FORWARD = {"use_cache"}  # no cache is kept between calls either way
-
-
-def _unused(kwargs: dict[str, Any], harmless: set[str], what: str) -> None:
-    """Refuse the options in ``kwargs`` that are set and would change something we ignore."""
-    set_ = sorted(
-        k for k, v in kwargs.items() if k not in harmless and v is not None and v is not False
-    )
-    if set_:
-        raise ConfigError(f"{what} does not take {', '.join(set_)} (an anyorder model ignores it)")
-
-
-def load_device(device_map: Any, device: Any) -> torch.device:
-    """The one device a model goes to from ``device_map`` (``"auto"``, a device, or a dict
-    that maps every part to one device) or ``device``; default cpu.
-
-    Raises:
-        ConfigError: a map that splits the model, or something that is not a device.
-    """
-    spec = device if device_map is None else device_map
-    if isinstance(spec, dict):
-        places = {str(torch.device(v) if isinstance(v, int) else v) for v in spec.values()}
-        if len(places) != 1:
-            raise ConfigError(
-                f"device_map puts parts of the model on {', '.join(sorted(places))}; an anyorder "
-                "model runs on one device: pass device_map='auto' or one device"
-            )
-        spec = next(iter(spec.values()))
-    if spec is None:
-        return torch.device("cpu")
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if spec in _SPLIT_STRATEGIES:
-        raise ConfigError(
-            f"device_map={spec!r} splits the model over devices; an anyorder model runs on one: "
-            "pass device_map='auto' or one device"
-        )
-    try:
-        dev = torch.device(f"cuda:{spec}" if isinstance(spec, int) else spec)
-    except (RuntimeError, TypeError, ValueError):
-        raise ConfigError(
-            f"device_map={str(spec)[:40]!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'"
-        ) from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device_map={str(spec)!r}: no CUDA device here; use 'cpu' or 'auto'")
-    return dev
-
-
-def load_dtype(dtype: Any, stored: str | None) -> torch.dtype:
-    """The dtype a loaded model runs in: ``dtype`` (a torch dtype or its name), ``"auto"``
-    (the dtype the export stores, ``stored``), or float32 when None (as ``anyorder.load``).
-
-    Raises:
-        ConfigError: another name or object.
-    """
-    if dtype is None:
-        return torch.float32
-    if dtype == "auto":
-        return _DTYPES[stored or "float32"]
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.removeprefix("torch.")]
-    raise ConfigError(
-        f"dtype={str(dtype)[:40]!r} is not one an anyorder model runs in; use 'auto', "
-        f"{', '.join(STORED_DTYPES)}"
-    )
 
 
 @dataclass
@@ -186,10 +113,10 @@ class AnyorderModel(PreTrainedModel, GenerationMixin):
                 f"{cls.__name__}.from_pretrained does not load PEFT adapters; give the "
                 "export folder itself"
             )
-        _unused(kwargs, _HARMLESS_LOAD, f"{cls.__name__}.from_pretrained")
-        loaded = load_any(str(pretrained_model_name_or_path), device=device)
-        if not isinstance(config, AnyorderConfig):
-            config = AnyorderConfig.from_pretrained(str(loaded.path))
+        folder = load_folder(pretrained_model_name_or_path, kwargs)
+        unused(kwargs, HARMLESS, f"{cls.__name__}.from_pretrained")
+        loaded = load_any(folder, device=device)
+        config = _config_of(config, loaded)
         stored = _stored_dtype(loaded.path)
         model = loaded.model.to(load_dtype(dtype, stored))
         out = cls(config, model, loaded.tokenizer).eval()
@@ -219,7 +146,7 @@ class AnyorderModel(PreTrainedModel, GenerationMixin):
         Raises:
             ConfigError: a padded mask, labels of another shape, an unsupported option.
         """
-        _unused(kwargs, _HARMLESS_FORWARD, f"{type(self).__name__}.forward")
+        unused(kwargs, _HARMLESS_FORWARD, f"{type(self).__name__}.forward")
         check_mask(attention_mask, input_ids)
         vocab = self.model.cfg.vocab_size
         _check_ids(input_ids, vocab, "input_ids")
@@ -273,7 +200,7 @@ class AnyorderModel(PreTrainedModel, GenerationMixin):
         if state_dict is not None:
             raise ConfigError("save_pretrained writes the model's own weights; drop state_dict")
         harmless = {"safe_serialization", "max_shard_size", "variant", "token"}
-        _unused(kwargs, harmless, "save_pretrained")
+        unused(kwargs, harmless, "save_pretrained")
         if not is_main_process:
             return
         weights = getattr(self.config, "weights", None)
@@ -301,6 +228,37 @@ def _check_ids(ids: Tensor, vocab: int, name: str) -> None:
         raise ConfigError(f"{name} must be integer token ids, not {ids.dtype}")
     if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < vocab):
         raise ConfigError(f"{name} hold ids outside 0..{vocab - 1} (-100 marks an unscored label)")
+
+
+def _config_of(config: Any, loaded: Any) -> AnyorderConfig:
+    """The config of a loaded model: ``config`` as given (an :class:`AnyorderConfig`, or a
+    folder or file to read one from), else the export's own; its model fields must be the
+    weights' (``from_pretrained(folder, n_layer=...)`` lands in the config).
+
+    Raises:
+        ConfigError: another kind of config, or one that contradicts the weights.
+    """
+    from anyorder.interop.hub import architecture_diff
+
+    if config is None:
+        config = loaded.path
+    if isinstance(config, (str, Path)):
+        config = AnyorderConfig.from_pretrained(str(config))
+    if not isinstance(config, AnyorderConfig):
+        raise ConfigError(
+            f"config is a {type(config).__name__}, not an AnyorderConfig; leave config out "
+            "(the export's config.json is read)"
+        )
+    ours, cfg = config.to_model_config(), loaded.model.cfg
+    diff = architecture_diff(ours, cfg)
+    if diff:
+        shown = ", ".join(f"{k}={getattr(ours, k)!r}" for k in diff[:3])
+        raise ConfigError(
+            f"the config sets {shown}, but the weights in {str(loaded.path)!r} have "
+            f"{', '.join(f'{k}={getattr(cfg, k)!r}' for k in diff[:3])}; an anyorder model "
+            "takes its architecture from its weights: drop these options"
+        )
+    return config
 
 
 def _stored_dtype(folder: Path) -> str | None:
