@@ -7,7 +7,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import textwrap
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from anyorder.orders import OrderSampler, displace, displace_answer, prompt_firs
 from conftest import tiny_model
 
 V, N = 11, 6
+TESTS = Path(__file__).parent
 
 
 def perturbed(kind: str, seed: int = 0, **kw):
@@ -329,3 +332,134 @@ def test_validation_reports_the_answers_given_their_prompts(tmp_path):
     assert val["val/l2r_bpt"] == pytest.approx(total / answer_tokens / math.log(2), rel=1e-5)
     assert val["val/ao_bpt_se"] >= 0 and math.isfinite(val["val/ao_bpt"])
     assert format_val(val).startswith("validation of the answers: left to right ")
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+
+def write_uneven_chat(path, count: int = 48) -> None:
+    """Prompts and answers of many lengths: the micro-batches' answer-token counts differ."""
+    rows = [{"prompt": "q" * (1 + 7 * i % 13), "response": "a" * (1 + 5 * i % 17)}
+            for i in range(count)]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def sft_overrides(tmp_path, kind: str, **extra) -> list[str]:
+    values = {
+        "model.kind": kind, "model.n_layer": 1, "model.n_head": 2, "model.d_model": 32,
+        "model.seq_len": 64, "data.source": f"{tmp_path}/chat.jsonl",
+        "data.cache_dir": f"{tmp_path}/cache", "data.val_fraction": 0.2,
+        "order.condition": "prompt", "train.out_dir": f"{tmp_path}/run", "train.steps": 4,
+        "train.batch_size": 8, "train.eval_every": 0, "train.eval_batches": 1,
+        "train.ckpt_every": 0, "train.log_every": 1, "train.device": "cpu",
+        "train.dtype": "fp32", "train.warmup_steps": 1, "train.grad_clip": 0, **extra,
+    }  # fmt: skip
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def first_step(cfg):
+    """The loss and the gradients (by name) of a run's first optimizer step, through the
+    training API: the run's parts, one ``train_step``; the gradients as the optimizer is
+    about to read them (a step pre-hook)."""
+    from anyorder.training.distributed import setup_distributed
+    from anyorder.training.setup import build_parts, prepare_data, resolve_vocab
+    from anyorder.training.step import train_step
+
+    env = setup_distributed("cpu")
+    data = prepare_data(cfg, env, dry_run=False, progress=False, tmp=None)
+    parts = build_parts(resolve_vocab(cfg, data.tokenizer.vocab_size), env, data, None)
+    grads = {}
+
+    def keep(opt, args, kwargs):
+        for name, p in parts.model.named_parameters():
+            if p.grad is not None:
+                grads[name] = p.grad.detach().clone()
+
+    parts.opt.register_step_pre_hook(keep)
+    loss = train_step(parts, 0)
+    return loss, grads
+
+
+@pytest.mark.parametrize("kind", ["aogpt", "gpt", "mdm"])
+def test_the_sft_loss_does_not_depend_on_the_accumulation(tmp_path, kind):
+    """Issue 40, item 6: under order.condition=prompt the step's loss and gradients are the
+    mean over the batch's answer tokens, at grad_accum 1, 2 and 4 alike (micro-batches with
+    unequal answer-token counts)."""
+    from anyorder.config import load_config
+    from anyorder.data import prepare
+
+    write_uneven_chat(tmp_path / "chat.jsonl")
+    results = {a: first_step(load_config(None, sft_overrides(
+        tmp_path, kind, **{"train.grad_accum": a}))) for a in (1, 2, 4)}  # fmt: skip
+    cfg = load_config(None, sft_overrides(tmp_path, kind))
+    data = prepare(cfg.data, 64, progress=False)
+    from anyorder.data import BlockSampler
+
+    idx = BlockSampler(data.num_blocks("train"), 8, cfg.train.seed, 0, 1).next_indices()
+    plen = data.prompt_lengths("train", idx)
+    counts = [int((64 - plen[a : a + 2]).sum()) for a in range(0, 8, 2)]
+    assert len(set(counts)) > 1, counts  # the micro-batches of 2 differ in answer tokens
+    loss1, grads1 = results[1]
+    for a in (2, 4):
+        loss, grads = results[a]
+        assert loss == pytest.approx(loss1, rel=0, abs=1e-6), (a, loss, loss1)
+        assert grads.keys() == grads1.keys()
+        for name in grads1:
+            torch.testing.assert_close(grads[name], grads1[name], rtol=1e-5, atol=1e-7)
+
+
+SFT_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank, store, job = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method="file://" + store, rank=rank, world_size=2,
+        timeout=timedelta(seconds=90),
+    )
+    from anyorder.config import load_config
+    from test_sft import first_step
+
+    code = 0
+    try:
+        loss, grads = first_step(load_config(None, job["overrides"]))
+        torch.save({"loss": loss, "grads": grads}, job["out"] + f".{rank}")
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # gloo may abort at interpreter exit (docs: MACHINE-NOTES, distributed)
+    """
+)
+
+
+def test_two_ranks_take_the_mean_over_the_batchs_answer_tokens(tmp_path):
+    """Issue 40, item 6 under DDP: two gloo ranks at grad_accum 2 (ranks and micro-batches
+    with unequal answer-token counts) give the loss and gradients of one process on the
+    whole batch."""
+    from anyorder.config import load_config
+
+    from conftest import run_two_ranks
+
+    write_uneven_chat(tmp_path / "chat.jsonl")
+    loss1, grads1 = first_step(load_config(None, sft_overrides(tmp_path, "aogpt")))
+    script = tmp_path / "worker.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(TESTS)!r})\n" + SFT_WORKER)
+    over = sft_overrides(tmp_path, "aogpt", **{"train.grad_accum": 2})
+    out = tmp_path / "step"
+    run_two_ranks(script, json.dumps({"overrides": over, "out": str(out)}), tmp_path / "store")
+    for rank in (0, 1):
+        got = torch.load(f"{out}.{rank}")
+        assert got["loss"] == pytest.approx(loss1, rel=0, abs=1e-6), (rank, got["loss"], loss1)
+        assert got["grads"].keys() == grads1.keys()
+        for name in grads1:
+            torch.testing.assert_close(got["grads"][name], grads1[name], rtol=1e-5, atol=1e-7)

@@ -11,6 +11,13 @@ Design choices:
   (every rank reads them), and each row's prompt length goes to the loss.
 * Gradients are synchronised on the last micro-step only (DDP's ``no_sync``, FSDP2's
   ``set_requires_gradient_sync``).
+* The step's objective is the mean over the global batch's loss tokens, however the batch
+  is split over ranks and micro-steps. Pre-training scores every slot, so every micro-batch
+  weighs the same (``1 / grad_accum``). Under ``order.condition=prompt`` only the answers'
+  tokens count and a micro-batch's loss is the mean over its own: each is weighted by its
+  share of the global batch's answer tokens (:func:`micro_weights`; the counts come from the
+  global batch's prompt lengths, which every rank reads, so no collective is needed), times
+  the world size that the gradients' average over ranks divides out again.
 * The loss is averaged over ranks before the update, so every rank skips a non-finite step
   alike; such a step leaves the weights (and EMA) as they were.
 """
@@ -22,7 +29,9 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
+from anyorder.training.distributed import DistEnv
 from anyorder.training.state import RunParts, lr_at
 
 
@@ -55,6 +64,7 @@ def train_step(parts: RunParts, step: int, rows: int | None = None) -> float:
         mb = ordering.model_blocks
         blocks = None if mb is None else mb[env.rank :: env.world_size][: len(idx)].to(device)
     accum = max(1, math.ceil(len(idx) / micro))
+    weights = micro_weights(cfg.model.seq_len, micro, accum, len(idx), env, plen_all)
     total = torch.zeros((), device=device)  # the mean loss, checked before the update
     for a in range(accum):
         sl = slice(a * micro, (a + 1) * micro)
@@ -75,8 +85,8 @@ def train_step(parts: RunParts, step: int, rows: int | None = None) -> float:
                     parts.loss_gen,
                     None if plen is None else plen[sl],
                 )
-            (loss / accum).backward()
-        total += loss.detach() / accum
+            (loss * weights[a]).backward()
+        total += loss.detach() * weights[a]
     if env.distributed:  # every rank sees the same mean, so all skip a bad update alike
         dist.all_reduce(total, op=dist.ReduceOp.AVG)
     value = float(total)
@@ -90,3 +100,25 @@ def train_step(parts: RunParts, step: int, rows: int | None = None) -> float:
     if parts.ema is not None:
         parts.ema.update(step)
     return value
+
+
+def micro_weights(
+    n: int, micro: int, accum: int, rows: int, env: DistEnv, plen_all: Tensor | None
+) -> list[float]:
+    """The weight of each micro-step's loss (a mean over that micro-batch's loss tokens), so
+    that the weighted sum, averaged over the ranks, is the mean over the global batch's.
+
+    Without prompts every slot counts and the micro-batches are of one size: ``1 / accum``
+    each. With ``plen_all`` (the global batch's prompt lengths) a row has ``n - plen`` loss
+    tokens (the answer's slots, as the models' losses count them), and a micro-batch weighs
+    ``world * its tokens / the global batch's``; ``rows`` is this rank's row count (every
+    rank takes as many).
+    """
+    if plen_all is None:
+        return [1.0 / accum] * accum
+    world, rank = env.world_size, env.rank
+    per_rank = torch.stack([plen_all[r::world][:rows] for r in range(world)])  # (world, rows)
+    counts = (n - per_rank).clamp(min=0).double()
+    total = float(counts.sum().clamp(min=1))
+    mine = counts[rank]
+    return [world * float(mine[a * micro : (a + 1) * micro].sum()) / total for a in range(accum)]
