@@ -155,3 +155,49 @@ def test_cli_chat_errors(exports, capsys, argv, message):
     kind = "armd" if "--streams" in argv else "aogpt"  # strided decoding is armd's
     assert main(["sample", str(exports[kind]), "--device", "cpu", *argv]) == 2
     assert capsys.readouterr().err == f"anyorder sample: error: {message}\n"
+
+
+def test_a_chat_with_a_model_trained_on_plain_text_warns(tmp_path) -> None:
+    """The README's first chat used a model pre-trained on Python's docs and printed noise
+    without a word: where the run's own config says it never saw prompts and answers
+    (trained here from scratch on plain text), the API warns and the CLI says so on stderr;
+    an SFT run, a fine-tuned one and a converted one (step 0) get no warning."""
+    import subprocess
+    import sys
+    import warnings
+
+    from anyorder.config import RunConfig
+
+    model = tiny_model("armd", seed=3, vocab_size=257, seq_len=SEQ, n_layer=1, d_model=32)
+    plain = RunConfig(model=model.cfg)
+    plain.data.source = "builtin:pydoc"
+    sft = RunConfig(model=model.cfg)
+    sft.data.source, sft.order.condition = "task/train.jsonl", "prompt"
+    tuned = RunConfig(model=model.cfg)
+    tuned.train.init_from = "runs/base"
+    folders = {
+        name: save_pretrained(model, tmp_path / name, ByteTokenizer(), run_config=cfg, step=step)
+        for name, cfg, step in [("plain", plain, 100), ("sft", sft, 100), ("tuned", tuned, 100),
+                                ("converted", None, None)]
+    }  # fmt: skip
+    want = (
+        f"{folders['plain']} was trained on plain text (data.source=builtin:pydoc, "
+        "order.condition=none), not on prompts and answers: its chat 'answer' continues the "
+        "rendered prompt; fine-tune it on prompt/response data with order.condition=prompt "
+        "(docs/data.md)"
+    )
+    for name, folder in folders.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            anyorder.load(folder).chat(PROMPT, max_new_tokens=4)
+        got = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        assert got == ([want] if name == "plain" else []), name
+        assert all(w.filename == __file__ for w in caught), name  # points at the caller
+    cmd = [sys.executable, "-m", "anyorder.cli", "sample", str(folders["plain"]), "--chat",
+           PROMPT, "--max-new-tokens", "4"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert f"anyorder sample: warning: {want}" in out.stderr.splitlines()
+    cmd[4] = str(folders["sft"])
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "warning" not in out.stderr, out.stderr

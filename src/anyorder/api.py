@@ -69,9 +69,8 @@ def decode_mode(
 
 
 def _device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    auto = str(device) == "auto"
+    return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if auto else device)
 
 
 def load(
@@ -346,8 +345,10 @@ class Model:
             SamplingError: a prompt that leaves no room, bad controls or decoding options.
         """
         from anyorder import bounds
+        from anyorder.checkpoint.loaded import warn_if_not_for_chat
         from anyorder.sampling.templates import chat_prompt
 
+        warn_if_not_for_chat(self.loaded)  # a UserWarning where the run says it cannot answer
         if order is not None and order not in GENERATE_ORDERS:
             raise SamplingError(f"order={order!r}: use one of {', '.join(GENERATE_ORDERS)}")
         bounds.check_controls(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)

@@ -47,3 +47,31 @@ def check_tokenizer_fits(tokenizer: Tokenizer | None, vocab_size: int, where: st
             f"the tokenizer of {where} has {tokenizer.vocab_size} token ids but the model reads "
             f"{vocab_size}; use the tokenizer the model was trained with"
         )
+
+
+def chat_warning(loaded: Loaded) -> str | None:
+    """Why a chat with ``loaded`` will not give answers, where its own run says so; else None.
+
+    Only what the run config proves: trained here (``step > 0``) from scratch (no
+    ``train.init_from``) on plain text (``order.condition=none``, ``data.format=text`` or a
+    ``builtin:`` corpus). A converted model, a fine-tuned one or one trained on chat data may
+    well answer: no warning."""
+    cfg = loaded.config
+    if loaded.step <= 0 or cfg.train.init_from or cfg.order.condition != "none":
+        return None
+    if not (cfg.data.format == "text" or str(cfg.data.source).startswith("builtin:")):
+        return None
+    return (
+        f"{loaded.path} was trained on plain text (data.source={cfg.data.source}, "
+        "order.condition=none), not on prompts and answers: its chat 'answer' continues the "
+        "rendered prompt; fine-tune it on prompt/response data with order.condition=prompt "
+        "(docs/data.md)"
+    )
+
+
+def warn_if_not_for_chat(loaded: Loaded) -> None:
+    """A ``UserWarning`` (at the caller's caller) with :func:`chat_warning`'s reason, if any."""
+    if (why := chat_warning(loaded)) is not None:
+        import warnings
+
+        warnings.warn(why, UserWarning, stacklevel=3)

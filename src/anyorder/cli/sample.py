@@ -349,6 +349,7 @@ def run_sample(args: argparse.Namespace) -> int:
 
     from anyorder import bounds
     from anyorder.checkpoint import load_model
+    from anyorder.checkpoint.loaded import chat_warning
     from anyorder.errors import SamplingError
     from anyorder.sample import decode_text
     from anyorder.sampling.speculative import check_request
@@ -374,6 +375,8 @@ def run_sample(args: argparse.Namespace) -> int:
             "tokenizer folder)"
         )
     check_request(args.speculative, args.steps, args.streams, args.order)
+    if args.chat is not None and (why := chat_warning(ckpt)) is not None:
+        print(f"anyorder sample: warning: {why}", file=sys.stderr, flush=True)
     order, streams = _sample_order(args, model.kind)
     n, prompt, known = _sample_prompt(args, model, tok)
     sequential = args.steps is None and streams is None and args.speculative is None
