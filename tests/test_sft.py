@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import textwrap
 from collections import Counter
 from pathlib import Path
@@ -463,3 +464,23 @@ def test_two_ranks_take_the_mean_over_the_batchs_answer_tokens(tmp_path):
         assert got["grads"].keys() == grads1.keys()
         for name in grads1:
             torch.testing.assert_close(got["grads"][name], grads1[name], rtol=1e-5, atol=1e-7)
+
+
+def test_the_training_log_shows_the_answers_loss_in_bits_per_token(tmp_path, capsys):
+    """Issue 40: under order.condition=prompt the answers' slots run on with EOS padding,
+    which has no bytes, so the log's "bits/byte" of the loss grew with the padding (229
+    bits/byte for a converted model); the log now says bits per answer token, the loss over
+    ln 2, as validation's line does."""
+    from anyorder.cli import main
+
+    write_uneven_chat(tmp_path / "chat.jsonl")
+    (tmp_path / "sft.yaml").write_text("{}\n")
+    over = sft_overrides(tmp_path, "aogpt", **{"train.steps": 2})
+    assert main(["train", str(tmp_path / "sft.yaml"), *over]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "| loss" in line]
+    assert lines
+    for line in lines:
+        nats, bits = (float(w) for w in re.findall(r"loss ([0-9.]+) nats/token = ([0-9.]+) "
+                                                    r"bits/token,", line)[0])  # fmt: skip
+        assert bits == pytest.approx(nats / math.log(2), abs=2e-3), line
+        assert "bits/byte" not in line

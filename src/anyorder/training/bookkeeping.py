@@ -50,7 +50,7 @@ class LoopState:
     start_step: int
     last_ckpt: Path | None
     unigram: float | None
-    to_bpb: float  # nats/token -> bits/byte
+    to_bpb: float  # nats/token -> the log's bits (per bits_unit)
     t0: float  # when the run began (elapsed_s)
     loop_t0: float  # when the loop began (the time limit)
     end: int = 0  # the last step of this call (train.steps, stop_at, a time limit)
@@ -66,6 +66,7 @@ class LoopState:
     skipped: int = 0
     bar: Any = None  # opened once the horizon is known (after the fit to a time limit)
     interrupted: str | None = None  # the signal that stopped the run
+    bits_unit: str = "bits/byte"  # of the logged loss: bits/token where bytes do not apply
 
 
 def horizon(cfg: RunConfig, stop_at: int | None) -> int:
@@ -167,7 +168,7 @@ def log_step(parts: RunParts, loop: LoopState) -> None:
     loop.log.agree(parts.env)  # rank 0's write error, on every rank
     if loop.bar is not None:
         loop.bar.set_postfix_str(
-            f"loss {loop.loss:.3f} nats/token = {loop.loss * loop.to_bpb:.3f} bits/byte, "
+            f"loss {loop.loss:.3f} nats/token = {loop.loss * loop.to_bpb:.3f} {loop.bits_unit}, "
             f"{tok_s:,.0f} tokens/s"
         )
 

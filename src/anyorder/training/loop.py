@@ -296,6 +296,7 @@ def _open_run(
         error = WriteError(os_error_line(e))
     raise_rank0_error(error, env)
     assert log is not None
+    bytes_per_token, unit = _loss_unit(parts)
     return LoopState(
         run_dir=run_dir,
         log=log,
@@ -304,18 +305,24 @@ def _open_run(
         start_step=step,
         last_ckpt=ckpt_mod.latest_checkpoint(run_dir) if resume_from else None,
         unigram=unigram,
-        to_bpb=1.0 / (math.log(2) * _loss_bytes_per_token(parts)),
+        to_bpb=1.0 / (math.log(2) * bytes_per_token),
+        bits_unit=unit,
         t0=t0,
         loop_t0=time.perf_counter(),
     )
 
 
-def _loss_bytes_per_token(parts: RunParts) -> float:
-    """Bytes per token of what the loss covers: the answers' under ``order.condition=prompt``
-    (the loss is per answer token), the whole blocks' otherwise."""
+def _loss_unit(parts: RunParts) -> tuple[float, str]:
+    """Bytes per token of what the loss covers, and the unit the log shows it in.
+
+    On text the loss scores every slot of blocks of text: bits per byte of that text. Under
+    ``order.condition=prompt`` it scores the answers' slots, and those run on with EOS
+    padding to the block's end, which has no bytes: per byte of the answers' text the figure
+    grows with the padding (hundreds of bits for short answers in long blocks), so the log
+    shows bits per answer token, as validation does."""
     if parts.cfg.order.condition == "prompt":
-        return parts.data.answer_bytes_per_token("train")
-    return parts.data.bytes_per_token("train")
+        return 1.0, "bits/token"
+    return parts.data.bytes_per_token("train"), "bits/byte"
 
 
 def _set_horizon(
