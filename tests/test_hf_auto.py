@@ -600,3 +600,85 @@ def test_a_device_that_is_not_here_is_refused_at_load(folders) -> None:
         bad, message = "cuda:1", r"^device_map='cuda:1': no CUDA device here; use 'cpu' or 'auto'$"
     with pytest.raises(ConfigError, match=message):
         transformers.AutoModelForCausalLM.from_pretrained(folders["gpt"], device_map=bad)
+
+
+# -- the byte tokenizer through AutoTokenizer and pipeline (issue 40) --------------------
+
+
+@pytest.fixture(scope="module")
+def byte_export(tmp_path_factory) -> Path:
+    """What ``anyorder export RUN --out FOLDER`` writes for a run trained on bytes."""
+    from anyorder import checkpoint as ckpt_mod
+    from anyorder.cli import main
+    from anyorder.config import RunConfig
+
+    root = tmp_path_factory.mktemp("byte-run")
+    model = tiny_model("aogpt", seed=4, vocab_size=V, seq_len=N)
+    ckpt_mod.save_checkpoint(
+        root / "run", 3, model=model, config=RunConfig(model=model.cfg), tokenizer=ByteTokenizer()
+    )
+    assert main(["export", str(root / "run"), "--out", str(root / "out")]) == 0
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def auto_tokenizer(byte_export):
+    return transformers.AutoTokenizer.from_pretrained(str(byte_export))
+
+
+def test_auto_tokenizer_of_a_byte_export_has_the_byte_ids(auto_tokenizer) -> None:
+    tok, ours = auto_tokenizer, ByteTokenizer()
+    assert len(tok) == ours.vocab_size and tok.eos_token == "<|endoftext|>"
+    assert tok.eos_token_id == ours.eos_id and tok.convert_tokens_to_ids("<|endoftext|>") == 256
+    assert tok.bos_token_id is None and tok.model_max_length == N
+    every_byte = [b for b in range(256)]
+    assert tok.decode(every_byte) == ours.decode(every_byte)
+    for b in range(256):  # one id per byte, each on its own
+        assert tok.decode([b]) == ours.decode([b])
+    text = "".join(chr(c) for c in range(1, 0x800)) + " \t\n\r  .,;'\"é漢字🙂\U0010fffd \u00a0x"
+    assert tok(text)["input_ids"] == ours.encode(text)
+    assert tok.decode(ours.encode(text)) == text
+    assert tok.decode([104, 105, 256, 33]) == "hi<|endoftext|>!"
+    assert tok.decode([104, 105, 256, 33], skip_special_tokens=True) == ours.decode(
+        [104, 105, 256, 33]
+    )
+
+
+try:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover
+    given = None
+
+if given is not None:
+
+    @settings(
+        max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    )
+    @given(text=st.text(max_size=80), raw=st.lists(st.integers(0, 256), max_size=60))
+    def test_auto_tokenizer_agrees_with_the_byte_tokenizer_on_any_text(
+        auto_tokenizer, text: str, raw: list[int]
+    ) -> None:
+        tok, ours = auto_tokenizer, ByteTokenizer()
+        text = text.replace("<|endoftext|>", "")  # transformers reads it as EOS (as GPT-2)
+        ids_ = tok(text)["input_ids"]
+        assert ids_ == ours.encode(text) and tok.decode(ids_) == text
+        assert tok.decode(raw, skip_special_tokens=True) == ours.decode(raw)
+
+
+def test_pipeline_on_a_byte_export_needs_no_tokenizer(byte_export) -> None:
+    pipe = transformers.pipeline("text-generation", model=str(byte_export))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(byte_export)
+    prompt = "Hi!"
+    out = pipe(prompt, max_new_tokens=6, do_sample=False, return_full_text=False)
+    greedy = hf.generate(torch.tensor([ByteTokenizer().encode(prompt)]), max_new_tokens=6)
+    tok = ByteTokenizer()
+    assert out[0]["generated_text"] == decode_text(tok, greedy[0, 3:], tok.eos_id)
+    drawn = pipe(prompt, max_new_tokens=6, seed=3, num_return_sequences=2)
+    expected = hf.generate(
+        torch.tensor([tok.encode(prompt)]), max_new_tokens=6, do_sample=True, seed=3,
+        num_return_sequences=2,
+    )  # fmt: skip
+    assert [d["generated_text"] for d in drawn] == [
+        prompt + decode_text(tok, row[3:], tok.eos_id) for row in expected
+    ]

@@ -58,6 +58,8 @@ def test_folder_is_uploadable_as_is(tmp_path) -> None:
         "config.json",
         "model.safetensors",
         "tokenizer",
+        "tokenizer.json",  # transformers' byte tokenizer (AutoTokenizer, pipeline)
+        "tokenizer_config.json",
         "training_config.yaml",
     ]
     assert (folder / "tokenizer" / "anyorder_tokenizer.json").is_file()

@@ -10,6 +10,9 @@ An exported model is a Hugging Face style folder (or a hub repository) holding
 * ``tokenizer/``: the tokenizer's own files (:meth:`Tokenizer.save`), as in a training
   checkpoint (``AutoTokenizer.from_pretrained(repo, subfolder="tokenizer")`` reads a
   ``transformers`` one);
+* ``tokenizer.json`` and ``tokenizer_config.json`` for a byte tokenizer: its ids in
+  ``transformers``' format (:mod:`anyorder.checkpoint.hf_tokenizer`), for ``AutoTokenizer``
+  and ``pipeline``;
 * ``training_config.yaml``: the run config that produced the weights, when there was one;
 * ``README.md``: a model card.
 

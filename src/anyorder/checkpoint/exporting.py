@@ -33,12 +33,13 @@ from anyorder.checkpoint.exported import (
     WEIGHTS_NAME,
     is_exported,
 )
+from anyorder.checkpoint.hf_tokenizer import write_byte_tokenizer
 from anyorder.checkpoint.layout import resolve_checkpoint, verify
 from anyorder.checkpoint.load import load_model, read_config, weights_file
 from anyorder.checkpoint.save import reading
 from anyorder.checkpoint.weights import check_finite, tied_aliases
 from anyorder.config import RunConfig, method_name, to_dict
-from anyorder.data import sha256_file
+from anyorder.data import ByteTokenizer, sha256_file
 from anyorder.errors import CheckpointError, ConfigError
 from anyorder.version import __version__
 
@@ -225,7 +226,9 @@ def write_export_files(
         tmp: the folder being built.
         cfg: the :class:`~anyorder.config.ModelConfig` of the weights.
         num_params: parameters of the model (for the card).
-        tokenizer: saved under ``tokenizer/`` when given.
+        tokenizer: saved under ``tokenizer/`` when given; a byte tokenizer also as
+            ``transformers``' ``tokenizer.json`` at the top (:mod:`anyorder.checkpoint.
+            hf_tokenizer`).
         weights: the label of the weights (:data:`WEIGHT_LABELS`).
         step: training steps behind the weights.
         source: where the weights came from.
@@ -234,6 +237,8 @@ def write_export_files(
     """
     if tokenizer is not None:
         tokenizer.save(tmp / TOKENIZER_DIR)
+    if isinstance(tokenizer, ByteTokenizer):  # transformers' own files, at the top
+        write_byte_tokenizer(tmp, tokenizer.eos_id, cfg.seq_len)
     config: dict[str, Any] = {
         "model_type": MODEL_TYPE,
         "architectures": ["AnyorderModel"],
