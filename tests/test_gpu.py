@@ -180,23 +180,29 @@ def test_flex_attention_backward_equals_sdpa_with_strided_blocks(streams: int) -
         torch.testing.assert_close(g_out[k], g_ref[k], atol=ATOL, rtol=1e-3, msg=k)
 
 
-def test_flex_attention_rows_that_see_nothing_give_zeros_and_finite_gradients() -> None:
+@pytest.mark.parametrize("head_dim", [8, 16, 24])
+def test_flex_attention_rows_that_see_nothing_give_zeros_and_finite_gradients(
+    head_dim: int,
+) -> None:
     """Attention alone under the strict block mask of strided blocks: the first block's rows
-    are exactly zero on both backends, and q, k, v get finite gradients that agree."""
+    are exactly zero on both backends, and q, k, v get finite gradients that agree. Heads
+    below 16 wide (8) take SDPA under the flex backend too (FlexAttention's CUDA kernels
+    refuse them); 16 and 24 (no power of 2) take FlexAttention on CUDA."""
     from anyorder.layers import Attention, block_visibility
 
     torch.manual_seed(0)
-    attn = Attention(tiny_model("armd", n_head=2, d_model=16).cfg).to(DEVICE)
+    attn = Attention(tiny_model("armd", n_head=2, d_model=2 * head_dim).cfg).to(DEVICE)
     blocks = strided(2, N, 3).model_blocks.to(DEVICE)
     g = torch.Generator().manual_seed(5)
-    qkv0 = [torch.randn(2, 2, N, 8, generator=g).to(DEVICE) for _ in range(3)]
+    qkv0 = [torch.randn(2, 2, N, head_dim, generator=g).to(DEVICE) for _ in range(3)]
     outs = {}
+    takes_flex = DEVICE.type == "cuda" and head_dim >= 16
     for backend in ("sdpa", "flex"):
         set_attention_backend(backend)
         try:
             q, k, v = (t.clone().requires_grad_() for t in qkv0)
-            mask = block_visibility(blocks, N, True, DEVICE)
-            assert (mask.flex is not None) == (backend == "flex" and DEVICE.type == "cuda")
+            mask = block_visibility(blocks, N, True, DEVICE, head_dim)
+            assert (mask.flex is not None) == (backend == "flex" and takes_flex)
             y = attn.attend(q, k, v, mask, project=False)  # (B, N, d)
             y.square().sum().backward()
         finally:
@@ -208,6 +214,24 @@ def test_flex_attention_rows_that_see_nothing_give_zeros_and_finite_gradients() 
     torch.testing.assert_close(outs["flex"][0], outs["sdpa"][0], atol=ATOL, rtol=0)
     for a, b in zip(outs["flex"][1], outs["sdpa"][1]):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-3)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_model_with_small_heads_trains_under_the_flex_backend(compiled: bool) -> None:
+    """ARMD with heads 8 wide on strided blocks, the flex backend asked for, eager and
+    compiled (inductor on CUDA): SDPA runs instead of failing in the compiler, values and
+    gradients those of the SDPA backend."""
+    model = on_device("armd", n_head=2, d_model=16).train()
+    assert model.cfg.d_head == 8
+    tokens = torch.randint(0, 11, (2, N), generator=torch.Generator().manual_seed(6))
+    o = strided(2, N, 3)
+    args = tokens.to(DEVICE), o.order.to(DEVICE), o.model_blocks.to(DEVICE)
+    ref, g_ref = _grads_under("sdpa", model, args)
+    out, g_out = _grads_under("flex", model, args, compiled=compiled)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    assert g_out.keys() == g_ref.keys()
+    for k in g_ref:
+        torch.testing.assert_close(g_out[k], g_ref[k], atol=ATOL, rtol=1e-3, msg=k)
 
 
 def test_compiled_flex_training_equals_eager_sdpa() -> None:

@@ -127,7 +127,13 @@ def prepare_mask(mask: Tensor) -> PreparedMask:
     return PreparedMask(mask | (empty & first), empty)
 
 
-def block_visibility(blocks: Tensor | None, n: int, strict: bool, device: torch.device) -> Mask:
+def block_visibility(
+    blocks: Tensor | None,
+    n: int,
+    strict: bool,
+    device: torch.device,
+    head_dim: int | None = None,
+) -> Mask:
     """Self-attention mask of a permuted sequence of ``n`` slots in blocks, for every layer.
 
     Args:
@@ -135,18 +141,21 @@ def block_visibility(blocks: Tensor | None, n: int, strict: bool, device: torch.
         n: slots.
         strict: a slot sees earlier blocks only (ARMD's query stream); else its own too.
         device: where the mask lives.
+        head_dim: the attention's head dimension: FlexAttention only where its kernels take
+            it (:func:`~anyorder.layers.flex.flex_enabled`).
 
     Returns:
         ``"causal"`` / ``"strict"`` at token level (SDPA's causal kernel, see
         :meth:`Attention.attend`); else a :class:`PreparedMask`, with a FlexAttention block
-        mask when that backend is on and the device is CUDA, a dense boolean mask otherwise.
+        mask when that backend is on, the device is CUDA and the heads are wide enough, a
+        dense boolean mask otherwise.
     """
     if blocks is None:
         return "strict" if strict else "causal"
     ids, empty = blocks, None
     if strict:  # rows of the first block see nothing
         empty = (ids <= ids.min(dim=-1, keepdim=True).values)[:, None, :, None]
-    if flex_enabled(device):
+    if flex_enabled(device, head_dim):
         return PreparedMask(None, empty, _flex_block_mask(ids, strict))
     dense = block_mask(ids, ids, strict)
     if empty is not None:

@@ -142,8 +142,8 @@ class ARMD(AnyOrderLM):
         h = self.embed_content(x, order)
         g = self.embed_query(order, prefix_mean(h, blocks))
         # masks and RoPE tables once, for every layer
-        mask_c = block_visibility(blocks, n, False, tokens.device)
-        mask_q = block_visibility(blocks, n, True, tokens.device)
+        mask_c = block_visibility(blocks, n, False, tokens.device, self.cfg.d_head)
+        mask_q = block_visibility(blocks, n, True, tokens.device, self.cfg.d_head)
         pos = positions(self.cfg, order)
         x = torch.cat([h, g])  # (2B, n, d): the content stream, then the query stream
         for i, block in enumerate(self.blocks):
