@@ -14,16 +14,148 @@ Design choices:
   generic class that ``trust_remote_code=False`` gives, which may tokenize differently.
 * A file among those that cannot be read as JSON is refused too (fail closed): the check must
   not skip what ``transformers`` might still read.
+* Every file read from such a folder is a regular file of bounded size, opened once: a named
+  pipe would block the read forever and a link to ``/dev/zero`` would fill the memory.
+  :func:`open_regular` asks ``stat`` first (a device is never opened), opens without blocking
+  and checks the open file again; :func:`refuse_special_files` does the ``stat`` part for the
+  files ``transformers`` reads itself.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from anyorder.data.sources import _first_line
-from anyorder.errors import DataError
+from anyorder.errors import AnyorderError, DataError
+
+MAX_FOLDER_FILE_BYTES = 256 << 20
+"""At most this many bytes in a tokenizer or config file of a model folder (the largest
+tokenizer.json of a released model is a few tens of MB)."""
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "config.json",
+    "anyorder_tokenizer.json",
+)
+"""The files of a folder that loading its tokenizer may read."""
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+)
+
+
+def _not_regular(path: Path, mode: int) -> str:
+    what = next((name for test, name in _KINDS if test(mode)), "a special file")
+    return f"{path} is {what}, not a file; replace it with the file itself"
+
+
+def open_regular(path: Path, error: type[AnyorderError] = DataError) -> BinaryIO | None:
+    """``path`` opened for reading, or None when nothing is there (a dangling link included).
+
+    Anything but a regular file is refused without reading it: ``stat`` is asked first (a
+    device is never opened), the open does not block (a named pipe put there since), and the
+    open file is asked again, so what is read is what was checked.
+
+    Raises:
+        error: one line naming the path and what it is.
+    """
+    try:
+        mode = path.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise error(_not_regular(path, mode))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise error(f"{path} cannot be opened ({_first_line(e)}); fix its permissions") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise error(_not_regular(path, mode))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_regular(
+    path: Path, limit: int = MAX_FOLDER_FILE_BYTES, error: type[AnyorderError] = DataError
+) -> bytes | None:
+    """The bytes of the regular file ``path`` (:func:`open_regular`), at most ``limit`` of
+    them; None when there is no such file.
+
+    Raises:
+        error: not a regular file, or larger than ``limit``.
+    """
+    f = open_regular(path, error)
+    if f is None:
+        return None
+    with f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise error(
+            f"{path} is larger than {limit} bytes, more than such a file holds; "
+            "replace it with the right file"
+        )
+    return data
+
+
+def parse_json(data: bytes, path: Path, fix: str, error: type[AnyorderError] = DataError) -> Any:
+    """``data`` (the bytes of ``path``) as JSON; one line (``fix`` its remedy) when it is not.
+
+    Raises:
+        error: not UTF-8, not JSON, or nested too deeply for the parser.
+    """
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else _first_line(e)[:120]
+        raise error(f"{path} is unreadable ({why}); {fix}") from None
+
+
+def refuse_special_files(
+    folder: str | Path,
+    names: tuple[str, ...] = TOKENIZER_FILES,
+    error: type[AnyorderError] = DataError,
+    limit: int = MAX_FOLDER_FILE_BYTES,
+) -> None:
+    """Refuse a folder where one of ``names`` is there but is no regular file of at most
+    ``limit`` bytes: another library reads it, and would block on a named pipe or fill the
+    memory from ``/dev/zero``. Only ``stat`` is asked.
+
+    Raises:
+        error: one line naming the file and what it is.
+    """
+    for name in names:
+        path = Path(folder) / name
+        try:
+            st = path.stat()
+        except OSError:
+            continue  # not there (or not reachable): the reader says so if it needs it
+        if not stat.S_ISREG(st.st_mode):
+            raise error(_not_regular(path, st.st_mode))
+        if st.st_size > limit:
+            raise error(
+                f"{path} is {st.st_size} bytes, more than the {limit} such a file holds; "
+                "replace it with the right file"
+            )
+
 
 _CODE_FILES = ("tokenizer_config.json", "config.json")
 """The files whose keys make ``transformers`` import Python from the folder."""
@@ -57,16 +189,21 @@ def refuse_custom_code(folder: str | Path) -> None:
     transformers' classes. A model folder from the hub is untrusted input; anyorder never runs
     code from it. A file that cannot be read as JSON is refused too (fail closed).
 
+    The files a tokenizer load may read must be regular files of bounded size
+    (:func:`refuse_special_files`).
+
     Raises:
         DataError: one line naming the file and the key.
     """
+    refuse_special_files(folder)
     for name in _CODE_FILES:
         path = Path(folder) / name
-        if not path.is_file():
+        raw = read_regular(path)
+        if raw is None:
             continue
         try:
-            data = json.loads(path.read_bytes().decode("utf-8"))
-        except (OSError, ValueError, RecursionError) as e:
+            data = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as e:
             raise DataError(
                 f"{path} is not readable JSON ({_first_line(e)[:120]}); fix or remove it"
             ) from None

@@ -25,10 +25,13 @@ Design choices:
 from __future__ import annotations
 
 import json
+import math
+import os
 import struct
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
@@ -38,8 +41,9 @@ from anyorder.checkpoint.exported import CONFIG_NAME, WEIGHTS_NAME
 from anyorder.checkpoint.exporting import _EXPORT_WHERE, _prepare_target, write_export_files
 from anyorder.checkpoint.weights import tied_aliases
 from anyorder.config import ModelConfig
+from anyorder.data.untrusted import open_regular, parse_json, read_regular, refuse_special_files
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
-from anyorder.interop.convert import Converted, _first_line, fit_query_mlp
+from anyorder.interop.convert import Converted, fit_query_mlp
 from anyorder.interop.families import family_of, model_config_from_hf, weight_map
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -48,50 +52,156 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _CHUNK = 1 << 22  # elements checked for finiteness at a time: no full-size mask
 
 
+INDEX_NAME = "model.safetensors.index.json"
+MAX_JSON_BYTES = 64 << 20
+"""At most this many bytes in a source's config.json or shard index (a 405B model's index
+is well under 1 MB)."""
+MAX_HEADER_BYTES = 100_000_000
+"""At most this many bytes in a safetensors header (the ``safetensors`` library's own limit)."""
+_ST_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
+    "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+_AGAIN = "download the checkpoint again"
+
+
+def read_source_json(folder: Path, name: str) -> Any:
+    """The JSON file ``name`` of a source folder, or None when there is none: a regular file
+    of at most :data:`MAX_JSON_BYTES`, read once.
+
+    Raises:
+        CheckpointError: a named pipe, a device or a folder there, too large, or not JSON
+            (nested too deeply included).
+    """
+    path = folder / name
+    raw = read_regular(path, MAX_JSON_BYTES, CheckpointError)
+    return None if raw is None else parse_json(raw, path, _AGAIN, CheckpointError)
+
+
+def weight_files(folder: Path) -> tuple[list[str], dict[str, str]]:
+    """The weight files of a source folder and its index's weight map: ``model.safetensors``
+    (no map), or the shards its ``model.safetensors.index.json`` names.
+
+    An index is data, and a name in it is read as a path relative to the folder, so it must
+    stay inside it as written: no absolute path, no ``..``. Where such a name leads through a
+    link is not asked: the hub's cache keeps a snapshot's files as links to
+    ``../../blobs/<hash>``, and a folder's own links are its owner's.
+
+    Raises:
+        CheckpointError: neither file, an index that is not a weight map, or a name in it
+            that leaves the folder.
+    """
+    if (folder / "model.safetensors").exists():  # Source refuses it if it is no file
+        return ["model.safetensors"], {}
+    index = read_source_json(folder, INDEX_NAME)
+    if index is None:
+        raise CheckpointError(
+            f"{str(folder)!r} holds no model.safetensors or {INDEX_NAME}; save the model "
+            "with safetensors"
+        )
+    path = folder / INDEX_NAME
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+        raise CheckpointError(f"{path} holds no weight_map of tensor names to files; {_AGAIN}")
+    names = sorted(set(wmap.values()))
+    for name in names:
+        if not name or "\0" in name or name.startswith("/") or ".." in name.split("/"):
+            raise CheckpointError(
+                f"{path} names the weight file {name[:120]!r}, which is not inside "
+                f"{str(folder)!r}; an index names the files beside it: {_AGAIN}"
+            )
+    return names, wmap
+
+
 class Source:
     """The tensors of a safetensors checkpoint folder (one file or shards), read one at a time.
 
-    ``safe_open`` checks each file and lists its tensors; the bytes are then read with plain
-    file reads into each tensor's own buffer. (``get_tensor`` reads through a map of the
-    whole file, and every page it touches stays in the process's resident set: converting a
-    2-layer Llama-3.2-1B-shaped checkpoint peaked at 1.58x its size that way, measured.)
+    Each file is opened once (:func:`~anyorder.data.untrusted.open_regular`: a regular file)
+    and its header checked here, before anything is allocated: its length, each tensor's
+    dtype, and its offsets against its shape and the file's size. The bytes are then read
+    with plain file reads into each tensor's own buffer. (``get_tensor`` reads through a map
+    of the whole file, and every page it touches stays in the process's resident set:
+    converting a 2-layer Llama-3.2-1B-shaped checkpoint peaked at 1.58x its size that way,
+    measured.) A :class:`Source` is a context manager that closes its files.
     """
 
     def __init__(self, folder: Path) -> None:
-        from safetensors import safe_open
-
         self.folder = folder
-        index = folder / "model.safetensors.index.json"
-        self.where: dict[str, tuple[Path, torch.dtype, list[int], int]] = {}
+        self.files: dict[str, BinaryIO] = {}
+        # name -> (file, dtype or the safetensors dtype convert does not read, shape, start)
+        self.where: dict[str, tuple[str, torch.dtype | str, list[int], int]] = {}
+        self.doubles: list[tuple[str, str, str, str]] = []  # (tensor, file read, other, why)
         try:
-            if (folder / "model.safetensors").is_file():
-                files = ["model.safetensors"]
-            elif index.is_file():
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            else:
-                raise CheckpointError(
-                    f"{str(folder)!r} holds no model.safetensors or "
-                    "model.safetensors.index.json; save the model with safetensors"
-                )
-            for name in files:
-                path = folder / name
-                with safe_open(str(path), framework="pt"):  # the library's checks of the file
-                    pass
-                with path.open("rb") as f:
-                    size = struct.unpack("<Q", f.read(8))[0]
-                    header = json.loads(f.read(size))
-                for key, entry in header.items():
-                    if key != "__metadata__":
-                        dtype = _FROM_ST[entry["dtype"]]
-                        start = 8 + size + entry["data_offsets"][0]
-                        self.where[key] = (path, dtype, list(entry["shape"]), start)
-        except CheckpointError:
+            names, chosen = weight_files(folder)
+            for name in names:
+                self._open(name, chosen)
+        except BaseException:
+            self.close()
             raise
-        except Exception as e:
+
+    def _open(self, name: str, chosen: dict[str, str]) -> None:
+        path = self.folder / name
+        f = open_regular(path, CheckpointError)
+        if f is None:
+            raise CheckpointError(f"weight file {str(path)!r} is missing; {_AGAIN}")
+        self.files[name] = f
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        if not 0 < n <= min(MAX_HEADER_BYTES, size - 8):
             raise CheckpointError(
-                f"the weights in {str(folder)!r} cannot be read ({_first_line(e)}); "
-                "download them again"
-            ) from None
+                f"{path} is not a safetensors file (a header of {n} bytes claimed in a file of "
+                f"{size}); {_AGAIN}"
+            )
+        header = parse_json(f.read(n), path, _AGAIN, CheckpointError)
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path} has no safetensors header; {_AGAIN}")
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            dtype, shape, start = self._entry(path, key, entry, 8 + n, size)
+            if key in self.where:
+                first = self.where[key][0]
+                keep = name if chosen.get(key) == name else first
+                why = "the file the index names" if chosen.get(key) == keep else "the first by name"
+                self.doubles.append((key, keep, first if keep == name else name, why))
+                if keep == first:
+                    continue
+            self.where[key] = (name, dtype, shape, start)
+
+    @staticmethod
+    def _entry(
+        path: Path, key: str, entry: Any, base: int, size: int
+    ) -> tuple[torch.dtype | str, list[int], int]:
+        """One header entry, checked: a dtype of safetensors, a shape, and offsets that hold
+        exactly the shape's bytes inside the file."""
+        try:
+            st, shape, (a, b) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ints = [*shape, a, b]
+            ok = all(type(v) is int and v >= 0 for v in ints) and st in _ST_ITEMSIZE
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise CheckpointError(
+                f"{path}: tensor {key[:120]!r} has a damaged header entry "
+                f"({json.dumps(entry)[:120]}); {_AGAIN}"
+            )
+        if b - a != math.prod(shape) * _ST_ITEMSIZE[st] or base + b > size:
+            raise CheckpointError(
+                f"{path}: tensor {key[:120]!r} claims bytes {a}..{b} for shape {shape} "
+                f"{st}, and the file holds {size - base} bytes of data; {_AGAIN}"
+            )
+        return _FROM_ST.get(st, st), list(shape), base + a
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def has(self, name: str) -> bool:
         return name in self.where
@@ -100,16 +210,22 @@ class Source:
         return list(self.where[name][2])
 
     def dtype(self, name: str) -> torch.dtype:
-        return self.where[name][1]
+        dtype = self.where[name][1]
+        if isinstance(dtype, str):
+            raise CheckpointError(
+                f"weight {name!r} is stored as {dtype}; convert reads F32, BF16 and F16 "
+                "weights: save the checkpoint in one of those"
+            )
+        return dtype
 
     def _read(self, name: str, shape: list[int], skip: int = 0) -> Tensor:
-        path, dtype, _, start = self.where[name]
-        out = torch.empty(shape, dtype=dtype)
+        file, _, _, start = self.where[name]
+        out = torch.empty(shape, dtype=self.dtype(name))
         buf = out.view(-1).view(torch.uint8).numpy()
-        with path.open("rb") as f:
-            f.seek(start + skip)
-            if f.readinto(buf) != buf.nbytes:
-                raise CheckpointError(f"{path} is truncated at {name!r}; download it again")
+        f = self.files[file]
+        f.seek(start + skip)
+        if f.readinto(buf) != buf.nbytes:
+            raise CheckpointError(f"{self.folder / file} is truncated at {name!r}; {_AGAIN}")
         return out
 
     def get(self, name: str) -> Tensor:
@@ -159,18 +275,14 @@ def _check_finite(t: Tensor, name: str) -> None:
 
 
 def _read_config(folder: Path, source: str) -> dict[str, Any]:
-    path = folder / CONFIG_NAME
-    if not path.is_file():
+    config = read_source_json(folder, CONFIG_NAME)
+    if config is None:
         raise CheckpointError(
             f"{source!r} has no config.json; give a folder saved by transformers' "
             "save_pretrained (config.json + model.safetensors)"
         )
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is unreadable ({_first_line(e)})") from None
     if not isinstance(config, dict):
-        raise CheckpointError(f"{path} does not hold a JSON object")
+        raise CheckpointError(f"{folder / CONFIG_NAME} does not hold a JSON object")
     return config
 
 
@@ -231,6 +343,8 @@ def _plan(model: torch.nn.Module, mapping: dict, src: Source, name: str) -> dict
                 f"{name} weight {missing[0]!r} is missing; the checkpoint is incomplete or "
                 "its config.json describes another model"
             )
+        for t in theirs:
+            src.dtype(t)  # one convert reads
         rows = sum(src.shape(t)[0] for t in theirs)
         got = [rows, *src.shape(theirs[0])[1:]]
         if got != list(meta.shape):
@@ -240,6 +354,31 @@ def _plan(model: torch.nn.Module, mapping: dict, src: Source, name: str) -> dict
             )
         plan[key] = theirs
     return plan
+
+
+def _warn_skipped(src: Source, plan: dict, source: str, family: str, n_layer: int) -> None:
+    """One line on stderr for each choice the conversion would make silently: a tensor found
+    in two files (one copy is read), tensors the export does not take (layers beyond the
+    config's, names the family's map does not know)."""
+    if src.doubles:
+        key, kept, other, why = src.doubles[0]
+        more = f" (and {len(src.doubles) - 1} more tensors)" if len(src.doubles) > 1 else ""
+        _warn(
+            f"{source!r} holds tensor {key!r} in two files, {kept} and {other}{more}; "
+            f"converting the copy in {kept} ({why})"
+        )
+    used = {t for how in plan.values() if not isinstance(how, str) for t in how}
+    left = sorted(k for k in src.where if k not in used and not k.endswith(".inv_freq"))
+    if left:
+        named = ", ".join(repr(k[:80]) for k in left[:3]) + (", ..." if len(left) > 3 else "")
+        _warn(
+            f"{len(left)} tensors of {source!r} are not converted ({named}): layers beyond "
+            f"the {n_layer} its config.json has, or names the {family} map does not know"
+        )
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _new_parts(model: torch.nn.Module, plan: dict, cfg: ModelConfig, seed: int) -> None:
@@ -296,6 +435,7 @@ def convert_family(
     if kind not in ("gpt", "aogpt", "armd"):
         raise ConfigError(f"cannot convert into {kind!r}; use --to gpt, aogpt or armd")
     folder = resolve_folder(source, allow_patterns=SOURCE_PATTERNS)
+    refuse_special_files(folder, SOURCE_FILES, CheckpointError)  # read whole, here or by others
     config = _read_config(folder, str(source))
     fam = family_of(config, str(source))
     cfg = model_config_from_hf(
@@ -303,57 +443,58 @@ def convert_family(
     )
     bos = _bos_of(config, bos_id, cfg.vocab_size, fam.name)
     tok = _tokenizer(folder, tokenizer, cfg.vocab_size)
-    src = Source(folder)
-    with torch.device("meta"):
-        model = build_model(cfg, init=False)  # names and shapes only
-    mapping = weight_map(fam, cfg.n_layer)
-    if cfg.tie_embeddings:
-        mapping.pop("head.weight")
-    plan = _plan(model, mapping, src, fam.name)
-    emb = fam.top["tok_emb.weight"][0]
-    if dtype is not None and dtype not in _DTYPES:
-        raise ConfigError(f"dtype={dtype!r}: use one of {', '.join(_DTYPES)}")
-    stored = _DTYPES[dtype] if dtype is not None else src.dtype(emb)
-    _new_parts(model, plan, cfg, seed)
-    info: dict[str, Any] = {"converted_from": str(source), "family": config["model_type"]}
-    if kind == "armd":  # the query at slot 0 starts as the source's BOS; no position table
-        targets = torch.zeros(cfg.seq_len, cfg.d_model)
-        targets[0] = src.row(emb, bos).float()
-        info["query_mlp_fit_residual"] = round(fit_query_mlp(model, targets, seed), 6)
-    new = dict(model.state_dict())
+    with Source(folder) as src:
+        with torch.device("meta"):
+            model = build_model(cfg, init=False)  # names and shapes only
+        mapping = weight_map(fam, cfg.n_layer)
+        if cfg.tie_embeddings:
+            mapping.pop("head.weight")
+        plan = _plan(model, mapping, src, fam.name)
+        _warn_skipped(src, plan, str(source), fam.name, cfg.n_layer)
+        emb = fam.top["tok_emb.weight"][0]
+        if dtype is not None and dtype not in _DTYPES:
+            raise ConfigError(f"dtype={dtype!r}: use one of {', '.join(_DTYPES)}")
+        stored = _DTYPES[dtype] if dtype is not None else src.dtype(emb)
+        _new_parts(model, plan, cfg, seed)
+        info: dict[str, Any] = {"converted_from": str(source), "family": config["model_type"]}
+        if kind == "armd":  # the query at slot 0 starts as the source's BOS; no position table
+            targets = torch.zeros(cfg.seq_len, cfg.d_model)
+            targets[0] = src.row(emb, bos).float()
+            info["query_mlp_fit_residual"] = round(fit_query_mlp(model, targets, seed), 6)
+        new = dict(model.state_dict())
 
-    def produce(key: str) -> Tensor:
-        how = plan[key]
-        if how == "bos":
-            t = src.row(emb, bos)
-        elif how == "new":
-            t = new[key].detach()
-        else:
-            parts = [src.get(n) for n in how]
-            for n, part in zip(how, parts, strict=True):
-                _check_finite(part, n)
-            t = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return t.to(stored)
+        def produce(key: str) -> Tensor:
+            how = plan[key]
+            if how == "bos":
+                t = src.row(emb, bos)
+            elif how == "new":
+                t = new[key].detach()
+            else:
+                parts = [src.get(n) for n in how]
+                for n, part in zip(how, parts, strict=True):
+                    _check_finite(part, n)
+                t = parts[0] if len(parts) == 1 else torch.cat(parts)
+            return t.to(stored)
 
-    specs = [(k, list(new[k].shape), stored) for k in plan]
-    eos = config.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    info.update(
-        bos_id=bos,
-        bos_token_id=bos,
-        eos_token_id=tok.eos_id if tok is not None else eos,
-        pad_token_id=config.get("pad_token_id"),
-    )
-    _prepare_target(Path(out).expanduser())
-    with atomic_folder(Path(out).expanduser(), _EXPORT_WHERE) as tmp:
-        aliases = json.dumps(tied_aliases(model))
-        write_safetensors(tmp / WEIGHTS_NAME, specs, produce, {"format": "pt", "tied": aliases})
-        write_export_files(
-            tmp, cfg, model.num_params(), tok, weights="converted", step=0,
-            source=f"converted from {fam.name} {source}", dtype=str(stored).split(".")[1],
-            extra=info,
-        )  # fmt: skip
-    return Converted(model=model, tokenizer=tok, info=info, folder=Path(out).expanduser())
+        specs = [(k, list(new[k].shape), stored) for k in plan]
+        eos = config.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        info.update(
+            bos_id=bos,
+            bos_token_id=bos,
+            eos_token_id=tok.eos_id if tok is not None else eos,
+            pad_token_id=config.get("pad_token_id"),
+        )
+        _prepare_target(Path(out).expanduser())
+        with atomic_folder(Path(out).expanduser(), _EXPORT_WHERE) as tmp:
+            aliases = json.dumps(tied_aliases(model))
+            write_safetensors(tmp / WEIGHTS_NAME, specs, produce, {"format": "pt", "tied": aliases})
+            write_export_files(
+                tmp, cfg, model.num_params(), tok, weights="converted", step=0,
+                source=f"converted from {fam.name} {source}", dtype=str(stored).split(".")[1],
+                extra=info,
+            )  # fmt: skip
+        return Converted(model=model, tokenizer=tok, info=info, folder=Path(out).expanduser())
 
 
 SOURCE_PATTERNS = [
@@ -370,12 +511,26 @@ SOURCE_PATTERNS = [
 ]
 """Files a hub download of a source fetches (GPT-2's too: the CLI reads the config first)."""
 
+SOURCE_FILES = tuple(p for p in SOURCE_PATTERNS if "*" not in p)
+"""The files of a source folder that are read whole (by anyorder or by ``transformers``)."""
+
 
 def model_type_of(folder: Path) -> str | None:
-    """``model_type`` of the ``config.json`` in ``folder``, or None when there is none
-    readable (the caller's own reader then says what is wrong)."""
-    try:
-        config = json.loads((Path(folder) / CONFIG_NAME).read_text())
-    except (OSError, ValueError):
-        return None
+    """``model_type`` of the ``config.json`` in ``folder``, or None when there is none (or it
+    names none: the caller's own reader then says what is wrong).
+
+    The CLI asks this before it picks a reader, so the folder is checked here as
+    :class:`Source` checks it, for the GPT-2 reader too: ``config.json`` and the index regular
+    files of bounded size, the index's names inside the folder and no pipe among them.
+
+    Raises:
+        CheckpointError: a file that must not be read (a pipe, a device, too large, nested
+            too deeply), or an index naming a file outside the folder.
+    """
+    folder = Path(folder)
+    config = read_source_json(folder, CONFIG_NAME)
+    if (folder / "model.safetensors").exists() or (folder / INDEX_NAME).exists():
+        names, _ = weight_files(folder)
+        refuse_special_files(folder, tuple(names), CheckpointError, limit=1 << 62)
+    refuse_special_files(folder, SOURCE_FILES, CheckpointError)
     return config.get("model_type") if isinstance(config, dict) else None
