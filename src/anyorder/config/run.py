@@ -147,7 +147,10 @@ class TrainConfig:
     """Linear warm-up steps."""
     optimizer: str = "adamw"
     """adamw, or muon: Muon on the linear layers' matrices and AdamW on the rest (tables,
-    head, norms, biases), at the same lr (Muon's steps are scaled to AdamW's size)."""
+    head, norms, biases), at the same lr (Muon's steps are scaled to AdamW's size). Under
+    train.lora, Muon takes the adapters' A and B of those layers (r x d and d x r matrices;
+    on a small fine-tune as good as AdamW at each one's best lr, training/muon.py) and AdamW
+    those of the adaLN linears; either may be left with none."""
     muon_momentum: float = 0.95
     """Muon's (Nesterov) momentum."""
     weight_decay: float = 0.1

@@ -55,6 +55,7 @@ from anyorder.training.distributed import (
     setup_distributed,
 )
 from anyorder.training.metrics import MetricsLog, config_yaml, write_atomic
+from anyorder.training.muon import describe as describe_optimizer
 from anyorder.training.resume import check_resume_early, find_resume, step_of
 from anyorder.training.setup import (
     build_parts,
@@ -221,7 +222,7 @@ def _announce(parts: RunParts, dry_run: bool) -> float | None:
         f"{m.kind}: {parts.n_params / 1e6:.2f}M parameters, {m.n_layer} layers x "
         f"{m.d_model}, seq_len {n}, {m.positions}; order {parts.order_sampler.describe()}; "
         f"{env.world_size} process(es) on {env.device}, dtype {t.dtype}; "
-        f"{'Muon + AdamW' if t.optimizer == 'muon' else 'AdamW'} at lr {t.lr:g}, "
+        f"{describe_optimizer(parts.opt)} at lr {t.lr:g}, "
         f"batch {B} = {env.world_size} x {t.grad_accum} x {parts.micro}"
         + (" (compiled)" if use_compile(cfg, env.device) else "")
         + (" (blocks recomputed in backward)" if t.activation_checkpointing else "")

@@ -31,6 +31,18 @@ Design choices:
   steps them. The choice is the machine's, not the run's, so checkpoints do not record it:
   a run resumed on the same CPU continues exactly, one resumed on another kind of CPU
   continues up to bf16 round-off in the iteration.
+* LoRA adapters (``train.lora``) of linear layers are matrices too, ``r x d_in`` (A) and
+  ``d_out x r`` (B), and Muon takes them; those of the adaLN linears keep AdamW, as the
+  adaLN does. Newton-Schulz on a rank-``r`` factor sets its ``r`` singular values to about
+  1, and the ``match_rms_adamw`` scale still gives the step AdamW's RMS (``0.2 lr``). B
+  starts at zero, so A's first gradient is zero and so is its first step, as with AdamW.
+  Measured (issue 40; a 2 x 128 gpt trained 300 steps on builtin:pydoc, then r=8 adapters
+  on attn and mlp 150 steps on builtin:stdlib, batch 16 x 128 bytes, validation bits/byte
+  on 128 blocks), at lr 1e-3 / 3e-3 / 1e-2 / 3e-2: AdamW 4.030 / 3.964 / 3.916 / 3.983,
+  Muon 4.078 / 4.002 / **3.896** / 3.960: as good at each one's best lr, so Muon stays.
+  Under LoRA the AdamW half is often empty (no adapter on an adaLN), so either half may
+  hold no parameter (see ``__init__``); adapters on the adaLN alone leave Muon nothing,
+  and the run steps by plain AdamW (the start-up line names it: :func:`describe`).
 * ``torch.optim.Muon`` is in torch 2.9 and later; on an older torch (the package's floor is
   2.6) ``train.optimizer=muon`` is refused in one line instead of keeping a copy of it here.
 """
@@ -174,6 +186,16 @@ class MuonAdamW(torch.optim.Optimizer):
                 buf = self.state.get(p, {}).get("momentum_buffer")
                 if buf is not None:
                     buf.mul_(1 - g["momentum"])
+
+
+def describe(opt: torch.optim.Optimizer) -> str:
+    """The optimizer as the start-up line names it: ``Muon + AdamW``, ``Muon`` (a LoRA run
+    whose adapters are all matrices) or ``AdamW`` (also under ``train.optimizer=muon`` when
+    no trainable matrix takes Muon, e.g. adapters on the adaLN linears alone)."""
+    if not isinstance(opt, MuonAdamW):
+        return "AdamW"
+    halves = [any(g["params"] for g in opt.param_groups if g["muon"] is m) for m in (True, False)]
+    return " + ".join(name for name, has in zip(("Muon", "AdamW"), halves) if has)
 
 
 def orthogonalise(
