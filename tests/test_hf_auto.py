@@ -495,6 +495,12 @@ def test_every_option_the_loaders_pass_at_its_default_is_accepted(folders) -> No
     )  # fmt: skip
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, ours(x), atol=1e-5, rtol=0)
+    # revision="main" is transformers' default (a local folder has no other); both names of
+    # the dtype may be given when they agree
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, revision="main", dtype=torch.float16, torch_dtype="float16"
+    )
+    assert hf.dtype == torch.float16
     # pipeline passes dtype="auto": the stored dtype (float32 here)
     pipe = transformers.pipeline("text-generation", model=str(folder))
     assert type(pipe.model) is AnyorderModel and pipe.model.dtype == torch.float32
@@ -529,8 +535,11 @@ def test_a_hub_id_is_read_at_its_revision_from_cache_dir(tmp_path, monkeypatch) 
     """A hub id goes through anyorder's hub download with the revision transformers
     resolved, cache_dir and local_files_only (here: a cache laid out like the hub's, read
     offline); what that download cannot honour is one line naming it."""
-    pytest.importorskip("huggingface_hub")
+    hub = pytest.importorskip("huggingface_hub")
+    # offline, read at import by the hub client (else transformers' look-up of a PEFT adapter
+    # retries the network for ~25 s, local_files_only or not)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
     main_ = export(tmp_path, "aogpt", name="main")
     v2 = save_pretrained(
         tiny_model("aogpt", seed=9, vocab_size=V, seq_len=N), tmp_path / "v2", ByteTokenizer()
@@ -545,6 +554,15 @@ def test_a_hub_id_is_read_at_its_revision_from_cache_dir(tmp_path, monkeypatch) 
         with torch.no_grad():
             expected = anyorder.load(folder).model(x)
             torch.testing.assert_close(hf(x).logits, expected, atol=1e-5, rtol=0)
+    nested = tmp_path / "nested"
+    export(nested, "aogpt", name="sub")
+    _snapshots(cache, "someone/nested", {"main": nested})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        "someone/nested", subfolder="sub", cache_dir=cache, local_files_only=True
+    )
+    with torch.no_grad():
+        expected = anyorder.load(nested / "sub").model(x)
+        torch.testing.assert_close(hf(x).logits, expected, atol=1e-5, rtol=0)
     fixes = {
         "token": ("hf_x", r"log in \(huggingface-cli login\) or set HF_TOKEN$"),
         "proxies": ({"https": "p:1"}, r"set HTTPS_PROXY in the environment$"),
@@ -568,6 +586,11 @@ def test_options_that_change_meaning_are_refused_in_one_line(folders, tmp_path) 
         (dict(variant="fp16"), r"^AnyorderModel.from_pretrained does not take variant "),
         # a model field given to from_pretrained lands in the config: the weights decide
         (dict(n_layer=5), r"^the config sets n_layer=5, but the weights in '.*' have n_layer=2;"),
+        (dict(dropout=0.3), r"^the config sets dropout=0.3, but the weights in '.*' have dropout"),
+        (
+            dict(dtype=torch.float16, torch_dtype="bfloat16"),
+            r"^dtype='torch.float16' and torch_dtype='bfloat16' differ; give one \(dtype\)$",
+        ),
     ]
     for kwargs, message in refused:
         with pytest.raises(ConfigError, match=message) as info:
@@ -598,8 +621,10 @@ def test_a_device_that_is_not_here_is_refused_at_load(folders) -> None:
         message = rf"^device_map='{bad}': this machine has \d+ CUDA device\(s\), cuda:0..cuda:"
     else:
         bad, message = "cuda:1", r"^device_map='cuda:1': no CUDA device here; use 'cpu' or 'auto'$"
-    with pytest.raises(ConfigError, match=message):
-        transformers.AutoModelForCausalLM.from_pretrained(folders["gpt"], device_map=bad)
+    index = int(bad.split(":")[1])
+    for device_map in (bad, index, {"": index}, {"model": bad, "model.head": index}):
+        with pytest.raises(ConfigError, match=message):
+            transformers.AutoModelForCausalLM.from_pretrained(folders["gpt"], device_map=device_map)
 
 
 # -- the byte tokenizer through AutoTokenizer and pipeline (issue 40) --------------------

@@ -15,7 +15,8 @@ Design choices:
   resolve_folder`), at ``revision``, into ``cache_dir``; ``local_files_only`` reads the
   cache only. What it cannot do (a ``token`` or ``proxies`` given here, ``force_download``)
   is refused with the way to do it. For a local folder the hub options mean nothing, as
-  in ``transformers``, but a ``revision`` (a version the folder cannot give) is refused.
+  in ``transformers``, but a ``revision`` other than ``"main"`` (a version the folder cannot
+  give) is refused.
 * ``device_map="meta"`` would make a model without weights, which cannot generate: refused
   (anyorder's loader always reads the weights).
 """
@@ -83,7 +84,7 @@ def load_folder(spec: Any, options: dict[str, Any]) -> Path:
     text = str(spec)
     path = Path(text).expanduser()
     if path.exists():
-        if revision is not None:
+        if revision is not None and revision != "main":  # "main": transformers' default
             raise ConfigError(
                 f"revision={str(revision)!r} picks a hub revision, but {text!r} is a local "
                 "folder; drop revision, or give the hub id"
@@ -121,15 +122,18 @@ def load_device(device_map: Any, device: Any) -> torch.device:
     """
     spec = device if device_map is None else device_map
     if isinstance(spec, dict):
-        places = {str(torch.device(v) if isinstance(v, int) else v) for v in spec.values()}
+        # an int is a CUDA index (torch.device(0) would raise on a machine without one)
+        places = {f"cuda:{v}" if isinstance(v, int) else str(v) for v in spec.values()}
         if len(places) != 1:
             raise ConfigError(
                 f"device_map puts parts of the model on {', '.join(sorted(places))}; an anyorder "
                 f"model runs on one device: {_ONE_DEVICE}"
             )
-        spec = next(iter(spec.values()))
+        spec = places.pop()
     if spec is None:
         return torch.device("cpu")
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        spec = f"cuda:{spec}"  # transformers' meaning of an index
     if isinstance(spec, str) and spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(spec, str) and spec in _SPLIT_STRATEGIES:
@@ -138,7 +142,7 @@ def load_device(device_map: Any, device: Any) -> torch.device:
             f"{_ONE_DEVICE}"
         )
     try:
-        dev = torch.device(f"cuda:{spec}" if isinstance(spec, int) else spec)
+        dev = torch.device(spec)
     except (RuntimeError, TypeError, ValueError):
         raise ConfigError(
             f"device_map={str(spec)[:40]!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'"

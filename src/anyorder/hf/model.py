@@ -103,8 +103,7 @@ class AnyorderModel(PreTrainedModel, GenerationMixin):
         if args:
             raise ConfigError(f"{cls.__name__}.from_pretrained takes the folder only positionally")
         device = load_device(kwargs.pop("device_map", None), kwargs.pop("device", None))
-        dtype = kwargs.pop("dtype", None)
-        dtype = kwargs.pop("torch_dtype", None) if dtype is None else dtype
+        dtype = _one_dtype(kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None))
         config = kwargs.pop("config", None)
         # with peft installed, transformers' Auto classes always pass adapter_kwargs (a
         # revision, a token); only an adapter it found is something we would ignore
@@ -230,15 +229,30 @@ def _check_ids(ids: Tensor, vocab: int, name: str) -> None:
         raise ConfigError(f"{name} hold ids outside 0..{vocab - 1} (-100 marks an unscored label)")
 
 
+def _one_dtype(dtype: Any, torch_dtype: Any) -> Any:
+    """``dtype``, or ``torch_dtype`` (its older name) when it is None.
+
+    Raises:
+        ConfigError: both, naming different dtypes.
+    """
+    same = str(dtype).removeprefix("torch.") == str(torch_dtype).removeprefix("torch.")
+    if dtype is None or torch_dtype is None or same:
+        return torch_dtype if dtype is None else dtype
+    raise ConfigError(
+        f"dtype={str(dtype)!r} and torch_dtype={str(torch_dtype)!r} differ; give one (dtype)"
+    )
+
+
 def _config_of(config: Any, loaded: Any) -> AnyorderConfig:
     """The config of a loaded model: ``config`` as given (an :class:`AnyorderConfig`, or a
     folder or file to read one from), else the export's own; its model fields must be the
-    weights' (``from_pretrained(folder, n_layer=...)`` lands in the config).
+    weights' (``from_pretrained(folder, n_layer=...)`` lands in the config; ``dropout``
+    too: the model is built with the weights' own).
 
     Raises:
         ConfigError: another kind of config, or one that contradicts the weights.
     """
-    from anyorder.interop.hub import architecture_diff
+    from anyorder.config import to_dict
 
     if config is None:
         config = loaded.path
@@ -250,13 +264,13 @@ def _config_of(config: Any, loaded: Any) -> AnyorderConfig:
             "(the export's config.json is read)"
         )
     ours, cfg = config.to_model_config(), loaded.model.cfg
-    diff = architecture_diff(ours, cfg)
+    diff = [k for k, v in to_dict(ours).items() if v != to_dict(cfg)[k]]
     if diff:
         shown = ", ".join(f"{k}={getattr(ours, k)!r}" for k in diff[:3])
         raise ConfigError(
             f"the config sets {shown}, but the weights in {str(loaded.path)!r} have "
-            f"{', '.join(f'{k}={getattr(cfg, k)!r}' for k in diff[:3])}; an anyorder model "
-            "takes its architecture from its weights: drop these options"
+            f"{', '.join(f'{k}={getattr(cfg, k)!r}' for k in diff[:3])}; the model is "
+            "built as its weights were saved: drop these options"
         )
     return config
 
