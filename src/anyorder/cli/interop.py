@@ -1,5 +1,6 @@
-"""``anyorder convert`` (GPT-2 weights, the AO-GPT authors' checkpoints) and ``anyorder
-export`` (a training checkpoint as an uploadable folder).
+"""``anyorder convert`` (GPT-2, Llama, Qwen2, Qwen3 and Mistral weights, the AO-GPT
+authors' checkpoints) and ``anyorder export`` (a training checkpoint as an uploadable
+folder).
 
 Flags that belong to one source format are refused for the other with one line naming the
 flag, before anything is read.
@@ -13,6 +14,8 @@ import argparse
 
 
 def add_convert(p: argparse.ArgumentParser) -> None:
+    from anyorder.interop.families import MAX_SEQ
+
     p.add_argument(
         "source",
         help="gpt2: a transformers checkpoint (hub id or folder with config.json) of model_type "
@@ -51,8 +54,8 @@ def add_convert(p: argparse.ArgumentParser) -> None:
         "--seq-len",
         type=int,
         default=None,
-        help="context (default: the source's positions less the BOS's; at most 4096 for the "
-        "RoPE families)",
+        help="context (default: the source's positions less the BOS's, at most 4096 for the "
+        f"RoPE families; never more than the source's positions nor {MAX_SEQ})",
     )
     p.add_argument("--l2s", type=int, default=None, help="armd: two-stream layers (n_layer/2)")
     p.add_argument("--target-dim", type=int, default=128, help="aogpt: target embedding width")

@@ -42,7 +42,8 @@ def commands() -> list[Command]:
         ("eval", "likelihoods, zero-shot table, generative perplexity", add_eval, run_eval),
         (
             "convert",
-            "GPT-2 weights -> gpt, aogpt or armd; the AO-GPT authors' checkpoints -> aogpt",
+            "GPT-2, Llama, Qwen2, Qwen3 or Mistral weights -> gpt, aogpt or armd; the AO-GPT "
+            "authors' checkpoints -> aogpt",
             add_convert,
             run_convert,
         ),

@@ -50,6 +50,7 @@ from torch import Tensor
 from anyorder.checkpoint.exporting import save_pretrained
 from anyorder.config import ModelConfig
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
+from anyorder.interop.families import MAX_SEQ, positive_number, whole_number
 from anyorder.interop.hub import resolve_folder
 
 if TYPE_CHECKING:
@@ -163,6 +164,12 @@ def read_gpt2(
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is unreadable ({_first_line(e)})") from None
+    if isinstance(config, dict) and config.get("model_type") is None:
+        raise CheckpointError(
+            f"{str(source)!r}: config.json names no model_type; anyorder convert reads gpt2, "
+            'llama, qwen2, qwen3 or mistral checkpoints by it: add the model\'s "model_type" '
+            "to config.json (save_pretrained writes it)"
+        )
     if not isinstance(config, dict) or config.get("model_type") != "gpt2":
         got = config.get("model_type") if isinstance(config, dict) else None
         raise CheckpointError(
@@ -170,6 +177,7 @@ def read_gpt2(
             "(model_type gpt2): convert Llama, Qwen2, Qwen3 and Mistral with "
             "anyorder.interop.streaming.convert_family (the CLI picks it by model_type)"
         )
+    model_config_from_gpt2(config, "gpt")  # its sizes checked before any weight is read
     raw = _read_tensors(folder)
     weights = {}
     for k, v in raw.items():
@@ -225,26 +233,33 @@ def model_config_from_gpt2(
     ):
         if config.get(key, not bad) == bad:
             raise CheckpointError(f"GPT-2 with {key}={bad} is not supported by anyorder's trunk")
-    d = int(config["n_embd"])
-    n_inner = config.get("n_inner") or 4 * d
-    n_positions = int(config.get("n_positions", config.get("n_ctx", 1024)))
-    longest = n_positions - position_shift(kind)
+    if "n_embd" not in config:
+        raise CheckpointError(
+            "config.json says model_type gpt2 but has no 'n_embd', GPT-2's width; give a "
+            "GPT-2 checkpoint, or correct model_type (llama, qwen2, qwen3 or mistral: their "
+            "configs name hidden_size)"
+        )
+    d = whole_number(config, "n_embd")
+    n_inner = whole_number(config, "n_inner", None, none=True) or 4 * d
+    n_positions = whole_number(config, "n_positions", whole_number(config, "n_ctx", 1024))
+    longest = min(n_positions - position_shift(kind), MAX_SEQ)
     if seq_len is None:
         seq_len = longest
     if not 1 <= seq_len <= longest:
-        why = "and the BOS takes one" if longest < n_positions else "in its table"
-        raise ConfigError(
-            f"seq_len={seq_len} must lie in 1..{longest} (the GPT-2 has {n_positions} "
-            f"positions {why})"
-        )
+        if seq_len > MAX_SEQ >= longest:
+            why = f"anyorder convert writes at most {MAX_SEQ} positions"
+        else:
+            why = f"the GPT-2 has {n_positions} positions"
+            why += " and the BOS takes one" if longest < n_positions else " in its table"
+        raise ConfigError(f"seq_len={seq_len} must lie in 1..{longest} ({why})")
     if tie_embeddings is None:
         tie_embeddings = bool(config.get("tie_word_embeddings", True))
     return ModelConfig(
         kind=kind,
-        vocab_size=int(config["vocab_size"]),
+        vocab_size=whole_number(config, "vocab_size"),
         seq_len=seq_len,
-        n_layer=int(config["n_layer"]),
-        n_head=int(config["n_head"]),
+        n_layer=whole_number(config, "n_layer"),
+        n_head=whole_number(config, "n_head"),
         d_model=d,
         mlp="gelu",
         mlp_ratio=n_inner / d,
@@ -253,8 +268,8 @@ def model_config_from_gpt2(
         norm="layernorm",
         bias=True,
         tie_embeddings=tie_embeddings,
-        norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
-        init_std=float(config.get("initializer_range", 0.02)),
+        norm_eps=positive_number(config, "layer_norm_epsilon", 1e-5),
+        init_std=positive_number(config, "initializer_range", 0.02),
         dropout=0.0,
         target_dim=target_dim,
         l2s=l2s if kind == "armd" else None,

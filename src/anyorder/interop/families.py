@@ -15,14 +15,20 @@ Design choices:
   output rows. Heads are laid out the same way (head ``h`` is rows ``h*D..(h+1)*D``), query
   head ``h`` reads key/value head ``h // (n_head / n_kv_head)`` in both, and both rotate
   the half-split layout, so no row is permuted.
-* The config is read from ``config.json`` itself (``transformers`` 4 and 5 spell RoPE
-  differently: ``rope_theta`` + ``rope_scaling`` or ``rope_parameters``). Every feature our
-  trunk does not compute is refused by name before anything is written
-  (:func:`refusals`): a wrong conversion that loads is worse than none.
+* The config is read from ``config.json`` itself, as ``transformers`` reads it: RoPE from
+  ``rope_scaling`` or ``rope_parameters`` by its precedence (:func:`rope_parameters`), a
+  sliding window where its layers slide (``Family.window``), the defaults its config
+  classes fill in. Every feature our trunk does not compute, and every value of the wrong
+  kind, is refused by name before anything is written (:func:`refusals`): a wrong
+  conversion that loads is worse than none.
+* The export's EOS is the id the source's ``generate`` stops a chat at
+  (:func:`source_eos_ids`, :func:`ending_at`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,13 +78,52 @@ class Family:
     qk_norm: bool = False
     """Per-head RMSNorm of queries and keys, before RoPE (Qwen3)."""
     top: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(_TOP))
+    max_positions: int = 2048
+    """``max_position_embeddings`` when config.json has none (the config class's default)."""
+    window: Callable[[dict[str, Any]], int | None] = lambda config: None
+    """The shortest attention window any layer uses, as ``transformers`` reads the config
+    (None: every layer attends to the whole prefix)."""
+
+
+def _mistral_window(config: dict[str, Any]) -> int | None:
+    """Mistral: every layer slides by ``sliding_window``; ``MistralConfig`` fills in 4096
+    when config.json has no such key (null: full attention)."""
+    return whole_number(config, "sliding_window", 4096, none=True)
+
+
+def _qwen_window(config: dict[str, Any]) -> int | None:
+    """Qwen2/Qwen3: ``sliding_window`` counts only with ``use_sliding_window``, and only in
+    the layers ``layer_types`` marks ``sliding_attention`` (when config.json gives none:
+    layers ``max_window_layers`` and up, as ``Qwen2Config`` fills them in)."""
+    on = bool(config.get("use_sliding_window", False))
+    window = whole_number(config, "sliding_window", 4096, none=True) if on else None
+    types = config.get("layer_types")
+    if types is None:
+        n_layer = whole_number(config, "num_hidden_layers")
+        first = whole_number(config, "max_window_layers", 28, least=0)
+        slides = [window is not None and i >= first for i in range(n_layer)]
+        types = ["sliding_attention" if s else "full_attention" for s in slides]
+    elif not isinstance(types, list):
+        raise CheckpointError(f"config.json's layer_types is {types!r}, not a list of layer types")
+    if "sliding_attention" not in types:
+        return None
+    if window is None:  # transformers itself cannot run this model (no window for the mask)
+        raise CheckpointError(
+            "config.json's layer_types names sliding_attention layers but use_sliding_window "
+            "is off or sliding_window is null; set both, or make every layer full_attention"
+        )
+    return window
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama", dict(_ATTN)),
-    "mistral": Family("Mistral", dict(_ATTN)),
-    "qwen2": Family("Qwen2", {**_ATTN, **_QKV_BIAS}, qkv_bias=True),
-    "qwen3": Family("Qwen3", {**_ATTN, **_QK_NORM}, qk_norm=True),
+    "mistral": Family("Mistral", dict(_ATTN), max_positions=131072, window=_mistral_window),
+    "qwen2": Family(
+        "Qwen2", {**_ATTN, **_QKV_BIAS}, qkv_bias=True, max_positions=32768, window=_qwen_window
+    ),
+    "qwen3": Family(
+        "Qwen3", {**_ATTN, **_QK_NORM}, qk_norm=True, max_positions=32768, window=_qwen_window
+    ),
 }
 """The families ``anyorder convert`` reads, by ``config.json``'s ``model_type``."""
 
@@ -92,10 +137,16 @@ def family_of(config: dict[str, Any], source: str) -> Family:
         CheckpointError: a model type that is not one of :data:`FAMILIES` (nor GPT-2).
     """
     kind = config.get("model_type")
+    known = ", ".join(["gpt2", *FAMILIES])
+    if not isinstance(kind, str):
+        said = "names no model_type" if kind is None else f"has model_type {_shown(kind)}"
+        raise CheckpointError(
+            f"{source!r}: config.json {said}; anyorder convert reads model_type {known} "
+            "(a string, as save_pretrained writes it): fix config.json"
+        )
     if kind in FAMILIES:
         return FAMILIES[kind]
-    known = ", ".join(["gpt2", *FAMILIES])
-    if isinstance(kind, str) and kind.startswith("gemma"):
+    if kind.startswith("gemma"):
         raise CheckpointError(
             f"{source!r} is a {kind} model: Gemma's (1 + w) norms and scaled embeddings are "
             f"not anyorder's trunk; convert one of {known}"
@@ -105,42 +156,134 @@ def family_of(config: dict[str, Any], source: str) -> Family:
     )
 
 
-def rope_of(config: dict[str, Any]) -> dict[str, Any]:
-    """RoPE base and scaling as :class:`ModelConfig` keys, from either spelling.
+MAX_SEQ = 131072
+"""The longest context ``anyorder convert`` writes (Llama 3.1's 128K positions), whatever
+``max_position_embeddings`` claims: a converted model keeps tables per position (RoPE's,
+AO-GPT's target embedding) and a sampler a cache per position, which outgrow a machine
+long before the weights do."""
+
+_MISSING: Any = object()
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def whole_number(
+    config: dict[str, Any], key: str, default: Any = _MISSING, *, none: bool = False, least: int = 1
+) -> Any:
+    """``config[key]`` as an int of at least ``least``, ``default`` when the key is absent
+    (and when it is null, with ``none``).
 
     Raises:
-        CheckpointError: a scaling type our trunk does not implement, named.
+        CheckpointError: an absent key without a default, or a value that is not a
+            positive whole number (``transformers``' strict configs refuse ``64.0`` too).
     """
-    params = dict(config.get("rope_parameters") or {})
-    scaling = dict(config.get("rope_scaling") or {})
-    params = {**scaling, **params}
-    base = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in _ROPE_TYPES:
+    value = config.get(key)
+    if value is None and (key not in config or none):
+        if default is _MISSING:
+            raise CheckpointError(
+                f"config.json has no {key!r}; give the config.json saved with the weights"
+            )
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        what = "a positive whole number" if least == 1 else f"a whole number >= {least}"
+        raise CheckpointError(
+            f"config.json's {key} is {_shown(value)}; it must be {what} (an integer, as "
+            "transformers writes it): fix config.json"
+        )
+    return value
+
+
+def _number(params: dict[str, Any], key: str, where: str) -> float:
+    """A positive finite number of ``params`` (``where`` names the dict in the message)."""
+    if key not in params:
+        raise CheckpointError(f"config.json's {where} has no {key!r}; add it to config.json")
+    where = "" if where == "config" else f"{where} "
+    value = params[key]
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and value > 0):
+        raise CheckpointError(
+            f"config.json's {where}{key} is {_shown(value)}; it must be a positive number: "
+            "fix config.json"
+        )
+    return float(value)
+
+
+def _rope_object(config: dict[str, Any], key: str) -> dict[str, Any] | None:
+    value = config.get(key)
+    if value is None or isinstance(value, dict):
+        return value
+    raise CheckpointError(
+        f"config.json's {key} is {_shown(value)}; it must be an object such as "
+        '{"rope_type": "linear", "factor": 2.0}, or null: fix config.json'
+    )
+
+
+def rope_parameters(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The RoPE parameters ``transformers`` computes with, and the key they came from.
+
+    ``transformers`` 5 (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``) takes
+    ``rope_scaling`` whole when it is a non-empty object, else ``rope_parameters``, and
+    fills in what they leave out: ``rope_theta`` from the top level (else 10000),
+    ``rope_type`` from its older name ``type`` (else default) and, for llama3, the
+    original context from a top-level ``original_max_position_embeddings``, else
+    ``max_position_embeddings``. ``transformers`` 4 read ``rope_scaling`` beside a top-level
+    ``rope_theta`` and knew no ``rope_parameters``, which agrees. So a ``save_pretrained``
+    of transformers 5 (``rope_parameters: {rope_type: default, rope_theta: ...}``) with an
+    older ``rope_scaling`` added runs scaled, at the default base.
+    """
+    scaling = _rope_object(config, "rope_scaling")
+    key = "rope_scaling" if scaling else "rope_parameters"
+    params = dict(scaling or _rope_object(config, "rope_parameters") or {})
+    nested = [k for k, v in params.items() if isinstance(v, dict)]
+    if nested:
+        raise CheckpointError(
+            f"config.json's {key} gives RoPE per layer type ({nested[0]}); anyorder's trunk "
+            "rotates every layer alike, so it is not converted"
+        )
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] in ("llama3", "yarn", "longrope"):
+        if "original_max_position_embeddings" in config:
+            params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        else:
+            family = FAMILIES.get(config.get("model_type"))  # type: ignore[arg-type]
+            longest = family.max_positions if family is not None else 2048
+            params.setdefault(
+                "original_max_position_embeddings", config.get("max_position_embeddings", longest)
+            )
+    return params, key
+
+
+def rope_of(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE base and scaling as :class:`ModelConfig` keys, read as :func:`rope_parameters`.
+
+    Raises:
+        CheckpointError: a scaling type our trunk does not implement, named; a malformed
+            value, named.
+    """
+    params, key = rope_parameters(config)
+    kind = params["rope_type"]
+    if not isinstance(kind, str) or kind not in _ROPE_TYPES:
         raise CheckpointError(
             f"rope scaling {kind!r} is not implemented by anyorder's trunk; it converts "
             f"{', '.join(_ROPE_TYPES)}"
         )
-    out: dict[str, Any] = {"rope_base": float(base), "rope_scaling_type": _ROPE_TYPES[kind]}
+    out: dict[str, Any] = {
+        "rope_base": _number(params, "rope_theta", key),
+        "rope_scaling_type": _ROPE_TYPES[kind],
+    }
     if kind in ("linear", "llama3"):
-        out["rope_factor"] = float(params["factor"])
+        out["rope_factor"] = _number(params, "factor", key)
     if kind == "llama3":
         out.update(
-            rope_low_freq_factor=float(params["low_freq_factor"]),
-            rope_high_freq_factor=float(params["high_freq_factor"]),
-            rope_original_max_pos=int(params["original_max_position_embeddings"]),
+            rope_low_freq_factor=_number(params, "low_freq_factor", key),
+            rope_high_freq_factor=_number(params, "high_freq_factor", key),
+            rope_original_max_pos=whole_number(params, "original_max_position_embeddings"),
         )
     return out
-
-
-def _window(config: dict[str, Any]) -> int | None:
-    """The shortest attention window the model uses, or None (full attention)."""
-    window = config.get("sliding_window")
-    types = config.get("layer_types") or []
-    if config.get("model_type") in ("qwen2", "qwen3"):
-        on = config.get("use_sliding_window", False) or "sliding_attention" in types
-        return int(window) if on and window else None
-    return int(window) if window else None
 
 
 def refusals(config: dict[str, Any], seq_len: int, bos: int = 1) -> list[str]:
@@ -150,12 +293,13 @@ def refusals(config: dict[str, Any], seq_len: int, bos: int = 1) -> list[str]:
     then hold ``seq_len + 1`` slots for the last token to see the BOS)."""
     out = []
     if config.get("hidden_act", "silu") != "silu":
-        out.append(f"hidden_act {config['hidden_act']!r} (the SwiGLU MLP uses silu)")
+        out.append(f"hidden_act {_shown(config['hidden_act'])} (the SwiGLU MLP uses silu)")
     if config.get("attention_bias") and config.get("model_type") != "qwen2":
         out.append("attention_bias (a bias on the output projection too)")
     if config.get("mlp_bias"):
         out.append("mlp_bias")
-    window = _window(config)
+    family = FAMILIES.get(config.get("model_type"))  # type: ignore[arg-type]
+    window = family.window(config) if family is not None else None
     if window is not None and window < seq_len + bos:
         slots = f"seq_len {seq_len}" + (" + the BOS" if bos else "")
         out.append(
@@ -164,10 +308,19 @@ def refusals(config: dict[str, Any], seq_len: int, bos: int = 1) -> list[str]:
     moe = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(k)]
     if moe:
         out.append(f"mixture of experts ({moe[0]})")
-    partial = config.get("partial_rotary_factor", 1.0)
+    params, _ = rope_parameters(config)
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        out.append(f"partial rotary (partial_rotary_factor {partial})")
+        out.append(f"partial rotary (partial_rotary_factor {_shown(partial)})")
     return out
+
+
+def positive_number(config: dict[str, Any], key: str, default: float) -> float:
+    """``config[key]`` as a positive finite float (``default`` when absent), refused by
+    name otherwise."""
+    if key not in config:
+        return default
+    return _number(config, key, "config")
 
 
 def model_config_from_hf(
@@ -184,59 +337,66 @@ def model_config_from_hf(
     gpt and aogpt rotate the BOS at position 0 and ``x_p`` at ``p + 1``
     (``rope_bos_shift``), as the source reads ``[bos] + x``; armd has no BOS slot and keeps
     ``x_p`` at ``p``. The default ``seq_len`` is what fits the source's
-    ``max_position_embeddings`` beside the BOS, at most :data:`DEFAULT_MAX_SEQ`.
+    ``max_position_embeddings`` beside the BOS, at most :data:`DEFAULT_MAX_SEQ`; no
+    ``seq_len`` beyond those positions or :data:`MAX_SEQ` is written.
 
     Raises:
-        CheckpointError: a family or feature our trunk does not compute, named.
+        CheckpointError: a family or feature our trunk does not compute, or a malformed
+            config value, named.
         ConfigError: a bad ``seq_len``.
     """
     fam = family_of(config, source)
     shift = int(kind != "armd")
-    longest = int(config.get("max_position_embeddings", 2048)) - shift
+    positions = whole_number(config, "max_position_embeddings", fam.max_positions)
+    longest = min(positions - shift, MAX_SEQ)
     if seq_len is None:
         seq_len = min(longest, DEFAULT_MAX_SEQ)
     if not 1 <= seq_len <= longest:
-        raise ConfigError(
-            f"seq_len={seq_len} must lie in 1..{longest} (the {fam.name} was trained at "
-            f"{longest + shift} positions{', the BOS taking one' if shift else ''})"
-        )
+        if seq_len > MAX_SEQ >= longest:
+            why = f"anyorder convert writes at most {MAX_SEQ} positions"
+        else:
+            why = f"the {fam.name} was trained at {positions} positions"
+            why += ", the BOS taking one" if shift else ""
+        raise ConfigError(f"seq_len={seq_len} must lie in 1..{longest} ({why})")
+    d = whole_number(config, "hidden_size")
+    n_head = whole_number(config, "num_attention_heads")
+    head_dim = whole_number(config, "head_dim", None, none=True) or d // n_head
+    sizes = {
+        k: whole_number(config, k) for k in ("vocab_size", "num_hidden_layers", "intermediate_size")
+    }
+    n_kv_head = whole_number(config, "num_key_value_heads", None, none=True) or n_head
+    rope = rope_of(config)
     bad = refusals(config, seq_len, shift)
     if bad:
         raise CheckpointError(
             f"{source!r} uses {'; '.join(bad)}: anyorder's trunk does not compute "
             f"{'it' if len(bad) == 1 else 'them'}, so it is not converted"
         )
-    d = int(config["hidden_size"])
-    n_head = int(config["num_attention_heads"])
-    head_dim = config.get("head_dim") or d // n_head
-    try:
-        return ModelConfig(
-            kind=kind,
-            vocab_size=int(config["vocab_size"]),
-            seq_len=seq_len,
-            n_layer=int(config["num_hidden_layers"]),
-            n_head=n_head,
-            n_kv_head=int(config.get("num_key_value_heads") or n_head),
-            head_dim=None if head_dim * n_head == d else int(head_dim),
-            d_model=d,
-            mlp="swiglu",
-            intermediate_size=int(config["intermediate_size"]),
-            pos_emb="rope",
-            **rope_of(config),
-            rope_bos_shift=bool(shift),
-            qk_norm=fam.qk_norm,
-            norm="rmsnorm",
-            bias=False,
-            qkv_bias=fam.qkv_bias,
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            init_std=float(config.get("initializer_range", 0.02)),
-            dropout=0.0,
-            target_dim=target_dim,
-            l2s=l2s if kind == "armd" else None,
-        )
-    except KeyError as e:
-        raise CheckpointError(f"{source!r}: config.json has no {e.args[0]!r}") from None
+    return ModelConfig(
+        kind=kind,
+        vocab_size=sizes["vocab_size"],
+        seq_len=seq_len,
+        n_layer=sizes["num_hidden_layers"],
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        head_dim=None if head_dim * n_head == d else head_dim,
+        d_model=d,
+        mlp="swiglu",
+        intermediate_size=sizes["intermediate_size"],
+        pos_emb="rope",
+        **rope,
+        rope_bos_shift=bool(shift),
+        qk_norm=fam.qk_norm,
+        norm="rmsnorm",
+        bias=False,
+        qkv_bias=fam.qkv_bias,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        norm_eps=positive_number(config, "rms_norm_eps", 1e-6),
+        init_std=positive_number(config, "initializer_range", 0.02),
+        dropout=0.0,
+        target_dim=target_dim,
+        l2s=l2s if kind == "armd" else None,
+    )
 
 
 def weight_map(family: Family, n_layer: int) -> dict[str, tuple[str, ...]]:
@@ -246,3 +406,50 @@ def weight_map(family: Family, n_layer: int) -> dict[str, tuple[str, ...]]:
         for ours, theirs in family.layer.items():
             out[f"blocks.{i}.{ours}"] = tuple(f"model.layers.{i}.{t}" for t in theirs)
     return out
+
+
+# ----------------------------------------------------------------------------- end of text
+
+
+def source_eos_ids(config: dict[str, Any], generation: Any, vocab: int) -> list[int]:
+    """The ids the source's ``generate`` stops on, in its order.
+
+    ``transformers`` generates with ``generation_config.json`` (``generation``, None when
+    the folder has none; Qwen's instruct models list ``<|im_end|>`` there before
+    ``<|endoftext|>``), else with the ``eos_token_id`` of ``config.json``; either may be
+    one id or a list. A ``generation_config.json`` that names none leaves ``config.json``'s.
+
+    Raises:
+        CheckpointError: an id that is not an integer of the vocabulary.
+    """
+    where, ids = "config.json", config.get("eos_token_id")
+    if isinstance(generation, dict) and generation.get("eos_token_id") is not None:
+        where, ids = "generation_config.json", generation["eos_token_id"]
+    if ids is None:
+        return []
+    ids = ids if isinstance(ids, list) else [ids]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
+            raise CheckpointError(
+                f"{where}'s eos_token_id holds {_shown(i)}, not an id of the vocabulary "
+                f"(0..{vocab - 1}); fix {where}"
+            )
+    return list(ids)
+
+
+def ending_at(tok: Any, stops: list[int]) -> Any:
+    """``tok`` with its EOS where the source's ``generate`` stops (:func:`source_eos_ids`).
+
+    anyorder stops at one id: the tokenizer's own EOS token when the source stops there
+    (a chat model's end of turn: Qwen's ``<|im_end|>``, Llama 3's ``<|eot_id|>``), else
+    the first the source stops on. (A tokenizer left alone would end at
+    ``<|endoftext|>`` when its vocabulary has one, which Qwen starts from as its BOS.)
+    """
+    raw = getattr(tok, "tok", None)
+    if raw is None or not stops:
+        return tok
+    own = getattr(raw, "eos_token_id", None)
+    want = own if own in stops else stops[0]
+    if want == tok.eos_id or not 0 <= want < tok.vocab_size:
+        return tok
+    return type(tok)(raw, name=tok.name, spec=tok.spec, eos_id=want)

@@ -44,7 +44,13 @@ from anyorder.config import ModelConfig
 from anyorder.data.untrusted import open_regular, parse_json, read_regular, refuse_special_files
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
 from anyorder.interop.convert import Converted, fit_query_mlp
-from anyorder.interop.families import family_of, model_config_from_hf, weight_map
+from anyorder.interop.families import (
+    ending_at,
+    family_of,
+    model_config_from_hf,
+    source_eos_ids,
+    weight_map,
+)
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
@@ -296,7 +302,12 @@ def _bos_of(config: dict[str, Any], bos_id: int | None, vocab: int, family: str)
             f"the {family} config names no bos_token_id; pass --bos-id with the token the "
             "model starts from (Qwen: its end-of-text id)"
         )
-    if not 0 <= int(bos_id) < vocab:
+    if isinstance(bos_id, bool) or not isinstance(bos_id, int):
+        raise ConfigError(
+            f"the {family} config's bos_token_id is {bos_id!r}, not a token id; pass --bos-id "
+            "with the token the model starts from"
+        )
+    if not 0 <= bos_id < vocab:
         raise ConfigError(
             f"BOS id {bos_id} is outside the vocabulary (0..{vocab - 1}); pass --bos-id with "
             "an id of the model's vocabulary"
@@ -304,7 +315,7 @@ def _bos_of(config: dict[str, Any], bos_id: int | None, vocab: int, family: str)
     return int(bos_id)
 
 
-def _tokenizer(folder: Path, spec: str | None, vocab: int):
+def _tokenizer(folder: Path, spec: str | None, vocab: int, stops: list[int]):
     from anyorder.data import load_tokenizer
 
     if spec == "none":
@@ -323,7 +334,7 @@ def _tokenizer(folder: Path, spec: str | None, vocab: int):
             f"tokenizer {tok.name!r} has {tok.vocab_size} ids but the model reads {vocab}; "
             "give the model's own tokenizer"
         )
-    return tok
+    return ending_at(tok, stops)  # the EOS the source's generate stops on
 
 
 def _plan(model: torch.nn.Module, mapping: dict, src: Source, name: str) -> dict[str, Any]:
@@ -442,7 +453,9 @@ def convert_family(
         config, kind, seq_len=seq_len, l2s=l2s, target_dim=target_dim, source=str(source)
     )
     bos = _bos_of(config, bos_id, cfg.vocab_size, fam.name)
-    tok = _tokenizer(folder, tokenizer, cfg.vocab_size)
+    generation = read_source_json(folder, "generation_config.json")
+    stops = source_eos_ids(config, generation, cfg.vocab_size)
+    tok = _tokenizer(folder, tokenizer, cfg.vocab_size, stops)
     with Source(folder) as src:
         with torch.device("meta"):
             model = build_model(cfg, init=False)  # names and shapes only
@@ -477,8 +490,7 @@ def convert_family(
             return t.to(stored)
 
         specs = [(k, list(new[k].shape), stored) for k in plan]
-        eos = config.get("eos_token_id")
-        eos = eos[0] if isinstance(eos, list) and eos else eos
+        eos = stops[0] if stops else None
         info.update(
             bos_id=bos,
             bos_token_id=bos,
