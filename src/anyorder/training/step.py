@@ -85,8 +85,10 @@ def train_step(parts: RunParts, step: int, rows: int | None = None) -> float:
                     parts.loss_gen,
                     None if plen is None else plen[sl],
                 )
-            (loss * weights[a]).backward()
-        total += loss.detach() * weights[a]
+            # pre-training divides as it always has (bit for bit); prompts weigh by tokens
+            part = loss / accum if weights is None else loss * weights[a]
+            part.backward()
+        total += part.detach()
     if env.distributed:  # every rank sees the same mean, so all skip a bad update alike
         dist.all_reduce(total, op=dist.ReduceOp.AVG)
     value = float(total)
@@ -104,18 +106,18 @@ def train_step(parts: RunParts, step: int, rows: int | None = None) -> float:
 
 def micro_weights(
     n: int, micro: int, accum: int, rows: int, env: DistEnv, plen_all: Tensor | None
-) -> list[float]:
+) -> list[float] | None:
     """The weight of each micro-step's loss (a mean over that micro-batch's loss tokens), so
     that the weighted sum, averaged over the ranks, is the mean over the global batch's.
 
-    Without prompts every slot counts and the micro-batches are of one size: ``1 / accum``
-    each. With ``plen_all`` (the global batch's prompt lengths) a row has ``n - plen`` loss
-    tokens (the answer's slots, as the models' losses count them), and a micro-batch weighs
-    ``world * its tokens / the global batch's``; ``rows`` is this rank's row count (every
-    rank takes as many).
+    Without prompts (None) every slot counts and the micro-batches are of one size: each
+    weighs ``1 / accum``. With ``plen_all`` (the global batch's prompt lengths) a row has
+    ``n - plen`` loss tokens (the answer's slots, as the models' losses count them), and a
+    micro-batch weighs ``world * its tokens / the global batch's``; ``rows`` is this rank's
+    row count (every rank takes as many).
     """
     if plen_all is None:
-        return [1.0 / accum] * accum
+        return None
     world, rank = env.world_size, env.rank
     per_rank = torch.stack([plen_all[r::world][:rows] for r in range(world)])  # (world, rows)
     counts = (n - per_rank).clamp(min=0).double()
