@@ -148,6 +148,26 @@ def test_index_naming_a_file_outside_the_folder_is_refused(tmp_path, saved, how)
     )
 
 
+def test_gpt2_index_naming_a_file_outside_the_folder_is_refused(tmp_path):
+    """The GPT-2 reader followed the same names; the CLI checks the folder before it picks
+    a reader."""
+    import transformers as tr
+
+    cfg = tr.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    tr.GPT2LMHeadModel(cfg).save_pretrained(str(tmp_path / "other"))
+    (tmp_path / "victim").mkdir()
+    shutil.copy(tmp_path / "other" / "config.json", tmp_path / "victim")
+    index = {"weight_map": {"transformer.wte.weight": "../other/model.safetensors"}}
+    (tmp_path / "victim" / INDEX).write_text(json.dumps(index))
+    refused(
+        tmp_path,
+        f"victim/{INDEX} names the weight file '../other/model.safetensors', which is not "
+        "inside 'victim'; an index names the files beside it: download the checkpoint again",
+        ["convert", "victim", "--to", "gpt", "--bos-id", "1", "--out", "out"],
+    )
+
+
 def test_index_naming_a_file_through_dot_dot_inside_is_refused(tmp_path, saved):
     """``sub/../x`` is read as written: an index names the files beside it, without ``..``."""
     cwd = world(tmp_path, saved, "sharded")

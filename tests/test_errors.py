@@ -349,6 +349,27 @@ def _family(**config):
     return setup
 
 
+def _family_index_outside(folder: Path) -> None:
+    _family()(folder)
+    index = {"weight_map": {"lm_head.weight": "../secret.safetensors"}}
+    (folder / "src" / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _family_config_pipe(folder: Path) -> None:
+    (folder / "src").mkdir()
+    os.mkfifo(folder / "src" / "config.json")
+
+
+def _family_config_nested(folder: Path) -> None:
+    (folder / "src").mkdir()
+    (folder / "src" / "config.json").write_text("[" * 100_000)
+
+
+def _family_shard_header(folder: Path) -> None:
+    _family()(folder)
+    (folder / "src" / "model.safetensors").write_bytes((2**40).to_bytes(8, "little") + b"{}")
+
+
 TRAIN = ["train", "cfg.yaml", "--no-progress"]
 CONVERT_REF = ["convert", "ckpt_1234.pt", "--from", "aogpt-ref", "--out", "ao"]
 CONVERT_HF = ["convert", "src", "--to", "gpt", "--out", "ao"]
@@ -648,6 +669,11 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     ),
     "convert-ref-claims-layers": (CONVERT_REF, {}, _ref_claims_layers),
     "convert-ref-claims-context": (CONVERT_REF, {}, _ref_claims_context),
+    "convert-index-outside": (CONVERT_HF, {}, _family_index_outside),
+    # a fresh interpreter (a variable of its own) has a timeout: a pipe read does not hang
+    "convert-source-pipe": (CONVERT_HF, {"HF_HUB_OFFLINE": "1"}, _family_config_pipe),
+    "convert-config-nested": (CONVERT_HF, {}, _family_config_nested),
+    "convert-shard-header": (CONVERT_HF, {}, _family_shard_header),
     "export-config-nested": (["sample", "good"], {}, _export_config_nested),
     "export-config-infinity": (["sample", "good"], {}, _export_config_infinity),
     "export-config-seq-len-float": (["sample", "good"], {}, _export_config_seq_len),

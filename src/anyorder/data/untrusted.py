@@ -85,7 +85,9 @@ def open_regular(path: Path, error: type[AnyorderError] = DataError) -> BinaryIO
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
-        raise error(f"{path} cannot be opened ({_first_line(e)}); fix its permissions") from None
+        raise error(
+            f"{path} cannot be opened ({_first_line(e)}); check the file and its permissions"
+        ) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
