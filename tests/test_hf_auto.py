@@ -608,6 +608,24 @@ def test_options_that_change_meaning_are_refused_in_one_line(folders, tmp_path) 
     assert same.config.to_model_config() == anyorder.load(folder).model.cfg
 
 
+def test_a_training_run_loads_with_its_models_config(tmp_path) -> None:
+    """A run folder's config.json is the run's (nested sections): the config comes from the
+    weights' model (it read as the defaults: an aogpt config on a gpt model)."""
+    from anyorder import checkpoint as ckpt_mod
+    from anyorder.config import RunConfig
+
+    model = tiny_model("gpt", seed=2, vocab_size=V, seq_len=N)
+    run = RunConfig(model=model.cfg)
+    ckpt_mod.save_checkpoint(
+        tmp_path / "run", 3, model=model, config=run, tokenizer=ByteTokenizer()
+    )
+    hf = AnyorderModel.from_pretrained(tmp_path / "run")
+    assert hf.config.to_model_config() == model.cfg
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("device_map", ["meta", {"": "meta"}, torch.device("meta")])
 def test_device_map_meta_is_refused_at_load(folders, device_map) -> None:
     """device_map="meta" was accepted and generate then raised a bare RuntimeError."""

@@ -42,7 +42,7 @@ from torch import Tensor
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from anyorder.checkpoint.exported import CONFIG_NAME, check_stored_dtype
+from anyorder.checkpoint.exported import CONFIG_NAME, check_stored_dtype, is_exported
 from anyorder.errors import ConfigError
 from anyorder.hf.config import AnyorderConfig
 from anyorder.hf.generation import check_mask, generate
@@ -245,17 +245,20 @@ def _one_dtype(dtype: Any, torch_dtype: Any) -> Any:
 
 def _config_of(config: Any, loaded: Any) -> AnyorderConfig:
     """The config of a loaded model: ``config`` as given (an :class:`AnyorderConfig`, or a
-    folder or file to read one from), else the export's own; its model fields must be the
-    weights' (``from_pretrained(folder, n_layer=...)`` lands in the config; ``dropout``
-    too: the model is built with the weights' own).
+    folder or file to read one from), else the export's own (a training checkpoint's: its
+    model's). Its model fields must be the weights' (``from_pretrained(folder,
+    n_layer=...)`` lands in the config; ``dropout`` too: the model is built with the
+    weights' own).
 
     Raises:
         ConfigError: another kind of config, or one that contradicts the weights.
     """
     from anyorder.config import to_dict
 
-    if config is None:
+    if config is None and is_exported(loaded.path):
         config = loaded.path
+    elif config is None:  # a training checkpoint: its config.json is the run's, nested
+        config = AnyorderConfig(**to_dict(loaded.model.cfg))
     if isinstance(config, (str, Path)):
         config = AnyorderConfig.from_pretrained(str(config))
     if not isinstance(config, AnyorderConfig):
