@@ -283,6 +283,16 @@ def _config_only(tmp_path, **changes):
             "as transformers writes it): fix config.json",
         ),
         (
+            {"eos_token_id": [2, 999]},
+            "config.json's eos_token_id holds 999, not an id of the vocabulary (0..319); fix "
+            "config.json",
+        ),
+        (
+            {"max_position_embeddings": 1},
+            "config.json's max_position_embeddings is 1; it must be a whole number >= 2 (an "
+            "integer, as transformers writes it): fix config.json",
+        ),
+        (
             {"model_type": None},
             "'SRC': config.json names no model_type; anyorder convert reads gpt2, llama, qwen2, "
             'qwen3 or mistral checkpoints by it: add the model\'s "model_type" to config.json '

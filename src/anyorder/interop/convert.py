@@ -241,8 +241,10 @@ def model_config_from_gpt2(
         )
     d = whole_number(config, "n_embd")
     n_inner = whole_number(config, "n_inner", None, none=True) or 4 * d
-    n_positions = whole_number(config, "n_positions", whole_number(config, "n_ctx", 1024))
-    longest = min(n_positions - position_shift(kind), MAX_SEQ)
+    shift = position_shift(kind)
+    key = "n_positions" if "n_positions" in config else "n_ctx"
+    n_positions = whole_number(config, key, 1024, least=1 + shift)
+    longest = min(n_positions - shift, MAX_SEQ)
     if seq_len is None:
         seq_len = longest
     if not 1 <= seq_len <= longest:

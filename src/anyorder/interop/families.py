@@ -347,7 +347,7 @@ def model_config_from_hf(
     """
     fam = family_of(config, source)
     shift = int(kind != "armd")
-    positions = whole_number(config, "max_position_embeddings", fam.max_positions)
+    positions = whole_number(config, "max_position_embeddings", fam.max_positions, least=1 + shift)
     longest = min(positions - shift, MAX_SEQ)
     if seq_len is None:
         seq_len = min(longest, DEFAULT_MAX_SEQ)
@@ -422,19 +422,20 @@ def source_eos_ids(config: dict[str, Any], generation: Any, vocab: int) -> list[
     Raises:
         CheckpointError: an id that is not an integer of the vocabulary.
     """
-    where, ids = "config.json", config.get("eos_token_id")
-    if isinstance(generation, dict) and generation.get("eos_token_id") is not None:
-        where, ids = "generation_config.json", generation["eos_token_id"]
-    if ids is None:
-        return []
-    ids = ids if isinstance(ids, list) else [ids]
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
-            raise CheckpointError(
-                f"{where}'s eos_token_id holds {_shown(i)}, not an id of the vocabulary "
-                f"(0..{vocab - 1}); fix {where}"
-            )
-    return list(ids)
+    stops: list[int] = []
+    if not isinstance(generation, dict):
+        generation = {}
+    for where, holder in (("config.json", config), ("generation_config.json", generation)):
+        ids = holder.get("eos_token_id")
+        ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+        for i in ids:  # both checked: transformers refuses either malformed
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
+                raise CheckpointError(
+                    f"{where}'s eos_token_id holds {_shown(i)}, not an id of the vocabulary "
+                    f"(0..{vocab - 1}); fix {where}"
+                )
+        stops = ids or stops  # generation_config.json's, when it names any
+    return list(stops)
 
 
 def ending_at(tok: Any, stops: list[int]) -> Any:
