@@ -393,3 +393,164 @@ def test_a_copy_is_read_only_where_it_won_its_race(monkeypatch, copy_wins: bool)
     races = [3, 3, 3, 5, 5, 5]
     assert read == (races[:3] + [4, 3] + races[3:] + [4] if copy_wins else races)
     assert set(lin._faster.values()) == {copy_wins} and len(lin._faster) == 2
+
+
+def _loss_step(optimizer) -> None:
+    """One optimizer step on a loss whose gradient is a fixed random direction for every
+    parameter: every weight moves, as in training (what moves them is the optimizer's own
+    update)."""
+    g = torch.Generator().manual_seed(7)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    optimizer.zero_grad()
+    sum((p * torch.randn(p.shape, generator=g)).sum() for p in params).backward()
+    optimizer.step()
+
+
+def _weights(model):
+    return [p for name, p in model.named_parameters() if p.dim() == 2]
+
+
+def _optimizer(name: str):
+    def step(model) -> None:
+        params = list(model.parameters())
+        make = {
+            "fused AdamW": lambda: torch.optim.AdamW(params, lr=1e-2, fused=True),
+            "fused SGD": lambda: torch.optim.SGD(params, lr=0.1, fused=True),
+            "Adam": lambda: torch.optim.Adam(params, lr=1e-2, foreach=False),
+            "SGD": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        }[name]
+        opt = make()
+        for _ in range(2):
+            _loss_step(opt)
+
+    return step
+
+
+def _through_data(how: str):
+    def change(model) -> None:
+        g = torch.Generator().manual_seed(8)
+        for p in _weights(model):
+            if how == "rows":  # a row permutation, in place, unseen by the version counter
+                p.data.copy_(p.data.flip(0))
+            elif how == "columns":  # columns moved by one 64-bit word: rows' sums unchanged
+                p.data.copy_(p.data.roll(2, dims=1))
+            elif how == "add":
+                p.data += 0.05 * torch.randn(p.shape, generator=g)
+            else:  # "assign": a new tensor in place of the old
+                p.data = 1.5 * p.data
+
+    return change
+
+
+def _load_other(model) -> None:
+    model.load_state_dict(_model(model.cfg.kind, 1).state_dict())
+
+
+def _lora_merge(model) -> None:
+    """peft's LoRA on the attention, its B matrices set (an adapter trained elsewhere), then
+    merged into the weights in place (peft adds to ``weight.data``)."""
+    from anyorder.config.run import LoraConfig
+    from anyorder.models.lora import add_adapters, merge_adapters
+
+    tuner = add_adapters(model, LoraConfig(r=4, targets=("attn",)))
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    assert merge_adapters(tuner) is model
+
+
+CHANGES = {
+    "fused AdamW": _optimizer("fused AdamW"),
+    "fused SGD": _optimizer("fused SGD"),
+    "Adam": _optimizer("Adam"),
+    "SGD": _optimizer("SGD"),
+    "data rows": _through_data("rows"),
+    "data columns": _through_data("columns"),
+    "data add": _through_data("add"),
+    "data assign": _through_data("assign"),
+    "load_state_dict": _load_other,
+    "LoRA merge": _lora_merge,
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+@pytest.mark.parametrize("kind", ["gpt", "aogpt", "armd", "mdm"])
+def test_a_decode_after_the_weights_change_reads_the_current_weights(kind, change) -> None:
+    """A model decoded once (copies made), then its weights changed: by optimizer steps
+    (fused ones leave the version counter as it was), through ``.data`` (permuted rows or
+    columns, added to, replaced), by ``load_state_dict`` or a LoRA merge. Its next decode
+    equals, in tokens and logits, that of a fresh model given the current weights and
+    decoded without prepacked weights, and reads copies (made again)."""
+    model = _model(kind)
+    kw = dict(batch=3, top_k=1, keep_logits=True)
+    sample(model, 12, generator=torch.Generator().manual_seed(0), **kw)
+    assert lin._packs[model].entries  # the decode made copies
+    CHANGES[change](model)
+    model.eval()
+    got = sample(model, 12, generator=torch.Generator().manual_seed(0), **kw)
+    fresh = _model(kind, 2)
+    fresh.load_state_dict({k: v.detach().clone() for k, v in model.state_dict().items()})
+    with use_prepacked(False):
+        want = sample(fresh, 12, generator=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+    assert lin._packs[model].entries
+
+
+def _product_now(layer, x, packs):
+    with torch.no_grad(), prepacked(packs):
+        return layer(x)
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        "swap two values of a row",
+        "swap two rows",
+        "negate",
+        "numpy",
+        "untyped storage",
+        "odd width",
+    ],
+)
+def test_every_write_to_a_weight_is_seen_at_the_next_decode(write: str) -> None:
+    """Writes the version counter does not see, each the smallest of its kind (two values
+    swapped within one row leave the row's sum as it was; a sign flip of every value; bytes
+    written through numpy or the storage; a weight whose rows are no whole 64-bit words):
+    the next decode (``prepacked_for``) multiplies by the weight as it is now."""
+    layer = Linear(23 if write == "odd width" else 24, 40)
+    x = torch.randn(5, layer.in_features)
+    _product_now(layer, x, prepacked_for(layer))
+    w = layer.weight
+    version = w._version
+    if write == "swap two values of a row":
+        w.data[3, [4, 6]] = w.data[3, [6, 4]]
+    elif write == "swap two rows":
+        w.data[[1, 7]] = w.data[[7, 1]]
+    elif write == "negate":
+        w.data.neg_()
+    elif write == "numpy":
+        w.detach().numpy()[10, 0] += 1.0
+    elif write == "untyped storage":
+        w.untyped_storage().copy_(torch.randn(w.numel()).untyped_storage())
+    else:
+        w.data[0, 22] = 7.0
+    assert w._version == version  # unseen by the counter
+    packs = prepacked_for(layer)
+    got = _product_now(layer, x, packs)
+    torch.testing.assert_close(got, F.linear(x, w, layer.bias), atol=1e-5, rtol=1e-5)
+    assert len(packs.entries) == 1  # the stale copy was dropped and the new one made
+
+
+def test_unchanged_weights_keep_their_copies_across_decodes() -> None:
+    """Nothing written: the copies made by the first decode are the ones later decodes read
+    (checked, not made again)."""
+    model = _model("armd")
+    kw = dict(batch=3, top_k=1)
+    sample(model, 12, generator=torch.Generator().manual_seed(0), **kw)
+    first = {k: copy for k, (_, _, copy) in lin._packs[model].entries.items()}
+    sample(model, 12, generator=torch.Generator().manual_seed(1), **kw)
+    again = {k: copy for k, (_, _, copy) in lin._packs[model].entries.items()}
+    assert first.keys() == again.keys() and all(again[k] is first[k] for k in first)

@@ -26,12 +26,22 @@ many-row copies for decodes of at least 8 multi-row passes, one-row copies once 
 has decoded 64 one-row passes, this decode's included). Every product by one of the model's
 own CPU weights (fp32, or bf16 where oneDNN has bf16 kernels) then reads a copy, made at
 its first use and kept with the model for later decodes, where a race on this CPU found the
-copy faster (:data:`RACE`). A copy is remade when its weight
-changes in place (the tensor's version counter) and dropped when the weight is no longer
-the model's; copies stop being made once they would take more than half the memory
-available when the decode began. Products with a gradient, under autocast, on other
-devices, by small weights (:data:`MIN_WEIGHT`), or by tensors made during the forward (the
-adaLN join) run ``F.linear`` as before. ``ANYORDER_PREPACK=0`` or ``with
+copy faster (:data:`RACE`). Copies stop being made once they would take more than half the
+memory available when the decode began.
+
+**A copy is never stale.** Many writes change a weight without its version counter:
+fused optimizers (``AdamW(fused=True)``), anything through ``.data`` (peft's LoRA merge,
+hand edits), numpy views, the storage. So a copy is checked against its weight's bytes
+(:func:`_fingerprint`: exact integer sums of its 64-bit words along each row and each
+column) the first time each decode reads it (:func:`prepacked_for` starts a decode), and
+against the version counter at every read; one that differs is dropped and made again
+from the weight as it is. A copy of a weight the model no longer holds (``p.data = new``,
+``load_state_dict(assign=True)``, ``.to(dtype)``) is dropped at the next decode. The check
+reads each weight it copied twice per decode, once per row sum and once per column sum.
+
+Products with a gradient, under autocast, on other devices, by small weights
+(:data:`MIN_WEIGHT`), or by tensors made during the forward (the adaLN join) run
+``F.linear`` as before. ``ANYORDER_PREPACK=0`` or ``with
 use_prepacked(False):`` turns it off (the uncached oracle never uses it).
 """
 
@@ -108,6 +118,8 @@ class Prepacked:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.entries: dict[tuple, tuple[Tensor, int, Tensor]] = {}  # key -> weight, version, copy
+        self.prints: dict[tuple, tuple[Tensor, ...]] = {}  # view -> its weight's fingerprint
+        self.checked: set[tuple] = set()  # views checked since the decode began (refresh)
         self.refused: set[tuple] = set()  # layouts oneDNN does not take here (bf16 on AVX2)
         self.storages: set[int] = set()
         self.bytes = 0
@@ -122,10 +134,10 @@ class Prepacked:
         }
         with self.lock:
             self.storages = storages
+            self.checked.clear()  # a new decode: every copy is checked again at its first read
             for key, (weight, _, _) in list(self.entries.items()):
                 if weight.untyped_storage().data_ptr() not in storages:
-                    del self.entries[key]
-                    self.bytes -= _nbytes(weight)
+                    self._drop(key[:-1])
             self.budget = self.bytes + available_memory() // 2
 
     def apply(
@@ -148,15 +160,21 @@ class Prepacked:
             return None
         view = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
         rows = x.numel() // x.shape[-1]
+        bucket = 1 << (rows - 1).bit_length()
+
+        def wins(layout: int) -> bool:  # not known to lose its race (then it is not read)
+            return not RACE or _faster.get((view[1], weight.dtype, layout, bucket)) is not False
+
         layout = ONE_ROW if rows == 1 else MANY_ROWS
         with self.lock:
-            entry = self._current((*view, layout)) or self._pack((*view, layout), weight, make)
+            key = (*view, layout)
+            entry = self._current(key, wins(layout)) or self._pack(key, weight, make)
             if entry is None and layout == MANY_ROWS:
-                layout, entry = ONE_ROW, self._current((*view, ONE_ROW))
+                layout, entry = ONE_ROW, self._current((*view, ONE_ROW), wins(ONE_ROW))
         if entry is None:
             return None
         bias = None if bias is None else bias.detach()
-        race = (view[1], weight.dtype, layout, 1 << (rows - 1).bit_length())
+        race = (view[1], weight.dtype, layout, bucket)
         faster = _faster.get(race) if RACE else True
         if faster is None:
             faster, out = _race(x, weight, bias, entry[2])
@@ -164,15 +182,31 @@ class Prepacked:
             return out
         return _product(x, entry[2], bias) if faster else None
 
-    def _current(self, key: tuple) -> tuple[Tensor, int, Tensor] | None:
-        """The copy under ``key`` if its weight has not changed since (a stale one is
-        dropped)."""
+    def _current(self, key: tuple, read: bool = True) -> tuple[Tensor, int, Tensor] | None:
+        """The copy under ``key`` if its weight has not changed since it was made: the
+        version counter at every read, the fingerprint at the first read of each decode
+        (a stale copy is dropped, in every layout). ``read=False``: the copy will not be
+        read (it lost its race), its fingerprint is not computed."""
         entry = self.entries.get(key)
-        if entry is not None and entry[0]._version != entry[1]:
-            del self.entries[key]
-            self.bytes -= _nbytes(entry[0])
-            entry = None
+        if entry is None:
+            return None
+        view = key[:-1]
+        if entry[0]._version != entry[1]:
+            self._drop(view)
+            return None
+        if read and view not in self.checked:
+            if not _same(_fingerprint(entry[0]), self.prints[view]):
+                self._drop(view)
+                return None
+            self.checked.add(view)
         return entry
+
+    def _drop(self, view: tuple) -> None:
+        """Drop the copies of the weight under ``view`` (every layout)."""
+        for key in [k for k in self.entries if k[:-1] == view]:
+            self.bytes -= _nbytes(self.entries.pop(key)[0])
+        self.prints.pop(view, None)
+        self.checked.discard(view)
 
     def _pack(
         self, key: tuple, weight: Tensor, make: frozenset[int]
@@ -191,9 +225,36 @@ class Prepacked:
         except (RuntimeError, AttributeError, NotImplementedError):
             self.refused.add(key)
             return None
+        view = key[:-1]
+        if view not in self.checked:  # a copy in the other layout, unread in this decode, is
+            now = _fingerprint(weight)  # checked here, before the new one's print replaces it
+            if view in self.prints and not _same(now, self.prints[view]):
+                self._drop(view)
+            self.prints[view] = now
+            self.checked.add(view)
         self.bytes += size
         entry = self.entries[key] = (weight.detach(), weight._version, copy)
         return entry
+
+
+def _fingerprint(weight: Tensor) -> tuple[Tensor, ...]:
+    """What a copy of ``weight`` is checked against: the weight's bytes read as 64-bit
+    integers, summed (modulo 2**64) along each row and along each column of that view; the
+    bytes themselves where a row is no whole number of such words. Integer sums are exact
+    and do not depend on the order of the additions (threads, kernels): any change of one
+    word changes its row's and its column's sums, a change of values moved within a row
+    (a column permutation, a head moved) its columns', one moved across rows (a row
+    permutation) their rows'."""
+    w = weight.detach()
+    try:
+        words = w.view(torch.int64)  # (out, in * itemsize / 8)
+    except RuntimeError:  # rows of a size or offset not a multiple of 8 bytes (small weights)
+        return (w.view(torch.uint8).clone(),)  # bytes: a NaN equals itself here
+    return words.sum(dim=1), words.sum(dim=0)
+
+
+def _same(a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _nbytes(weight: Tensor) -> int:
