@@ -669,7 +669,8 @@ def auto_tokenizer(byte_export):
     return transformers.AutoTokenizer.from_pretrained(str(byte_export))
 
 
-def test_auto_tokenizer_of_a_byte_export_has_the_byte_ids(auto_tokenizer) -> None:
+def test_auto_tokenizer_of_a_byte_export_has_the_byte_ids(byte_export, auto_tokenizer) -> None:
+    assert "also as `tokenizer.json` (`AutoTokenizer`" in (byte_export / "README.md").read_text()
     tok, ours = auto_tokenizer, ByteTokenizer()
     assert len(tok) == ours.vocab_size and tok.eos_token == "<|endoftext|>"
     assert tok.eos_token_id == ours.eos_id and tok.convert_tokens_to_ids("<|endoftext|>") == 256

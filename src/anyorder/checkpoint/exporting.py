@@ -73,6 +73,8 @@ def _model_card(config: dict[str, Any], num_params: int, tokenizer: Tokenizer | 
         if tokenizer
         else ("none saved: encode text yourself, or export again with a tokenizer")
     )
+    if isinstance(tokenizer, ByteTokenizer):
+        tok += ", also as `tokenizer.json` (`AutoTokenizer`, `pipeline(model=...)` read it)"
     rows = "\n".join(
         f"| `{k}` | `{config[k]}` |"
         for k in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "pos_emb", "norm")
