@@ -103,6 +103,34 @@ def test_only_the_adapters_are_trainable_and_optimized(optimizer: str) -> None:
     assert sorted(optimized) == sorted(adapters)
 
 
+@pytest.mark.parametrize(
+    ("targets", "named"),
+    [(("attn", "mlp"), "Muon"), (("adaln",), "AdamW"), (("attn", "adaln"), "Muon + AdamW")],
+)
+def test_muon_takes_the_adapters_matrices_and_either_half_may_be_empty(targets, named):
+    """Issue 40, item 2: under train.optimizer=muon the adapters of linear layers are
+    matrices that Muon takes (docs/configs.md, train.optimizer), those of the adaLN linears
+    take AdamW as the adaLN itself does; a run with adapters of one kind only has an empty
+    half, and one step moves every adapter that has a gradient."""
+    from anyorder.training.muon import describe
+
+    cfg = load_config(None, ["train.optimizer=muon", "train.lora.r=4"])
+    model = build_model(_tiny("aogpt"))
+    add_adapters(model, LoraConfig(r=4, targets=targets))
+    opt = make_optimizer(model, cfg, torch.device("cpu"))
+    assert describe(opt) == named
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    in_muon = {id(p) for g in opt.param_groups if g.get("muon") for p in g["params"]}
+    for n, p in adapters.items():
+        assert (id(p) in in_muon) == ("ada" not in n.split(".")[-5]), n  # the adapted layer
+    _randomise_adapters(model)  # B != 0: A has a gradient too
+    before = {n: p.detach().clone() for n, p in adapters.items()}
+    tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
+    model.loss(tokens, torch.stack([torch.randperm(16) for _ in range(2)])).backward()
+    opt.step()
+    assert all(not torch.equal(before[n], p) for n, p in adapters.items())
+
+
 # ----------------------------------------------------------------------------- runs
 
 
@@ -141,10 +169,14 @@ def _lora(base: Path, targets: str, **extra) -> dict:
 LORA_RUNS = [
     ("armd", "[attn,mlp,query_mlp]", {"train.lora.dropout": 0.1}),
     ("aogpt", "[qkv,adaln,mlp_out]", {"train.optimizer": "muon"}),
+    # adapters on linear layers only: every trainable tensor a matrix (issue 40, item 2)
+    ("armd", "[attn,mlp]", {"train.optimizer": "muon", "train.grad_clip": 0.05}),
 ]
 
 
-@pytest.mark.parametrize(("kind", "targets", "extra"), LORA_RUNS, ids=["armd", "aogpt-muon"])
+@pytest.mark.parametrize(
+    ("kind", "targets", "extra"), LORA_RUNS, ids=["armd", "aogpt-muon", "armd-muon-matrices"]
+)
 def test_lora_resume_is_bit_exact(tmp_path, cache, bases, kind, targets, extra):
     """As test_train.test_resume_is_bit_exact for full training: 4 steps straight equal 2,
     a resume, and 2 more, bit for bit (raw and EMA weights, losses, validation)."""
@@ -367,3 +399,61 @@ def test_the_memory_check_counts_no_gradient_or_adamw_state_for_frozen_weights()
     full, params, _ = training_bytes(load_config(None, over))
     lora, params2, _ = training_bytes(load_config(None, [*over, "train.lora.r=8"]))
     assert params == params2 and full - lora == params * (16 + 4 - 4)
+
+
+# ----------------------------------------------------------------------------- issue 40
+
+
+@pytest.mark.parametrize(("ema", "asked", "label"), [(0.0, "ema", "raw"), (0.9, "ema", "ema"),
+                                                      (0.9, "raw", "raw")])  # fmt: skip
+def test_both_exports_name_the_weights_they_write(tmp_path, cache, bases, capsys, ema, asked,
+                                                  label):  # fmt: skip
+    """Issue 40: a run without EMA has raw adapters only, which ``--adapters-only`` wrote
+    while saying "(ema weights)" (the flag's default, not the file), and the merged export of
+    the same run said "(raw weights)". Both now name the weights they write, and the
+    adapters written are that file's, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    over = _lora(bases["armd"], "[attn]", **{"train.steps": 2, "train.ema": ema})
+    train(_cfg(run, cache, "armd", **over), resume=False, progress=False)
+    apart, merged = tmp_path / "adapters", tmp_path / "merged"
+    capsys.readouterr()
+    assert (
+        main(["export", str(run), "--out", str(apart), "--adapters-only", "--weights", asked]) == 0
+    )
+    assert capsys.readouterr().out.splitlines() == [
+        f"LoRA adapters ({label} weights): wrote {apart}"
+    ]
+    assert main(["export", str(run), "--out", str(merged), "--weights", asked]) == 0
+    assert f"step 2 ({label} weights): wrote {merged}" in capsys.readouterr().out
+    step = ck.latest_checkpoint(run)
+    want = load_file(str(step / (ck.EMA_FILE if label == "ema" else ck.MODEL_FILE)))
+    written = load_file(str(apart / "adapter_model.safetensors"))
+    named = {k.replace(".default.", "."): v for k, v in want.items()}  # peft's: no adapter name
+    assert written.keys() == named.keys()
+    for k in named:
+        assert torch.equal(written[k], named[k]), k
+    if ema:  # the two files differ, so the comparison above tells them apart
+        other = load_file(str(step / (ck.MODEL_FILE if label == "ema" else ck.EMA_FILE)))
+        assert any(not torch.equal(other[k], want[k]) for k in want)
+
+
+def test_lora_on_the_tiny_armd_config_trains(tmp_path, cache, bases, capsys):
+    """Issue 40, item 2: ``anyorder train configs/tiny-armd.yaml train.init_from=RUN
+    train.lora.r=4`` (tiny-armd ships optimizer: muon; the default targets are the attention's
+    linears, so every adapter is a matrix) exited 1 with AttributeError in muon.py. Now it
+    trains, and its adapters move."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    small = [f"data.cache_dir={cache}", "data.max_documents=40", f"train.out_dir={run}",
+             "train.steps=2", "train.batch_size=4", "train.eval_batches=1", "train.device=cpu",
+             "train.warmup_steps=1"]  # fmt: skip
+    rc = main(["train", "configs/tiny-armd.yaml", f"train.init_from={bases['armd']}",
+               "train.lora.r=4", *small])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "LoRA r=4 alpha=16 on attn" in out.out and "; Muon at lr 0.005," in out.out
+    adapters = load_file(str(ck.latest_checkpoint(run) / ck.MODEL_FILE))
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapters.items())  # B left 0

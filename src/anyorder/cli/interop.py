@@ -162,15 +162,23 @@ def run_export(args: argparse.Namespace) -> int:
     from anyorder.checkpoint.exporting import export
     from anyorder.interop.hub import push_to_hub
 
+    source = args.checkpoint
+    if args.adapters_only:  # resolved once: the line names the weights export writes
+        from anyorder.checkpoint.layout import resolve_checkpoint
+
+        source = resolve_checkpoint(args.checkpoint)
     folder = export(
-        args.checkpoint,
+        source,
         args.out,
         weights=args.weights,
         dtype=args.dtype,
         adapters_only=args.adapters_only,
     )
     if args.adapters_only:
-        print(f"LoRA adapters ({args.weights} weights): wrote {folder}")
+        from anyorder.checkpoint.adapters import adapter_weights_label
+
+        label = adapter_weights_label(source, args.weights)  # raw where the run kept no EMA
+        print(f"LoRA adapters ({label} weights): wrote {folder}")
     else:
         cfg = read_export_config(folder)
         print(
