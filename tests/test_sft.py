@@ -374,7 +374,8 @@ def first_step(cfg):
     def keep(opt, args, kwargs):
         for name, p in parts.model.named_parameters():
             if p.grad is not None:
-                grads[name] = p.grad.detach().clone()
+                g = p.grad.detach()  # FSDP2's is a shard: the whole tensor, from every rank
+                grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).clone()
 
     parts.opt.register_step_pre_hook(keep)
     loss = train_step(parts, 0)
@@ -443,10 +444,11 @@ SFT_WORKER = textwrap.dedent(
 )
 
 
-def test_two_ranks_take_the_mean_over_the_batchs_answer_tokens(tmp_path):
-    """Issue 40, item 6 under DDP: two gloo ranks at grad_accum 2 (ranks and micro-batches
-    with unequal answer-token counts) give the loss and gradients of one process on the
-    whole batch."""
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_two_ranks_take_the_mean_over_the_batchs_answer_tokens(tmp_path, fsdp):
+    """Issue 40, item 6 under DDP (and FSDP2): two gloo ranks at grad_accum 2 (ranks and
+    micro-batches with unequal answer-token counts) give the loss and gradients of one
+    process on the whole batch."""
     from anyorder.config import load_config
 
     from conftest import run_two_ranks
@@ -455,7 +457,7 @@ def test_two_ranks_take_the_mean_over_the_batchs_answer_tokens(tmp_path):
     loss1, grads1 = first_step(load_config(None, sft_overrides(tmp_path, "aogpt")))
     script = tmp_path / "worker.py"
     script.write_text(f"import sys; sys.path.insert(0, {str(TESTS)!r})\n" + SFT_WORKER)
-    over = sft_overrides(tmp_path, "aogpt", **{"train.grad_accum": 2})
+    over = sft_overrides(tmp_path, "aogpt", **{"train.grad_accum": 2, "train.fsdp": fsdp})
     out = tmp_path / "step"
     run_two_ranks(script, json.dumps({"overrides": over, "out": str(out)}), tmp_path / "store")
     for rank in (0, 1):
