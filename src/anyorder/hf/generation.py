@@ -54,7 +54,10 @@ def _unsupported(config: Any) -> list[str]:
     the samplers do not do."""
     from transformers import GenerationConfig
 
-    defaults = {**GenerationConfig().to_dict(), **GenerationConfig._get_default_generation_params()}
+    # transformers 5 leaves unset fields None and fills them in generate from this table;
+    # before 5, GenerationConfig() holds the defaults itself
+    filled = getattr(GenerationConfig, "_get_default_generation_params", dict)
+    defaults = {**GenerationConfig().to_dict(), **filled()}
     off = (None, False)  # the model config's False where transformers' default is None
 
     def changed(key: str, value: Any) -> bool:
