@@ -76,7 +76,6 @@ def write_byte_tokenizer(folder: Path, eos_id: int, max_length: int) -> None:
         "eos_token": EOT,
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,  # else " ." would decode as "."
-        "add_prefix_space": False,
     }
     (folder / TOKENIZER_JSON).write_text(json.dumps(byte_tokenizer_json(eos_id)) + "\n")
     (folder / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
