@@ -107,20 +107,6 @@ def adapted_model(
     return merge_adapters(tuner)
 
 
-def adapter_weights_label(ckpt: Path, weights: str) -> str:
-    """Which adapters an adapters-only export of ``ckpt`` writes when ``weights`` is asked
-    for: ``ema`` where the run kept EMA weights, else ``raw`` (its ``model.safetensors``,
-    also for ``--weights ema`` on a run without EMA), as a merged export labels them.
-
-    Raises:
-        ConfigError, CheckpointError: as :func:`~anyorder.checkpoint.load.weights_file`.
-    """
-    from anyorder.checkpoint.layout import EMA_FILE
-    from anyorder.checkpoint.load import weights_file
-
-    return "ema" if weights_file(ckpt, weights).name == EMA_FILE else "raw"
-
-
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 """peft's file names: what ``PeftConfig.from_pretrained`` and peft's loaders read."""
 ADAPTER_CONFIG = "adapter_config.json"

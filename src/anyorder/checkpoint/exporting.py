@@ -34,7 +34,7 @@ from anyorder.checkpoint.exported import (
     is_exported,
 )
 from anyorder.checkpoint.hf_tokenizer import write_byte_tokenizer
-from anyorder.checkpoint.layout import resolve_checkpoint, verify
+from anyorder.checkpoint.layout import EMA_FILE, resolve_checkpoint, verify
 from anyorder.checkpoint.load import load_model, read_config, weights_file
 from anyorder.checkpoint.save import reading
 from anyorder.checkpoint.weights import check_finite, tied_aliases
@@ -302,6 +302,18 @@ def export(
         source=f"training checkpoint {ckpt.parent.parent.name}/{ckpt.name}",
         dtype=dtype,
     )
+
+
+def adapter_weights_label(ckpt: Path, weights: str) -> str:
+    """Which adapters an adapters-only export of the checkpoint ``ckpt`` writes when
+    ``weights`` is asked for: ``ema`` where the run kept EMA weights, else ``raw`` (its
+    ``model.safetensors``, also for ``ema`` on a run without EMA), as a merged export
+    labels them.
+
+    Raises:
+        ConfigError, CheckpointError: as :func:`~anyorder.checkpoint.load.weights_file`.
+    """
+    return "ema" if weights_file(ckpt, weights).name == EMA_FILE else "raw"
 
 
 def _export_adapters(ckpt: Path, folder: Path, weights: str, dtype: str | None) -> Path:

@@ -175,7 +175,7 @@ def run_export(args: argparse.Namespace) -> int:
         adapters_only=args.adapters_only,
     )
     if args.adapters_only:
-        from anyorder.checkpoint.adapters import adapter_weights_label
+        from anyorder.checkpoint.exporting import adapter_weights_label
 
         label = adapter_weights_label(source, args.weights)  # raw where the run kept no EMA
         print(f"LoRA adapters ({label} weights): wrote {folder}")
