@@ -575,6 +575,11 @@ def test_a_hub_id_is_read_at_its_revision_from_cache_dir(tmp_path, monkeypatch) 
             AnyorderModel.from_pretrained("someone/tiny", cache_dir=cache, **{key: value})
     with pytest.raises(CheckpointError, match=r"^model 'someone/absent' is neither a local fold"):
         AnyorderModel.from_pretrained("someone/absent", cache_dir=cache, local_files_only=True)
+    # a refused option is said before anything is looked for or downloaded
+    with pytest.raises(ConfigError, match=r"^AnyorderModel.from_pretrained does not take foo "):
+        AnyorderModel.from_pretrained("someone/absent", foo=1)
+    with pytest.raises(ConfigError, match=r"^dtype='int8' is not one an anyorder model runs in"):
+        AnyorderModel.from_pretrained("someone/absent", dtype="int8")
 
 
 def test_options_that_change_meaning_are_refused_in_one_line(folders, tmp_path) -> None:

@@ -46,6 +46,13 @@ kernel (anyorder's attention is its own; ``eager`` or ``sdpa`` compute the same 
 and ``AutoConfig`` keeps the option in the config, where nothing reads it)."""
 
 
+HUB_OPTIONS = (
+    "revision", "cache_dir", "local_files_only", "force_download", "proxies", "token",
+    "subfolder",
+)  # fmt: skip
+"""Where the files come from: read by :func:`load_folder`."""
+
+
 def unused(kwargs: dict[str, Any], harmless: set[str], what: str) -> None:
     """Refuse the options in ``kwargs`` that are set (not None, False or ``""``) and would
     change something we ignore.
@@ -63,7 +70,7 @@ def unused(kwargs: dict[str, Any], harmless: set[str], what: str) -> None:
 
 def load_folder(spec: Any, options: dict[str, Any]) -> Path:
     """The local folder to read: ``spec`` itself, or the hub snapshot of a hub id, and
-    ``subfolder`` inside it. Takes the hub options out of ``options``.
+    ``subfolder`` inside it, as ``options`` (:data:`HUB_OPTIONS`) say.
 
     Raises:
         ConfigError: a hub option that cannot be honoured.
@@ -71,13 +78,13 @@ def load_folder(spec: Any, options: dict[str, Any]) -> Path:
     """
     from anyorder.interop.hub import resolve_folder
 
-    revision = options.pop("revision", None)
-    cache_dir = options.pop("cache_dir", None)
-    local_files_only = options.pop("local_files_only", False)
-    force = options.pop("force_download", False)
-    proxies = options.pop("proxies", None)
-    token = options.pop("token", None)
-    sub = options.pop("subfolder", None) or ""
+    revision = options.get("revision")
+    cache_dir = options.get("cache_dir")
+    local_files_only = options.get("local_files_only", False)
+    force = options.get("force_download", False)
+    proxies = options.get("proxies")
+    token = options.get("token")
+    sub = options.get("subfolder") or ""
     if not isinstance(sub, str):
         raise ConfigError(f"subfolder={sub!r} must be a folder name (a string)")
     sub = sub.strip("/")

@@ -46,7 +46,14 @@ from anyorder.checkpoint.exported import CONFIG_NAME, check_stored_dtype, is_exp
 from anyorder.errors import ConfigError
 from anyorder.hf.config import AnyorderConfig
 from anyorder.hf.generation import check_mask, generate
-from anyorder.hf.loading import HARMLESS, load_device, load_dtype, load_folder, unused
+from anyorder.hf.loading import (
+    HARMLESS,
+    HUB_OPTIONS,
+    load_device,
+    load_dtype,
+    load_folder,
+    unused,
+)
 
 _HARMLESS_FORWARD = {"use_cache"}  # no cache is kept between calls either way
 
@@ -92,7 +99,10 @@ class AnyorderModel(PreTrainedModel, GenerationMixin):
         ``device_map`` (``"auto"``: the GPU if there is one; a device; a dict that maps
         everything to one device) or ``device`` picks the device (default cpu); ``dtype``
         (or ``torch_dtype``): float32 (default), bfloat16, float16, or ``"auto"`` for the
-        dtype the export stores. Any other option that would change something is refused.
+        dtype the export stores. ``subfolder``, and for a hub id ``revision``, ``cache_dir``
+        and ``local_files_only``, are honoured (:mod:`anyorder.hf.loading`). Options at their
+        defaults are accepted (``transformers``' loaders pass them all); any other option that
+        would change something is refused.
 
         Raises:
             ConfigError: an option this loader cannot honour.
@@ -112,8 +122,10 @@ class AnyorderModel(PreTrainedModel, GenerationMixin):
                 f"{cls.__name__}.from_pretrained does not load PEFT adapters; give the "
                 "export folder itself"
             )
-        folder = load_folder(pretrained_model_name_or_path, kwargs)
+        load_dtype(dtype, None)  # a bad dtype is refused before anything is read
+        hub = {k: kwargs.pop(k) for k in HUB_OPTIONS if k in kwargs}
         unused(kwargs, HARMLESS, f"{cls.__name__}.from_pretrained")
+        folder = load_folder(pretrained_model_name_or_path, hub)
         loaded = load_any(folder, device=device)
         config = _config_of(config, loaded)
         stored = _stored_dtype(loaded.path)
