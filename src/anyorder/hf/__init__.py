@@ -10,7 +10,7 @@ once an anyorder config is built, so that
     from transformers import AutoModelForCausalLM, pipeline
 
     model = AutoModelForCausalLM.from_pretrained("my-export")  # an AnyorderModel
-    pipe = pipeline("text-generation", model="my-export", tokenizer=tok)
+    pipe = pipeline("text-generation", model="my-export")  # a byte export: no tokenizer=
 
 work without ``trust_remote_code``: the classes are this package's, never code from a model
 folder. ``import anyorder`` itself imports neither ``transformers`` nor this package.
