@@ -217,6 +217,46 @@ def test_hub_cache_snapshot_of_links_into_blobs_converts(tmp_path, saved):
             assert torch.equal(got[k], want[k]), k
 
 
+@pytest.mark.parametrize("how", ["shard", "single", "blobs-not-a-snapshot"])
+def test_a_weight_file_linking_outside_the_folder_is_refused(tmp_path, saved, how):
+    """A folder's plain name that is a link to another model's weights (a cloned repo or an
+    unpacked archive can hold one) was followed like a hub snapshot's: the export held the
+    other model's tensors. Only links into the folder, or a snapshot's into its cache's
+    blobs/, are read; a link inside the folder still converts."""
+    cwd = world(tmp_path, saved, "single" if how == "single" else "sharded")
+    shutil.copytree(saved / "other", cwd / "other")
+    victim = cwd / "victim"
+    name = "model.safetensors" if how == "single" else SHARDS[0]
+    target = cwd / "other" / "model.safetensors"
+    if how == "blobs-not-a-snapshot":  # a blobs/ folder beside it, but no snapshots/ layout
+        (cwd / "blobs").mkdir()
+        target = shutil.copy(target, cwd / "blobs" / "blob0")
+    (victim / name).unlink()
+    (victim / name).symlink_to(target)
+    refused(
+        cwd,
+        f"victim/{name} links to {str(Path(target).resolve())!r}, outside 'victim'; a model "
+        "folder's weights lie inside it (or in the hub cache's blobs/ for a snapshot): copy "
+        "the file into the folder",
+    )
+
+
+def test_a_weight_file_linking_inside_the_folder_converts(tmp_path, saved):
+    """A link that stays inside the folder is the folder's own file: the same export as the
+    plain folder's."""
+    plain = world(tmp_path / "plain", saved, "single")
+    assert convert(plain).returncode == 0
+    cwd = world(tmp_path / "linked", saved, "single")
+    victim = cwd / "victim"
+    (victim / "weights").mkdir()
+    (victim / "model.safetensors").rename(victim / "weights" / "real.safetensors")
+    (victim / "model.safetensors").symlink_to("weights/real.safetensors")
+    r = convert(cwd)
+    assert r.returncode == 0, r.stderr
+    got, want = exported(cwd), exported(plain)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 # ----------------------------------------------------------------------------- item 8
 
 

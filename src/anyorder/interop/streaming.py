@@ -89,9 +89,9 @@ def weight_files(folder: Path) -> tuple[list[str], dict[str, str]]:
     (no map), or the shards its ``model.safetensors.index.json`` names.
 
     An index is data, and a name in it is read as a path relative to the folder, so it must
-    stay inside it as written: no absolute path, no ``..``. Where such a name leads through a
-    link is not asked: the hub's cache keeps a snapshot's files as links to
-    ``../../blobs/<hash>``, and a folder's own links are its owner's.
+    stay inside it as written: no absolute path, no ``..``. A weight file that is a link is
+    checked where it is opened (:func:`_inside`): it must lead into the folder, or into the
+    hub cache's ``blobs/`` where the folder is one of its snapshots.
 
     Raises:
         CheckpointError: neither file, an index that is not a weight map, or a name in it
@@ -117,6 +117,35 @@ def weight_files(folder: Path) -> tuple[list[str], dict[str, str]]:
                 f"{str(folder)!r}; an index names the files beside it: {_AGAIN}"
             )
     return names, wmap
+
+
+def _inside(folder: Path, path: Path) -> None:
+    """Refuse a weight file of ``folder`` that leads outside it through links.
+
+    The hub's cache keeps a snapshot (``models--ORG--NAME/snapshots/REV/``) as links to
+    ``../../blobs/HASH``: those lead into the blobs of the snapshot's own repository, and are
+    read. Any other link out of the folder (to another model's weights, a user's files) would
+    put tensors the folder does not hold into an export that may be published.
+
+    Raises:
+        CheckpointError: naming the file, where it leads and the fix.
+    """
+    try:
+        real, root = path.resolve(), folder.resolve()
+    except (OSError, RuntimeError) as e:  # a loop of links
+        raise CheckpointError(f"{path} cannot be followed ({e}); {_AGAIN}") from None
+    if real.is_relative_to(root):
+        return
+    snapshot = folder.absolute()
+    if snapshot.parent.name == "snapshots":
+        blobs = (snapshot.parent.parent / "blobs").resolve()
+        if real.parent == blobs:
+            return
+    raise CheckpointError(
+        f"{path} links to {str(real)[:200]!r}, outside {str(folder)!r}; a model folder's "
+        "weights lie inside it (or in the hub cache's blobs/ for a snapshot): copy the file "
+        "into the folder"
+    )
 
 
 class Source:
@@ -147,6 +176,7 @@ class Source:
 
     def _open(self, name: str, chosen: dict[str, str]) -> None:
         path = self.folder / name
+        _inside(self.folder, path)
         f = open_regular(path, CheckpointError)
         if f is None:
             raise CheckpointError(f"weight file {str(path)!r} is missing; {_AGAIN}")
