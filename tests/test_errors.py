@@ -205,6 +205,30 @@ def _good_export(folder: Path) -> Path:
     return export(folder / "run", folder / "good")
 
 
+def _hostile_chat_export(folder: Path) -> None:
+    """An export whose tokenizer's chat template loops for ever (three nested ranges)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from anyorder.checkpoint.exporting import save_pretrained
+    from anyorder.data import load_tokenizer
+
+    from conftest import tiny_model
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=alphabet, show_progress=False)  # fmt: skip
+    raw.train_from_iterator(["hello world"] * 10, trainer=trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>")
+    loop = "{% for i in range(99999) %}"
+    tok.chat_template = loop * 3 + "{% endfor %}" * 3
+    tok.save_pretrained(str(folder / "tok"))
+    model = tiny_model("aogpt", seed=1, vocab_size=320, seq_len=32, n_layer=1, d_model=32)
+    save_pretrained(model, folder / "chat", load_tokenizer(str(folder / "tok")))
+
+
 def _sha(path: Path) -> str:
     import hashlib
 
@@ -674,6 +698,11 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "convert-source-pipe": (CONVERT_HF, {"HF_HUB_OFFLINE": "1"}, _family_config_pipe),
     "convert-config-nested": (CONVERT_HF, {}, _family_config_nested),
     "convert-shard-header": (CONVERT_HF, {}, _family_shard_header),
+    "chat-template-unbounded": (
+        ["sample", "chat", "--chat", "hi", "--device", "cpu"],
+        {},
+        _hostile_chat_export,
+    ),
     "export-config-nested": (["sample", "good"], {}, _export_config_nested),
     "export-config-infinity": (["sample", "good"], {}, _export_config_infinity),
     "export-config-seq-len-float": (["sample", "good"], {}, _export_config_seq_len),

@@ -13,6 +13,8 @@ Design choices:
   (the byte tokenizer, BPEs trained here, GPT-2) get :data:`PLAIN_TEMPLATE`: each turn is
   ``<|ROLE|>`` and a newline, its content, and EOS; the generation prompt is
   ``<|assistant|>`` and a newline. So the answer there is its text and one EOS.
+* A template is a model folder's Jinja code, untrusted: it renders as ``apply_chat_template``
+  renders it, but bounded in work, size and time (:mod:`anyorder.data.chat_template`).
 * The ids the model sees before the answer at generation time (:func:`render_prompt`) are
   exactly the prompt ids training conditions on (:func:`encode_example`).
 * Every answer ends with EOS (appended when the template ends a turn otherwise), so a model
@@ -97,11 +99,23 @@ def render_messages(
     """
     if not has_template(tokenizer):
         return _plain_ids(messages, tokenizer, add_generation_prompt)
+    from anyorder.data.chat_template import TemplateLimit, render_chat
+
     raw = tokenizer.tok  # type: ignore[attr-defined]
-    try:
-        text = raw.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+    try:  # as raw.apply_chat_template(tokenize=False) renders it, within bounds
+        text = render_chat(
+            raw.get_chat_template(),
+            **raw.special_tokens_map,
+            messages=[dict(m) for m in messages],
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
         )
+    except TemplateLimit as e:
+        raise DataError(
+            f"the chat template of tokenizer {tokenizer.spec!r} was stopped: {e}; use a "
+            "template that renders within these bounds"
+        ) from None
     except Exception as e:  # a template's own raise_exception (e.g. roles out of turn)
         raise DataError(
             f"the chat template of tokenizer {tokenizer.spec!r} refused the conversation "

@@ -274,13 +274,18 @@ class Plan:
     """Steps a full decode has (``step_of`` values lie in ``0..total_steps-1``)."""
 
 
-def plan_request(loaded: Loaded, req: GenRequest) -> Plan:
-    """Map a request onto the sampler's arguments (as ``anyorder sample`` does).
+def plan_request(
+    loaded: Loaded, req: GenRequest, limits: Limits = Limits(), started: float | None = None
+) -> Plan:
+    """Map a request onto the sampler's arguments (as ``anyorder sample`` does). A chat
+    template's render stops at the time limit counted from ``started`` (a
+    ``time.perf_counter()`` value; default: now).
 
     Raises:
         SamplingError: a malformed or too long template, a prompt not shorter than the
             length, a tokenizer the model cannot read.
     """
+    from anyorder.data.chat_template import render_deadline
     from anyorder.orders import strided
     from anyorder.sample import parse_template
     from anyorder.sampling.templates import chat_prompt
@@ -295,9 +300,11 @@ def plan_request(loaded: Loaded, req: GenRequest) -> Plan:
     if req.chat:
         cfg = model.cfg
         streams = req.streams if req.mode == "strided" else None
-        prompt, known = chat_prompt(
-            req.text, tok, seq_len, cfg.vocab_size, req.max_new_tokens, streams=streams
-        )
+        at = (time.perf_counter() if started is None else started) + limits.time_limit_s
+        with render_deadline(at, limits.time_limit_s):
+            prompt, known = chat_prompt(
+                req.text, tok, seq_len, cfg.vocab_size, req.max_new_tokens, streams=streams
+            )
         n = len(prompt)
         bounds.check_steps(steps, n)
     elif template:
@@ -371,7 +378,7 @@ def run_generation(
     """
     model, tok = loaded.model, loaded.tokenizer
     t0 = time.perf_counter() if started is None else started
-    plan = plan_request(loaded, req) if plan is None else plan
+    plan = plan_request(loaded, req, limits, t0) if plan is None else plan
     n = plan.n
     prompt = plan.kwargs["prompt"]
     known = plan.kwargs["known"]

@@ -286,7 +286,7 @@ class _Handler(BaseHTTPRequestHandler):
         if req is None:
             return
         try:  # checked before taking a slot: a refusal never holds one
-            plan = plan_request(app.loaded, req)
+            plan = plan_request(app.loaded, req, app.limits, started)
         except AnyorderError as e:
             return self._error(400, str(e))
         except Exception as e:  # a bug, not the user's: report it, keep serving
