@@ -554,3 +554,29 @@ def test_unchanged_weights_keep_their_copies_across_decodes() -> None:
     sample(model, 12, generator=torch.Generator().manual_seed(1), **kw)
     again = {k: copy for k, (_, _, copy) in lin._packs[model].entries.items()}
     assert first.keys() == again.keys() and all(again[k] is first[k] for k in first)
+
+
+def test_a_decode_too_short_to_pay_for_the_check_reads_the_weights(monkeypatch) -> None:
+    """With the default thresholds (:data:`~anyorder.layers.linear.READ_PASSES`): a batch-1
+    decode of 12 one-row passes and an mdm decode of 4 passes read no copy (nor check one),
+    a batch-3 decode of 12 passes reads them; every decode equals the plain one."""
+    monkeypatch.setattr(lin, "READ_PASSES", (8, 32))
+    read = []
+    real = lin._product
+    monkeypatch.setattr(lin, "_product", lambda x, c, b: read.append(1) or real(x, c, b))
+    for kind, kw, reads in (
+        ("gpt", dict(batch=3), True),
+        ("gpt", dict(batch=1), False),
+        ("mdm", dict(batch=3, steps=4), False),
+    ):
+        model = _model(kind)
+        sample(model, 12, batch=3, generator=torch.Generator().manual_seed(1))  # copies made
+        assert lin._packs[model].entries
+        read.clear()
+        kw.update(top_k=1, keep_logits=True)
+        got = sample(model, 12, generator=torch.Generator().manual_seed(0), **kw)
+        with use_prepacked(False):
+            want = sample(model, 12, generator=torch.Generator().manual_seed(0), **kw)
+        assert bool(read) == reads, (kind, kw)
+        assert torch.equal(got.tokens, want.tokens)
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)

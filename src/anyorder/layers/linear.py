@@ -37,7 +37,8 @@ column) the first time each decode reads it (:func:`prepacked_for` starts a deco
 against the version counter at every read; one that differs is dropped and made again
 from the weight as it is. A copy of a weight the model no longer holds (``p.data = new``,
 ``load_state_dict(assign=True)``, ``.to(dtype)``) is dropped at the next decode. The check
-reads each weight it copied twice per decode, once per row sum and once per column sum.
+reads each weight it copied twice per decode, once per row sum and once per column sum:
+decodes too short to earn that back read the weights themselves (:data:`READ_PASSES`).
 
 Products with a gradient, under autocast, on other devices, by small weights
 (:data:`MIN_WEIGHT`), or by tensors made during the forward (the adaLN join) run
@@ -76,8 +77,21 @@ dtype, layout and row count (in powers of two) in a process, and read only where
 which is faster depends on the CPU (measured: with AVX-512 the copies win from 1536 x 512
 (out x in) on at 2-16 rows; limited to AVX2, 16 rows by a 512 x 2048 weight took 1.5x as
 long from the copy). Tests turn it off to read every copy."""
+READ_PASSES = (8, 32)
+"""A decode reads copies (each checked against its weight at its first read) only where it
+has at least this many passes of two rows or more, or of one row (:func:`worth_reading`):
+the check reads every copied weight twice, about what 3-4 one-row passes cost (measured on
+a 2048-wide model, one thread), which a one-row copy's 15-25% earns back in some 20 passes
+and a many-row copy's 25-60% in fewer. :func:`every_copy` reads them in every decode."""
 _faster: dict[tuple, bool] = {}  # the races' verdicts (this process, this CPU)
 _DTYPES = (torch.float32, torch.bfloat16)
+
+
+def worth_reading(many_row_passes: int, one_row_passes: int) -> bool:
+    """Whether a decode of that many passes (the prompt's left out) reads prepacked copies:
+    long enough to earn back their check (:data:`READ_PASSES`)."""
+    many, one = READ_PASSES
+    return many_row_passes >= many or one_row_passes >= one
 
 
 def weight_and_bias(linear: nn.Module) -> tuple[Tensor, Tensor | None]:
@@ -378,11 +392,11 @@ def prepacked(packs: Prepacked | None, make=(ONE_ROW, MANY_ROWS)) -> Iterator[No
 def every_copy() -> Iterator[None]:
     """Within (process-wide; for tests and benchmarks): every weight is copied however small
     (:data:`MIN_WEIGHT`, :data:`MIN_ONE_ROW_WEIGHT` at 0) and every copy read, unraced
-    (:data:`RACE` off)."""
-    global MIN_WEIGHT, MIN_ONE_ROW_WEIGHT, RACE
-    saved = MIN_WEIGHT, MIN_ONE_ROW_WEIGHT, RACE
-    MIN_WEIGHT, MIN_ONE_ROW_WEIGHT, RACE = 0, 0, False
+    (:data:`RACE` off), in decodes of any length (:data:`READ_PASSES` at 0)."""
+    global MIN_WEIGHT, MIN_ONE_ROW_WEIGHT, RACE, READ_PASSES
+    saved = MIN_WEIGHT, MIN_ONE_ROW_WEIGHT, RACE, READ_PASSES
+    MIN_WEIGHT, MIN_ONE_ROW_WEIGHT, RACE, READ_PASSES = 0, 0, False, (0, 0)
     try:
         yield
     finally:
-        MIN_WEIGHT, MIN_ONE_ROW_WEIGHT, RACE = saved
+        MIN_WEIGHT, MIN_ONE_ROW_WEIGHT, RACE, READ_PASSES = saved

@@ -30,7 +30,14 @@ from torch import Tensor
 from anyorder.cache import ARMDCache, StaticKV
 from anyorder.errors import SamplingError
 from anyorder.layers import Packing, PreparedMask, StreamPacking
-from anyorder.layers.linear import MANY_ROWS, ONE_ROW, Prepacked, prepacked, prepacked_for
+from anyorder.layers.linear import (
+    MANY_ROWS,
+    ONE_ROW,
+    Prepacked,
+    prepacked,
+    prepacked_for,
+    worth_reading,
+)
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.models.gpt import BOS
@@ -77,18 +84,23 @@ EARN_ONE_ROW_PASSES = 64
 decode's included: one saves some 15% of a one-row pass and costs about 50 of them."""
 
 
-def earned(packs: Prepacked | None, plan: Plan, batch: int) -> tuple[int, ...]:
-    """The layouts of the copies a decode of ``plan`` makes (:func:`~anyorder.layers.linear.
-    prepacked`), counting its one-row passes into ``packs``."""
-    if packs is None:
-        return ()
+def earned(model: AnyOrderLM, plan: Plan, batch: int) -> tuple[Prepacked | None, tuple[int, ...]]:
+    """The model's prepacked copies a decode of ``plan`` reads (None: turned off, or a decode
+    too short to earn back their check, :func:`~anyorder.layers.linear.worth_reading`) and
+    the layouts it makes (:func:`~anyorder.layers.linear.prepacked`), its one-row passes
+    counted into the copies."""
     passes = getattr(plan, "passes", None)
     if passes is None:  # a speculative round's engine: drafts, several rows every pass
-        return (MANY_ROWS,)
+        packs = prepacked_for(model)
+        return packs, () if packs is None else (MANY_ROWS,)
     rows = [batch * sum(p.dims) for p in passes if not p.prefill]
-    packs.one_row_passes += sum(1 for r in rows if r == 1)
-    out = (MANY_ROWS,) if sum(1 for r in rows if r > 1) >= EARN_PASSES else ()
-    return out + ((ONE_ROW,) if packs.one_row_passes >= EARN_ONE_ROW_PASSES else ())
+    ones = sum(1 for r in rows if r == 1)
+    packs = prepacked_for(model) if worth_reading(len(rows) - ones, ones) else None
+    if packs is None:
+        return None, ()
+    packs.one_row_passes += ones
+    out = (MANY_ROWS,) if len(rows) - ones >= EARN_PASSES else ()
+    return packs, out + ((ONE_ROW,) if packs.one_row_passes >= EARN_ONE_ROW_PASSES else ())
 
 
 class GPTPasses:
@@ -100,8 +112,7 @@ class GPTPasses:
         shape = (cfg.kv_heads, cfg.d_head)
         self.cache = StaticKV(cfg.n_layer, batch, plan.capacity, shape, dtype, model.device)
         self.masks = _Masks(dtype, model.device)
-        self.packs = prepacked_for(model)  # the CPU's prepacked weights (layers/linear.py)
-        self.make = earned(self.packs, plan, batch)
+        self.packs, self.make = earned(model, plan, batch)  # the CPU's (layers/linear.py)
 
     def run(
         self,
@@ -144,8 +155,7 @@ class ARMDPasses:
             torch.zeros(0, device=device),
         )
         self.masks = _Masks(dtype, device)
-        self.packs = prepacked_for(model)
-        self.make = earned(self.packs, plan, batch)
+        self.packs, self.make = earned(model, plan, batch)
         self.batch, self.block = batch, plan.block_mode
         # the content embeddings of the decided tokens, at their content slots: a query
         # row's prefix aggregate is their mean under its mask (counts come with the plan)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from anyorder.errors import ConfigError, SamplingError
-from anyorder.layers.linear import MANY_ROWS, prepacked, prepacked_for
+from anyorder.layers.linear import MANY_ROWS, prepacked, prepacked_for, worth_reading
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.models.mdm import MDM
@@ -406,7 +406,8 @@ def encoder_sample(
     step_of.scatter_(1, order[:, :k], -1)
     V = model.cfg.vocab_size
     logits_buf = torch.zeros(B, n + 1, V, device=device) if keep_logits else None
-    packs = prepacked_for(model)  # the CPU's prepacked weights (layers/linear.py)
+    # the CPU's prepacked weights (layers/linear.py), in a decode long enough to pay for them
+    packs = prepacked_for(model) if worth_reading(len(parts), 0) else None
     for step, start, part in zip(reveals.step.tolist(), spans, parts):
         q_slot = slots[:, start : start + part.shape[1]]
         q_pos = positions[:, start : start + part.shape[1]]  # (B, Q)
