@@ -157,6 +157,10 @@ ATTACKS = {
         "{{ m(60) }}",
         WORK,
     ),
+    "macro-recursion": (
+        "{% macro m(n) %}{{ m(n) }}{% endmacro %}{{ m(1) }}",
+        "its macros or recursive loops nest deeper than Python allows",
+    ),
     "block": (
         "{% macro m() %}{% for i in range(99999) %}" + "x" * 1000 + "{% endfor %}{% endmacro %}"
         "{% set y = m() %}",

@@ -354,5 +354,9 @@ def render_chat(source: str, seconds: float = RENDER_SECONDS, **variables: Any) 
             budget.fits(size, "its output")
             parts.append(piece)
         return "".join(parts)
+    except RecursionError:  # a macro calling itself without end
+        raise TemplateLimit(
+            "its macros or recursive loops nest deeper than Python allows"
+        ) from None
     finally:
         _budget.reset(token)
