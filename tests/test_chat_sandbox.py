@@ -136,6 +136,7 @@ ATTACKS = {
         WORK,
     ),
     "repetition": ("{{ 'x' * 10000000000 }}", SIZE.format(what="'\\*'")),
+    "bytes-repetition": ("{{ 'x'.encode() * 10000000000 }}", SIZE.format(what="'\\*'")),
     "list-repetition": ("{{ ['x'] * 10000000000 }}", SIZE.format(what="'\\*'")),
     "doubling": ("{% set a = 'xxxxxxxx' %}" + "{% set a = a ~ a %}" * 40, WORK),
     "nested-literals": (

@@ -59,10 +59,10 @@ _deadline: ContextVar[tuple[float, float] | None] = ContextVar(
 
 
 @contextlib.contextmanager
-def render_deadline(at: float, seconds: float) -> Iterator[None]:
-    """Renders in this block stop at ``at`` (a ``time.perf_counter()`` value) if not before;
-    ``seconds`` is the limit their refusal names (a server's time limit per request)."""
-    token = _deadline.set((at, seconds))
+def render_deadline(started: float, seconds: float) -> Iterator[None]:
+    """Renders in this block stop ``seconds`` after ``started`` (a ``time.perf_counter()``
+    value) if not before: a server's time limit per request, which their refusal names."""
+    token = _deadline.set((started + seconds, seconds))
     try:
         yield
     finally:

@@ -54,7 +54,7 @@ def size_of(value: Any, cap: int) -> int:
     memo: dict[int, int] = {}
 
     def walk(v: Any, depth: int) -> int:
-        if isinstance(v, str):
+        if isinstance(v, (str, bytes)):
             return len(v) + 2
         if isinstance(v, bool) or v is None:
             return 5
@@ -89,12 +89,12 @@ def size_of(value: Any, cap: int) -> int:
 
 def _len(value: Any, cap: int) -> int:
     """A string's length, else :func:`size_of`."""
-    return len(value) if isinstance(value, str) else size_of(value, cap)
+    return len(value) if isinstance(value, (str, bytes)) else size_of(value, cap)
 
 
 def checked(value: Any, budget: Budget, what: str) -> Any:
     """``value`` after charging its size, refused over the limit."""
-    if isinstance(value, str):
+    if isinstance(value, (str, bytes)):
         size = len(value)
     elif isinstance(value, (list, tuple, dict, set, frozenset)) or hasattr(
         value, "_Namespace__attrs"
@@ -134,13 +134,15 @@ def check_ints(args: tuple, kwargs: dict, budget: Budget, what: str) -> None:
             budget.fits(abs(a), what)
 
 
-def _replace_size(s: str, old: Any, new: Any, count: Any = -1) -> int:
-    if not isinstance(old, str) or not isinstance(new, str):
+def _replace_size(s: Any, old: Any, new: Any, count: Any = -1) -> int:
+    try:
+        hits = s.count(old) if old else len(s) + 1
+        grow = len(new)
+    except TypeError:  # text and bytes mixed: replace refuses them too
         return len(s)
-    hits = s.count(old) if old else len(s) + 1
     if isinstance(count, int) and count >= 0:
         hits = min(hits, count)
-    return len(s) + hits * len(new)
+    return len(s) + hits * grow
 
 
 def _join_size(sep: Any, items: list, budget: Budget) -> int:
@@ -189,10 +191,11 @@ def call_size(obj: Any, args: tuple, kwargs: dict, budget: Budget) -> tuple[int,
     target = getattr(obj, "__wrapped__", obj)  # the sandbox wraps str.format
     s = getattr(target, "__self__", None)
     name = getattr(target, "__name__", "")
-    if isinstance(s, str) and name in _STR_GROWERS:
+    if isinstance(s, (str, bytes)) and name in _STR_GROWERS:
         if name == "expandtabs":
             tab = args[0] if args else kwargs.get("tabsize", 8)
-            return len(s) + s.count("\t") * (tab if isinstance(tab, int) else 0), args
+            tabs = s.count("\t" if isinstance(s, str) else b"\t")
+            return len(s) + tabs * (tab if isinstance(tab, int) else 0), args
         if name == "replace" and len(args) >= 2:
             return _replace_size(s, *args[:3]), args
         if name == "join" and args:
@@ -214,13 +217,14 @@ def predict_binop(op: str, left: Any, right: Any, budget: Budget) -> None:
     ints = isinstance(left, int) and isinstance(right, int)
     if op == "*":
         for seq, n in ((left, right), (right, left)):
-            if isinstance(n, int) and isinstance(seq, (str, list, tuple)):
+            if isinstance(n, int) and isinstance(seq, (str, bytes, list, tuple)):
                 budget.fits(_len(seq, budget.limit) * max(n, 0), "'*'")
         if ints and left.bit_length() + right.bit_length() > MAX_INT_BITS:
             raise TemplateLimit(f"'*' would make an integer of more than {MAX_INT_BITS} bits")
     elif op == "**" and ints and right > 0 and (abs(left).bit_length() - 1) * right > MAX_INT_BITS:
         raise TemplateLimit(f"'**' would make an integer of more than {MAX_INT_BITS} bits")
-    elif op == "%" and isinstance(left, str):
-        budget.fits(_format_size(left, right, budget), "'%'")
-    elif op == "+" and isinstance(left, (str, list, tuple)) and type(left) is type(right):
+    elif op == "%" and isinstance(left, (str, bytes)):
+        fmt = left if isinstance(left, str) else left.decode("latin-1")
+        budget.fits(_format_size(fmt, right, budget), "'%'")
+    elif op == "+" and isinstance(left, (str, bytes, list, tuple)) and type(left) is type(right):
         budget.fits(_len(left, budget.limit) + _len(right, budget.limit), "'+'")

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from anyorder import bounds
+from anyorder.data.chat_template import render_deadline
 from anyorder.errors import CheckpointError, SamplingError, preview
 from anyorder.serve.rounds import Rounds, piece
 
@@ -274,18 +275,14 @@ class Plan:
     """Steps a full decode has (``step_of`` values lie in ``0..total_steps-1``)."""
 
 
-def plan_request(
-    loaded: Loaded, req: GenRequest, limits: Limits = Limits(), started: float | None = None
-) -> Plan:
+def plan_request(loaded: Loaded, req: GenRequest) -> Plan:
     """Map a request onto the sampler's arguments (as ``anyorder sample`` does). A chat
-    template's render stops at the time limit counted from ``started`` (a
-    ``time.perf_counter()`` value; default: now).
+    template renders within :func:`anyorder.data.chat_template.render_deadline`'s time.
 
     Raises:
         SamplingError: a malformed or too long template, a prompt not shorter than the
             length, a tokenizer the model cannot read.
     """
-    from anyorder.data.chat_template import render_deadline
     from anyorder.orders import strided
     from anyorder.sample import parse_template
     from anyorder.sampling.templates import chat_prompt
@@ -300,11 +297,9 @@ def plan_request(
     if req.chat:
         cfg = model.cfg
         streams = req.streams if req.mode == "strided" else None
-        at = (time.perf_counter() if started is None else started) + limits.time_limit_s
-        with render_deadline(at, limits.time_limit_s):
-            prompt, known = chat_prompt(
-                req.text, tok, seq_len, cfg.vocab_size, req.max_new_tokens, streams=streams
-            )
+        prompt, known = chat_prompt(
+            req.text, tok, seq_len, cfg.vocab_size, req.max_new_tokens, streams=streams
+        )
         n = len(prompt)
         bounds.check_steps(steps, n)
     elif template:
@@ -378,7 +373,9 @@ def run_generation(
     """
     model, tok = loaded.model, loaded.tokenizer
     t0 = time.perf_counter() if started is None else started
-    plan = plan_request(loaded, req, limits, t0) if plan is None else plan
+    if plan is None:
+        with render_deadline(t0, limits.time_limit_s):  # a chat template renders in time
+            plan = plan_request(loaded, req)
     n = plan.n
     prompt = plan.kwargs["prompt"]
     known = plan.kwargs["known"]

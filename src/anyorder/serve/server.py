@@ -20,8 +20,7 @@ Design choices:
   away stops its generation at the next pass (the write fails) and is logged in one line.
 * Raw requests are checked (Host, Origin, Content-Type, Content-Length, JSON depth) by the
   pure functions of :mod:`anyorder.serve.guard` before any of them reaches the model.
-* Binds ``127.0.0.1`` by default: the page is meant for the machine it runs on; IPv6
-  addresses (``::1``) work too.
+* Binds ``127.0.0.1`` by default (IPv6 ``::1`` works too): the page is for this machine.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyorder.serve.guard as serve_guard
+from anyorder.data.chat_template import render_deadline
 from anyorder.errors import AnyorderError, CheckpointError, SamplingError
 from anyorder.serve.generation import (
     MODES,
@@ -282,11 +282,11 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.split("?", 1)[0] != "/api/generate":
             return self._error(404, f"nothing to POST at {cut(self.path)}; use /api/generate")
         app = self.server.app
-        req = self._read_request(app)
-        if req is None:
+        if (req := self._read_request(app)) is None:
             return
-        try:  # checked before taking a slot: a refusal never holds one
-            plan = plan_request(app.loaded, req, app.limits, started)
+        try:  # checked before taking a slot: a refusal never holds one; a chat template
+            with render_deadline(started, app.limits.time_limit_s):  # renders in time
+                plan = plan_request(app.loaded, req)
         except AnyorderError as e:
             return self._error(400, str(e))
         except Exception as e:  # a bug, not the user's: report it, keep serving
