@@ -348,7 +348,6 @@ class Model:
         from anyorder.checkpoint.loaded import warn_if_not_for_chat
         from anyorder.sampling.templates import chat_prompt
 
-        warn_if_not_for_chat(self.loaded)  # a UserWarning where the run says it cannot answer
         if order is not None and order not in GENERATE_ORDERS:
             raise SamplingError(f"order={order!r}: use one of {', '.join(GENERATE_ORDERS)}")
         bounds.check_controls(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
@@ -358,6 +357,7 @@ class Model:
             streams=streams,
         )  # fmt: skip
         bounds.check_steps(steps, len(prompt))
+        warn_if_not_for_chat(self.loaded)  # a UserWarning where the run says it cannot answer
         return self._sample(
             len(prompt), 1, prompt, known, order, streams, steps, "linear", False, temperature,
             top_p, top_k, seed, True, speculative=speculative, answer_only=True,

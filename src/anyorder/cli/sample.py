@@ -375,10 +375,10 @@ def run_sample(args: argparse.Namespace) -> int:
             "tokenizer folder)"
         )
     check_request(args.speculative, args.steps, args.streams, args.order)
-    if args.chat is not None and (why := chat_warning(ckpt)) is not None:
-        print(f"anyorder sample: warning: {why}", file=sys.stderr, flush=True)
     order, streams = _sample_order(args, model.kind)
     n, prompt, known = _sample_prompt(args, model, tok)
+    if args.chat is not None and (why := chat_warning(ckpt)) is not None:  # a valid request
+        print(f"anyorder sample: warning: {why}", file=sys.stderr, flush=True)
     sequential = args.steps is None and streams is None and args.speculative is None
     sequential = sequential and order != "confidence"
     cut = not args.no_stop_at_eos and args.infill is None

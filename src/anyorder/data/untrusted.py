@@ -131,6 +131,47 @@ def parse_json(data: bytes, path: Path, fix: str, error: type[AnyorderError] = D
         raise error(f"{path} is unreadable ({why}); {fix}") from None
 
 
+def plain_name(name: str) -> bool:
+    """Whether ``name`` (a file name a folder's index gives) stays inside the folder as
+    written: relative, without ``..``, without NUL."""
+    return (
+        bool(name)
+        and "\0" not in name
+        and not name.startswith("/")
+        and ".." not in (name.split("/"))
+    )
+
+
+def refuse_links_out(folder: Path, path: Path, fix: str, error: type[AnyorderError]) -> None:
+    """Refuse a file of ``folder`` that leads outside it through links.
+
+    The hub's cache keeps a snapshot (``models--ORG--NAME/snapshots/REV/``) as links to
+    ``../../blobs/HASH``: those lead into the blobs of the snapshot's own repository, and are
+    read. Any other link out of the folder (to another model's weights, a user's files) would
+    put what the folder does not hold into an export that may be published.
+
+    Raises:
+        error: naming the file, where it leads and ``fix``.
+    """
+    try:
+        real, root = path.resolve(), folder.resolve()
+    except (OSError, RuntimeError) as e:  # a loop of links
+        raise error(f"{path} cannot be followed ({_first_line(e)}); {fix}") from None
+    if real.is_relative_to(root):
+        return
+    snapshot = folder.absolute()
+    if (
+        snapshot.parent.name == "snapshots"
+        and real.parent == (snapshot.parent.parent / "blobs").resolve()
+    ):
+        return
+    raise error(
+        f"{path} links to {str(real)[:200]!r}, outside {str(folder)!r}; a model folder's "
+        "weights lie inside it (or in the hub cache's blobs/ for a snapshot): copy the file "
+        "into the folder"
+    )
+
+
 def refuse_special_files(
     folder: str | Path,
     names: tuple[str, ...] = TOKENIZER_FILES,

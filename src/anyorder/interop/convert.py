@@ -3,8 +3,9 @@
 Design choices:
 
 * The source is read directly (``config.json`` + ``model.safetensors``, sharded safetensors
-  or ``pytorch_model.bin``), so converting needs neither ``transformers`` nor its model
-  classes; a hub id goes through ``huggingface_hub.snapshot_download``.
+  or ``pytorch_model.bin``), as untrusted data (:mod:`anyorder.interop.source`), so converting
+  needs neither ``transformers`` nor its model classes; a hub id goes through
+  ``huggingface_hub.snapshot_download``.
 * The trunk maps one to one: our config supports GPT-2's choices (``norm: layernorm``,
   ``bias: true``, ``qk_norm: false``, ``mlp: gelu`` with the tanh approximation,
   ``pos_emb: learned``, tied head). GPT-2 stores its projections as ``Conv1D`` with weights
@@ -39,7 +40,6 @@ Design choices:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,9 +49,11 @@ from torch import Tensor
 
 from anyorder.checkpoint.exporting import save_pretrained
 from anyorder.config import ModelConfig
+from anyorder.data.untrusted import open_regular, refuse_links_out
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
 from anyorder.interop.families import MAX_SEQ, positive_number, whole_number
 from anyorder.interop.hub import resolve_folder
+from anyorder.interop.source import INDEX_NAME, Source, read_source_json
 
 if TYPE_CHECKING:
     from anyorder.data import Tokenizer
@@ -63,16 +65,9 @@ GPT2_EOS = 50256
 """GPT-2's ``<|endoftext|>`` id: the BOS of converted models when the config names none."""
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 """GPT-2 activations that are the tanh approximation of GELU (what our MLP computes)."""
-_SOURCE_PATTERNS = [
-    "config.json",
-    "*.safetensors",
-    "model.safetensors.index.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-]
+_SOURCE_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "vocab.json",
+                    "merges.txt", "tokenizer.json", "tokenizer_config.json",
+                    "special_tokens_map.json"]  # fmt: skip
 
 
 @dataclass
@@ -107,28 +102,30 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
-def _read_tensors(folder: Path) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
+_MASKS = (".attn.bias", ".attn.masked_bias")  # old checkpoints' causal-mask buffers
 
-    index = folder / "model.safetensors.index.json"
-    try:
-        if (folder / "model.safetensors").is_file():
-            return load_file(str(folder / "model.safetensors"))
-        if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            out: dict[str, Tensor] = {}
-            for shard in shards:
-                out.update(load_file(str(folder / shard)))
-            return out
-        if (folder / "pytorch_model.bin").is_file():
-            state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-            return dict(state)
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(
-            f"the weights in {str(folder)!r} cannot be read ({_first_line(e)}); download them again"
-        ) from None
+
+def _read_tensors(folder: Path) -> dict[str, Tensor]:
+    """The weights of a GPT-2 folder (the mask buffers left out), read as untrusted data
+    (:class:`~anyorder.interop.source.Source`; a ``pytorch_model.bin`` by ``weights_only``)."""
+    if (folder / "model.safetensors").exists() or (folder / INDEX_NAME).exists():
+        with Source(folder) as src:
+            return {
+                k: src.get(k)
+                for k in src.where
+                if not (k.endswith(_MASKS) and len(src.shape(k)) != 1)
+            }
+    path = folder / "pytorch_model.bin"
+    if path.exists():
+        refuse_links_out(folder, path, "download the checkpoint again", CheckpointError)
+        f = open_regular(path, CheckpointError)
+        try:
+            with f:
+                return dict(torch.load(f, map_location="cpu", weights_only=True))
+        except Exception as e:
+            raise CheckpointError(
+                f"{path} cannot be read ({_first_line(e)}); download the checkpoint again"
+            ) from None
     raise CheckpointError(
         f"{str(folder)!r} holds no weights (model.safetensors, model.safetensors.index.json or "
         "pytorch_model.bin); give a folder saved by transformers' save_pretrained"
@@ -154,16 +151,12 @@ def read_gpt2(
     )
     if not folder.is_dir():
         raise CheckpointError(f"{str(source)!r} is not a folder; give a GPT-2 checkpoint folder")
-    path = folder / "config.json"
-    if not path.is_file():
+    config = read_source_json(folder, "config.json")
+    if config is None:
         raise CheckpointError(
             f"{str(source)!r} has no config.json; give a folder saved by transformers' "
             "save_pretrained (config.json + model.safetensors)"
         )
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is unreadable ({_first_line(e)})") from None
     if isinstance(config, dict) and config.get("model_type") is None:
         raise CheckpointError(
             f"{str(source)!r}: config.json names no model_type; anyorder convert reads gpt2, "
@@ -178,13 +171,7 @@ def read_gpt2(
             "anyorder.interop.streaming.convert_family (the CLI picks it by model_type)"
         )
     model_config_from_gpt2(config, "gpt")  # its sizes checked before any weight is read
-    raw = _read_tensors(folder)
-    weights = {}
-    for k, v in raw.items():
-        k = k.removeprefix("transformer.")
-        if k.endswith((".attn.bias", ".attn.masked_bias")) and v.dim() != 1:
-            continue  # the causal-mask buffers of old checkpoints, not weights
-        weights[k] = v.float()
+    weights = {k.removeprefix("transformer."): v.float() for k, v in _read_tensors(folder).items()}
     return GPT2Checkpoint(config=config, weights=weights, folder=folder)
 
 
