@@ -166,6 +166,16 @@ def test_gpt2_index_naming_a_file_outside_the_folder_is_refused(tmp_path):
         "inside 'victim'; an index names the files beside it: download the checkpoint again",
         ["convert", "victim", "--to", "gpt", "--bos-id", "1", "--out", "out"],
     )
+    # and in Python, where no CLI checks the folder first; a weight file linking out too
+    from anyorder.errors import CheckpointError
+    from anyorder.interop.convert import convert_gpt2
+
+    with pytest.raises(CheckpointError, match=r"names the weight file '\.\./other/model"):
+        convert_gpt2(tmp_path / "victim", "gpt", bos_id=1)
+    (tmp_path / "victim" / INDEX).unlink()
+    (tmp_path / "victim" / "model.safetensors").symlink_to(tmp_path / "other" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model.safetensors links to .*, outside"):
+        convert_gpt2(tmp_path / "victim", "gpt", bos_id=1)
 
 
 def test_index_naming_a_file_through_dot_dot_inside_is_refused(tmp_path, saved):
