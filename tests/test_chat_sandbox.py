@@ -30,7 +30,8 @@ CHATML = (
 # written here in the styles of the Llama 3 and Qwen3 templates: a BOS variable, a system
 # turn taken apart, a namespace over the reversed messages, split/strip, tojson, loop flags
 LLAMA3_STYLE = (
-    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]"
+    "{{ bos_token }}{{ date_string }}{% if tools is not none %}T{% endif %}"
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]"
     "['content'] | trim %}{% set rest = messages[1:] %}{% else %}{% set system = 'Be kind.' %}"
     "{% set rest = messages %}{% endif %}<|im_start|>system\n\n{{ system }}<|im_end|>"
     "{% for m in rest %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
@@ -111,6 +112,42 @@ def test_a_template_within_bounds_renders_as_transformers_does(world, template):
             assert render_messages(messages, tok, add_generation_prompt=gen) == want
 
 
+SNIPPETS = [
+    "{{ x }}{{ [x] }}{{ x ~ 1 }}{% for a in x %}{% endfor %}{{ x|default(1) }}{{ x|length }}",
+    "{{ messages|tojson }}{{ messages|tojson(indent=2) }}{{ messages|map(attribute='role')|"
+    "join(',') }}",
+    "{% set ns = namespace(a=x, b=[1]) %}{% set ns.b = ns.b + [2] %}{{ ns.a }}{{ ns.b }}",
+    "{{ '%05.1f|%s' % (3.14159, 'a') }}{{ '{:>6}|{}'.format('ab', 1) }}{{ '%(a)s' % {'a': 1} }}",
+    "{{ 'ab' * 3 }}{{ [1] * 2 }}{{ 2 ** 10 }}{{ 7 // 2 }}{{ 7 / 2 }}{{ 7 % 3 }}{{ -3 - 2 }}",
+    "{{ 'a b c'|wordwrap(3) }}{{ 'a\nb'|indent(2, true) }}{{ 'x'|center(7) }}{{ 'ab'|title }}",
+    "{{ range(5)|batch(2)|list }}{{ range(5)|slice(2)|list }}{{ 'x'|list }}{{ [3, 1]|sort }}",
+    "{% macro m(a) %}<{{ a }}>{{ caller() if caller }}{% endmacro %}{{ m(1) }}"
+    "{% call m(2) %}in{% endcall %}",
+    "{% for m in messages %}{{ loop.index }}{{ loop.length }}{{ loop.last }}{{ loop.cycle('a', "
+    "'b') }}{% endfor %}{% for i in range(3) %}{% if i == 1 %}{% continue %}{% endif %}{{ i }}"
+    "{% endfor %}",
+    "{% for x in [[1, [2]], 3] recursive %}{% if x is iterable %}{{ loop(x) }}{% else %}{{ x }}"
+    "{% endif %}{% endfor %}",
+    "{% set s %}{{ messages|length }}{% endset %}{{ s }}{% filter upper %}hi {{ messages[0]"
+    ".content }}{% endfilter %}{% generation %}g{% endgeneration %}",
+    "{{ dict(a=1) }}{{ {'b': [1, (2, 3)]} }}{{ 'a,b'|replace(',', ';') }}{{ 'abc'.replace('b', "
+    "'xx') }}{{ ','.join(['a', 'b']) }}{{ 'A<'|e }}{{ none }}{{ true }}{{ 'x'.encode() * 2 }}",
+]
+
+
+@pytest.mark.parametrize("snippet", SNIPPETS)
+def test_constructs_render_as_transformers_does(world, snippet):
+    """Each construct the bounds touch (operators, filters, calls, literals, loops, macros,
+    blocks, undefined names) gives transformers' text."""
+    tok = load_tokenizer(str(world / "tok"))
+    raw = tok.tok
+    raw.chat_template = snippet
+    messages = CONVERSATIONS[1]
+    text = raw.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = raw.encode(text, add_special_tokens=False)
+    assert render_messages(messages, tok, add_generation_prompt=True) == want
+
+
 def _limit_memory() -> None:  # a regression must not take the shared machine's memory
     resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 
@@ -162,6 +199,10 @@ ATTACKS = {
         "{% macro m(n) %}{{ m(n) }}{% endmacro %}{{ m(1) }}",
         "its macros or recursive loops nest deeper than Python allows",
     ),
+    "too-long": (
+        "{{ 'x' }}" * 30_000,
+        "it is 270000 characters long, more than the 200000 a chat template may be",
+    ),  # fmt: skip
     "block": (
         "{% macro m() %}{% for i in range(99999) %}" + "x" * 1000 + "{% endfor %}{% endmacro %}"
         "{% set y = m() %}",

@@ -52,6 +52,8 @@ from anyorder.data.template_bounds import (
 
 RENDER_SECONDS = 10.0
 """The longest a render may take (a server's request may give it less)."""
+MAX_TEMPLATE_CHARS = 200_000
+"""The longest chat template compiled (the largest in the wild are tens of thousands)."""
 _budget: ContextVar[Budget | None] = ContextVar("anyorder_chat_budget", default=None)
 _deadline: ContextVar[tuple[float, float] | None] = ContextVar(
     "anyorder_chat_deadline", default=None
@@ -339,7 +341,15 @@ def render_chat(source: str, seconds: float = RENDER_SECONDS, **variables: Any) 
         TemplateLimit: the render passed a bound (the message names which).
         jinja2.TemplateError: the template's own errors (syntax, ``raise_exception``).
     """
-    template = _compiled(source)  # compiled outside the budget: its size is the file's
+    if len(source) > MAX_TEMPLATE_CHARS:  # compiling takes seconds per 100,000
+        raise TemplateLimit(
+            f"it is {len(source)} characters long, more than the {MAX_TEMPLATE_CHARS} a chat "
+            "template may be"
+        )
+    try:
+        template = _compiled(source)
+    except RecursionError:  # (((...))) 10,000 deep
+        raise TemplateLimit("it nests deeper than Python's parser goes") from None
     limit = 1_000_000 + 8 * size_of(variables, 1 << 62)
     deadline = time.perf_counter() + seconds
     outer = _deadline.get()

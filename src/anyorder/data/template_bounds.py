@@ -48,6 +48,16 @@ class Budget:
             )
 
 
+def _attrs(value: Any) -> Any:
+    """A Jinja namespace's attributes, else ``value`` (asked by type: an ``Undefined``
+    answers any ``getattr`` with an error)."""
+    from jinja2.utils import Namespace
+
+    if isinstance(value, Namespace):
+        return object.__getattribute__(value, "_Namespace__attrs")
+    return value
+
+
 def size_of(value: Any, cap: int) -> int:
     """An upper bound of ``len(str(value))`` up to just over ``cap`` (a container counts
     its items as often as they appear; shared items are walked once)."""
@@ -67,9 +77,7 @@ def size_of(value: Any, cap: int) -> int:
         if depth > MAX_DEPTH:
             raise TemplateLimit(f"it made a value nested more than {MAX_DEPTH} levels deep")
         memo[id(v)] = 8  # a cycle prints as [...]
-        attrs = getattr(v, "_Namespace__attrs", None)
-        if isinstance(attrs, dict):
-            v = attrs
+        v = _attrs(v)
         if isinstance(v, dict):
             items: Any = [*v.keys(), *v.values()]
         elif isinstance(v, (list, tuple, set, frozenset)):
@@ -96,9 +104,7 @@ def checked(value: Any, budget: Budget, what: str) -> Any:
     """``value`` after charging its size, refused over the limit."""
     if isinstance(value, (str, bytes)):
         size = len(value)
-    elif isinstance(value, (list, tuple, dict, set, frozenset)) or hasattr(
-        value, "_Namespace__attrs"
-    ):
+    elif isinstance(value, (list, tuple, dict, set, frozenset)) or _attrs(value) is not value:
         size = size_of(value, budget.limit)
     elif isinstance(value, int) and not isinstance(value, bool):
         if value.bit_length() > MAX_INT_BITS:
