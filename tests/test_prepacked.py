@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -513,6 +514,7 @@ def _product_now(layer, x, packs):
         "numpy",
         "untyped storage",
         "odd width",
+        "edits a plain sum cancels",
     ],
 )
 def test_every_write_to_a_weight_is_seen_at_the_next_decode(write: str) -> None:
@@ -535,6 +537,13 @@ def test_every_write_to_a_weight_is_seen_at_the_next_decode(write: str) -> None:
         w.detach().numpy()[10, 0] += 1.0
     elif write == "untyped storage":
         w.untyped_storage().copy_(torch.randn(w.numel()).untyped_storage())
+    elif write == "edits a plain sum cancels":  # every row's and column's word sum unchanged
+        words = w.detach().numpy().view(np.int64)  # (40, 12): two fp32 values a word
+        k = 1 << 20  # about 12% of a value's mantissa: the product moves far past tolerance
+        words[2, 1] += k
+        words[2, 3] -= k
+        words[5, 1] -= k
+        words[5, 3] += k
     else:
         w.data[0, 22] = 7.0
     assert w._version == version  # unseen by the counter

@@ -33,12 +33,13 @@ memory available when the decode began.
 fused optimizers (``AdamW(fused=True)``), anything through ``.data`` (peft's LoRA merge,
 hand edits), numpy views, the storage. So a copy is checked against its weight's bytes
 (:func:`_fingerprint`: exact integer sums of its 64-bit words along each row and each
-column) the first time each decode reads it (:func:`prepacked_for` starts a decode), and
-against the version counter at every read; one that differs is dropped and made again
-from the weight as it is. A copy of a weight the model no longer holds (``p.data = new``,
-``load_state_dict(assign=True)``, ``.to(dtype)``) is dropped at the next decode. The check
-reads each weight it copied twice per decode, once per row sum and once per column sum:
-decodes too short to earn that back read the weights themselves (:data:`READ_PASSES`).
+column, weighted by secret random keys) the first time each decode reads it
+(:func:`prepacked_for` starts a decode), and against the version counter at every read;
+one that differs is dropped and made again from the weight as it is. A copy of a weight
+the model no longer holds (``p.data = new``, ``load_state_dict(assign=True)``,
+``.to(dtype)``) is dropped at the next decode. The check reads each weight it copied twice
+per decode, once per row print and once per column print: decodes too short to earn that
+back read the weights themselves (:data:`READ_PASSES`).
 
 Products with a gradient, under autocast, on other devices, by small weights
 (:data:`MIN_WEIGHT`), or by tensors made during the forward (the adaLN join) run
@@ -253,18 +254,34 @@ class Prepacked:
 
 def _fingerprint(weight: Tensor) -> tuple[Tensor, ...]:
     """What a copy of ``weight`` is checked against: the weight's bytes read as 64-bit
-    integers, summed (modulo 2**64) along each row and along each column of that view; the
-    bytes themselves where a row is no whole number of such words. Integer sums are exact
-    and do not depend on the order of the additions (threads, kernels): any change of one
-    word changes its row's and its column's sums, a change of values moved within a row
-    (a column permutation, a head moved) its columns', one moved across rows (a row
-    permutation) their rows'."""
+    integers, each row's and each column's words weighted by secret random odd integers and
+    summed (modulo 2**64; :func:`_keys`); the bytes themselves where a row is no whole number
+    of such words. Integer sums are exact and do not depend on the order of the additions
+    (threads, kernels). A change of one word changes its row's and its column's print; the
+    keys make every other change (values moved within or across rows, edits that would
+    cancel in a plain sum) change them too, but for odds of about 2**-60 that no optimizer,
+    load or hand edit can aim at: the keys are drawn from the OS in each process, never from
+    torch's seeded generators (which would move the samples)."""
     w = weight.detach()
     try:
         words = w.view(torch.int64)  # (out, in * itemsize / 8)
     except RuntimeError:  # rows of a size or offset not a multiple of 8 bytes (small weights)
         return (w.view(torch.uint8).clone(),)  # bytes: a NaN equals itself here
-    return words.sum(dim=1), words.sum(dim=0)
+    rows, cols = words.shape
+    return torch.mv(words, _keys(cols)), torch.mv(words.t(), _keys(rows, 1))
+
+
+_KEYS: dict[tuple[int, int], Tensor] = {}
+
+
+def _keys(n: int, which: int = 0) -> Tensor:
+    """``n`` random odd 64-bit integers, the same for every call of this process (``which``
+    tells the row keys from the column keys)."""
+    key = _KEYS.get((n, which))
+    if key is None:
+        key = torch.frombuffer(bytearray(os.urandom(8 * n)), dtype=torch.int64) | 1
+        key = _KEYS.setdefault((n, which), key)
+    return key
 
 
 def _same(a: tuple[Tensor, ...], b: tuple[Tensor, ...]) -> bool:
