@@ -33,9 +33,6 @@ CLASSES = {
     "mistral": (tr.MistralConfig, tr.MistralForCausalLM),
 }
 TEMPLATE = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
-ROPE_KEY = "rope_parameters" if int(tr.__version__.split(".")[0]) >= 5 else "rope_scaling"
-"""Where the installed transformers saves RoPE: 5 writes ``rope_parameters`` (the base
-inside); 4, pyproject's floor, ``rope_scaling`` beside a top-level ``rope_theta``."""
 
 
 def draw_config(family: str, seed: int) -> dict:
@@ -64,10 +61,7 @@ def draw_config(family: str, seed: int) -> dict:
     elif scaling == "llama3":
         rope.update(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
         rope["original_max_position_embeddings"] = 32
-    if ROPE_KEY == "rope_scaling":
-        kw["rope_theta"] = rope.pop("rope_theta")
-        rope = rope if scaling != "default" else None
-    kw[ROPE_KEY] = rope
+    kw["rope_parameters"] = rope
     return kw
 
 
@@ -304,7 +298,7 @@ def _with(tmp_path, **config):
         ),
         ({"num_local_experts": 8}, "mixture of experts (num_local_experts)"),
         ({"partial_rotary_factor": 0.5}, "partial rotary (partial_rotary_factor 0.5)"),
-        ({ROPE_KEY: {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
         ({"model_type": "gemma"}, "Gemma's (1 + w) norms and scaled embeddings"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' (the SwiGLU MLP uses silu)"),
     ],
