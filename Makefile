@@ -11,7 +11,7 @@ TORCH_INDEX       ?=
 TORCH_EXTRA_INDEX ?=
 TORCH_PIP = $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))$(if $(TORCH_EXTRA_INDEX), --extra-index-url $(TORCH_EXTRA_INDEX))
 
-.PHONY: setup test demo bench lint format clean
+.PHONY: setup test test-lowest demo bench lint format clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,25 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
+
+## The same checks with the lowest versions pyproject.toml claims: constraints/lowest.txt
+## pins each floor; they install together into ./.venv-lowest (torch from the index that
+## TORCH_INDEX/TORCH_EXTRA_INDEX name, as for setup). `make test` is unchanged.
+LOWEST     ?= .venv-lowest
+LOWEST_BIN  = $(LOWEST)/bin
+
+$(LOWEST_BIN)/.installed: pyproject.toml constraints/lowest.txt
+	$(PYTHON) -m venv $(LOWEST)
+	$(LOWEST_BIN)/pip install -q --upgrade pip
+	$(LOWEST_BIN)/pip install -q -c constraints/lowest.txt $(strip $(TORCH_PIP) torch)
+	$(LOWEST_BIN)/pip install -q -c constraints/lowest.txt -e ".[hf,plot,eval,dev]"
+	$(LOWEST_BIN)/pip check
+	touch $@
+
+test-lowest: $(LOWEST_BIN)/.installed
+	$(LOWEST_BIN)/ruff check .
+	$(LOWEST_BIN)/ruff format --check .
+	$(LOWEST_BIN)/pytest -q
 
 ## The main job: train a tiny ARMD on the Python docs, sample, evaluate, write a report.
 demo: setup
@@ -47,4 +66,4 @@ format: setup
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) runs data_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LOWEST) runs data_cache .pytest_cache .ruff_cache
