@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,72 @@ def run_cli(
         return subprocess.CompletedProcess(
             ["anyorder", *args], code, out.read_text(), err.read_text()
         )
+
+
+def chatml_tokenizer(**tokens):
+    """A tiny byte-level BPE (300 ids, ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>``
+    special) as a ``transformers`` fast tokenizer whose EOS is ``<|im_end|>``; ``tokens``:
+    more of its special tokens (``bos_token=...``). No chat template: the caller sets it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(["hello world user assistant add and"] * 10, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        **tokens,
+    )
+
+
+def gloo_worker(job: str, imports: str, body: str) -> str:
+    """The script of one gloo rank for :func:`run_two_ranks`: its arguments read (``job``
+    names what ``sys.argv[3]`` holds, as JSON), the process group joined, ``imports`` run,
+    then ``body`` (a failure printed, exit 1); the group left, and ``os._exit`` (gloo may
+    abort at interpreter exit: MACHINE-NOTES, distributed)."""
+    return (
+        textwrap.dedent(
+            f"""
+            import json, os, sys
+            from datetime import timedelta
+
+            import torch
+            import torch.distributed as dist
+
+            rank, store, {job} = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+            torch.set_num_threads(1)
+            dist.init_process_group(
+                "gloo", init_method="file://" + store, rank=rank, world_size=2,
+                timeout=timedelta(seconds=90),
+            )
+            """
+        )
+        + textwrap.dedent(imports)
+        + "\ncode = 0\ntry:\n"
+        + textwrap.indent(textwrap.dedent(body), "    ")
+        + textwrap.dedent(
+            """\
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            dist.destroy_process_group()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+            """
+        )
+    )
 
 
 def run_two_ranks(script: Path, overrides: str, store: Path, timeout: float = 300) -> list[str]:

@@ -15,6 +15,8 @@ from anyorder.data import ByteTokenizer, cache_key, load_tokenizer, prepare
 from anyorder.data.chat import encode_example, render_messages, render_prompt
 from anyorder.errors import ConfigError, DataError
 
+from conftest import chatml_tokenizer
+
 EOS = 256
 PAIRS = [(f"add {i} and {i + 1}", str(2 * i + 1)) for i in range(12)]
 CHATML = (
@@ -45,24 +47,7 @@ def cfg(tmp_path: Path, source: Path | str, **kw) -> DataConfig:
 @pytest.fixture(scope="module")
 def chatml_folder(tmp_path_factory) -> Path:
     """A tiny transformers tokenizer with a ChatML chat template, saved to a folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    raw = Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    raw.train_from_iterator(["hello world user assistant add and"] * 10, trainer=trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
+    tok = chatml_tokenizer()
     tok.chat_template = CHATML
     folder = tmp_path_factory.mktemp("chatml")
     tok.save_pretrained(str(folder))

@@ -21,7 +21,7 @@ import pytest
 from anyorder.data import load_tokenizer
 from anyorder.data.chat import render_messages
 
-from conftest import tiny_model
+from conftest import chatml_tokenizer, tiny_model
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -71,28 +71,10 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     """A tokenizer folder with a ChatML template, and an aogpt export that reads it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     from anyorder.checkpoint.exporting import save_pretrained
 
     root = tmp_path_factory.mktemp("sandbox")
-    raw = Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    raw.train_from_iterator(["hello world user assistant add and"] * 10, trainer=trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=raw,
-        bos_token="<|endoftext|>",
-        eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
+    tok = chatml_tokenizer(bos_token="<|endoftext|>")
     tok.chat_template = CHATML
     tok.save_pretrained(str(root / "tok"))
     model = tiny_model("aogpt", seed=1, vocab_size=320, seq_len=64, n_layer=1, d_model=32)

@@ -8,7 +8,6 @@ import itertools
 import json
 import math
 import re
-import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from anyorder.errors import ConfigError
 from anyorder.evaluation.answers import answer_any_order_nll, answer_nll
 from anyorder.orders import OrderSampler, displace, displace_answer, prompt_first
 
-from conftest import tiny_model
+from conftest import gloo_worker, tiny_model
 
 V, N = 11, 6
 TESTS = Path(__file__).parent
@@ -410,37 +409,13 @@ def test_the_sft_loss_does_not_depend_on_the_accumulation(tmp_path, kind):
             torch.testing.assert_close(grads[name], grads1[name], rtol=1e-5, atol=1e-7)
 
 
-SFT_WORKER = textwrap.dedent(
-    """
-    import json, os, sys
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    rank, store, job = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method="file://" + store, rank=rank, world_size=2,
-        timeout=timedelta(seconds=90),
-    )
-    from anyorder.config import load_config
-    from test_sft import first_step
-
-    code = 0
-    try:
-        loss, grads = first_step(load_config(None, job["overrides"]))
-        torch.save({"loss": loss, "grads": grads}, job["out"] + f".{rank}")
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # gloo may abort at interpreter exit (docs: MACHINE-NOTES, distributed)
-    """
+SFT_WORKER = gloo_worker(  # a gloo rank's first step, its loss and gradients saved
+    "job",
+    "from anyorder.config import load_config\nfrom test_sft import first_step\n",
+    """\
+    loss, grads = first_step(load_config(None, job["overrides"]))
+    torch.save({"loss": loss, "grads": grads}, job["out"] + f".{rank}")
+    """,
 )
 
 

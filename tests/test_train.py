@@ -9,7 +9,6 @@ import random
 import socket
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ from anyorder.training.metrics import read_metrics
 from anyorder.training.setup import check_config
 from anyorder.training.state import EMA, lr_at
 
-from conftest import run_cli, run_two_ranks
+from conftest import gloo_worker, run_cli, run_two_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -175,36 +174,10 @@ def test_grad_accumulation_matches_one_batch(tmp_path, cache):
 
 # ----------------------------------------------------------------------------- distributed
 
-WORKER = textwrap.dedent(
-    """
-    import json, os, sys
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    rank, store, overrides = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method="file://" + store, rank=rank, world_size=2,
-        timeout=timedelta(seconds=90),
-    )
-    from anyorder.config import load_config
-    from anyorder.training.loop import train
-
-    code = 0
-    try:
-        train(load_config(None, overrides), resume=False, progress=False)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # gloo may abort at interpreter exit (see run_train in cli/train.py)
-    """
+WORKER = gloo_worker(  # a gloo rank of `anyorder.training.loop.train`
+    "overrides",
+    "from anyorder.config import load_config\nfrom anyorder.training.loop import train\n",
+    "train(load_config(None, overrides), resume=False, progress=False)\n",
 )
 
 
