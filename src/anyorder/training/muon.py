@@ -43,8 +43,8 @@ Design choices:
   Under LoRA the AdamW half is often empty (no adapter on an adaLN), so either half may
   hold no parameter (see ``__init__``); adapters on the adaLN alone leave Muon nothing,
   and the run steps by plain AdamW (the start-up line names it: :func:`describe`).
-* ``torch.optim.Muon`` is in torch 2.9 and later; on an older torch (the package's floor is
-  2.6) ``train.optimizer=muon`` is refused in one line instead of keeping a copy of it here.
+* ``torch.optim.Muon`` is in torch 2.9 and later, the package's floor (``make test-lowest``);
+  an older torch installed by hand gets ``train.optimizer=muon`` refused in one line.
 """
 
 from __future__ import annotations
