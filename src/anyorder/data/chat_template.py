@@ -333,7 +333,7 @@ def _compiled(source: str) -> Any:
     return _environment().from_string(source)
 
 
-def render_chat(source: str, seconds: float = RENDER_SECONDS, **variables: Any) -> str:
+def render_chat(source: str, **variables: Any) -> str:
     """Render chat template ``source`` with ``variables`` (``messages``,
     ``add_generation_prompt``, the special tokens) within the bounds of the module notes.
 
@@ -351,7 +351,7 @@ def render_chat(source: str, seconds: float = RENDER_SECONDS, **variables: Any) 
     except RecursionError:  # (((...))) 10,000 deep
         raise TemplateLimit("it nests deeper than Python's parser goes") from None
     limit = 1_000_000 + 8 * size_of(variables, 1 << 62)
-    deadline = time.perf_counter() + seconds
+    deadline, seconds = time.perf_counter() + RENDER_SECONDS, RENDER_SECONDS
     outer = _deadline.get()
     if outer is not None and outer[0] < deadline:
         deadline, seconds = outer

@@ -279,7 +279,8 @@ def _config_of(config: Any, loaded: Any) -> AnyorderConfig:
             "(the export's config.json is read)"
         )
     ours, cfg = config.to_model_config(), loaded.model.cfg
-    diff = [k for k, v in to_dict(ours).items() if v != to_dict(cfg)[k]]
+    theirs = to_dict(cfg)
+    diff = [k for k, v in to_dict(ours).items() if v != theirs[k]]
     if diff:
         shown = ", ".join(f"{k}={getattr(ours, k)!r}" for k in diff[:3])
         raise ConfigError(

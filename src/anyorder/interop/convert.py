@@ -49,7 +49,7 @@ from torch import Tensor
 
 from anyorder.checkpoint.exporting import save_pretrained
 from anyorder.config import ModelConfig
-from anyorder.data.untrusted import open_regular, refuse_links_out
+from anyorder.data.untrusted import open_regular, refuse_links_out, refuse_special_files
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
 from anyorder.interop.families import MAX_SEQ, positive_number, whole_number
 from anyorder.interop.hub import resolve_folder
@@ -106,8 +106,7 @@ _MASKS = (".attn.bias", ".attn.masked_bias")  # old checkpoints' causal-mask buf
 
 
 def _read_tensors(folder: Path) -> dict[str, Tensor]:
-    """The weights of a GPT-2 folder (the mask buffers left out), read as untrusted data
-    (:class:`~anyorder.interop.source.Source`; a ``pytorch_model.bin`` by ``weights_only``)."""
+    """A GPT-2 folder's weights, mask buffers left out, read as untrusted data (Source)."""
     if (folder / "model.safetensors").exists() or (folder / INDEX_NAME).exists():
         with Source(folder) as src:
             return {
@@ -151,6 +150,8 @@ def read_gpt2(
     )
     if not folder.is_dir():
         raise CheckpointError(f"{str(source)!r} is not a folder; give a GPT-2 checkpoint folder")
+    whole = tuple(p for p in _SOURCE_PATTERNS if "*" not in p)  # read whole, here or by others
+    refuse_special_files(folder, whole, CheckpointError)  # regular files, of bounded size
     config = read_source_json(folder, "config.json")
     if config is None:
         raise CheckpointError(

@@ -176,21 +176,20 @@ class Prepacked:
         view = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
         rows = x.numel() // x.shape[-1]
         bucket = 1 << (rows - 1).bit_length()
-
-        def wins(layout: int) -> bool:  # not known to lose its race (then it is not read)
-            return not RACE or _faster.get((view[1], weight.dtype, layout, bucket)) is not False
-
         layout = ONE_ROW if rows == 1 else MANY_ROWS
+        race = (view[1], weight.dtype, layout, bucket)
+        faster = _faster.get(race) if RACE else True  # a copy that lost its race is not read
         with self.lock:
             key = (*view, layout)
-            entry = self._current(key, wins(layout)) or self._pack(key, weight, make)
+            entry = self._current(key, faster is not False) or self._pack(key, weight, make)
             if entry is None and layout == MANY_ROWS:
-                layout, entry = ONE_ROW, self._current((*view, ONE_ROW), wins(ONE_ROW))
+                layout = ONE_ROW
+                race = (view[1], weight.dtype, layout, bucket)
+                faster = _faster.get(race) if RACE else True
+                entry = self._current((*view, ONE_ROW), faster is not False)
         if entry is None:
             return None
         bias = None if bias is None else bias.detach()
-        race = (view[1], weight.dtype, layout, bucket)
-        faster = _faster.get(race) if RACE else True
         if faster is None:
             faster, out = _race(x, weight, bias, entry[2])
             _faster[race] = faster
@@ -218,8 +217,9 @@ class Prepacked:
 
     def _drop(self, view: tuple) -> None:
         """Drop the copies of the weight under ``view`` (every layout)."""
-        for key in [k for k in self.entries if k[:-1] == view]:
-            self.bytes -= _nbytes(self.entries.pop(key)[0])
+        for layout in (ONE_ROW, MANY_ROWS):
+            if (entry := self.entries.pop((*view, layout), None)) is not None:
+                self.bytes -= _nbytes(entry[0])
         self.prints.pop(view, None)
         self.checked.discard(view)
 

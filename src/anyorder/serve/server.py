@@ -287,12 +287,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:  # checked before taking a slot: a refusal never holds one; a chat template
             with render_deadline(started, app.limits.time_limit_s):  # renders in time
                 plan = plan_request(app.loaded, req)
-        except AnyorderError as e:  # the render may have taken the time limit: the answer
-            self.wfile.deadline = time.monotonic() + app.limits.send_timeout_s  # has its own
-            return self._error(400, str(e))
-        except Exception as e:  # a bug, not the user's: report it, keep serving
-            self.wfile.deadline = time.monotonic() + app.limits.send_timeout_s
-            return self._error(500, internal_error(e))
+        except Exception as e:  # the render may have taken the time limit: the answer has
+            self.wfile.deadline = time.monotonic() + app.limits.send_timeout_s  # its own time
+            if isinstance(e, AnyorderError):
+                return self._error(400, str(e))
+            return self._error(500, internal_error(e))  # a bug, not the user's: keep serving
         if not app.slots.acquire(blocking=False):
             busy = f"busy: this server runs {app.limits.max_concurrent} generation(s) at a time; "
             return self._error(429, busy + "try again when it finishes", {"Retry-After": "1"})

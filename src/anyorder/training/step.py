@@ -118,9 +118,8 @@ def micro_weights(
     """
     if plen_all is None:
         return None
-    world, rank = env.world_size, env.rank
-    per_rank = torch.stack([plen_all[r::world][:rows] for r in range(world)])  # (world, rows)
-    counts = (n - per_rank).clamp(min=0).double()
-    total = float(counts.sum().clamp(min=1))
-    mine = counts[rank]
+    world = env.world_size
+    # the ranks take rows r, r + world, ...: together the global batch's first world * rows
+    total = float((n - plen_all[: world * rows]).clamp(min=0).sum().clamp(min=1))
+    mine = (n - plen_all[env.rank :: world][:rows]).clamp(min=0).double()
     return [world * float(mine[a * micro : (a + 1) * micro].sum()) / total for a in range(accum)]
