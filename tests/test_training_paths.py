@@ -4,6 +4,7 @@ training against eager."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -118,10 +119,14 @@ def _compiled_vs_eager(tmp_path, kind: str, backend: str | None, **extra) -> Non
 
 
 @pytest.mark.parametrize("kind", ["aogpt", pytest.param("armd", marks=pytest.mark.slow)])
-def test_compiled_training_follows_eager_through_dynamo(tmp_path, kind: str) -> None:
+def test_compiled_training_follows_eager_through_dynamo(tmp_path, kind: str, capsys) -> None:
     """Dynamo and AOT autograd (backend aot_eager: the graphs, not inductor's kernels) with
-    grad accumulation, EMA, validation, checkpoints and a resume."""
+    grad accumulation, EMA, validation, checkpoints and a resume; the first compiled step
+    says what it paid for."""
     _compiled_vs_eager(tmp_path, kind, "aot_eager")
+    said = [line for line in capsys.readouterr().out.splitlines() if "compiling" in line]
+    assert len(said) == 2  # the run and its resume, once each
+    assert re.fullmatch(r"step [14]: \d+\.\d s, compiling the loss and its backward", said[0])
 
 
 @pytest.mark.slow
@@ -130,15 +135,19 @@ def test_compiled_training_follows_eager_with_inductor(tmp_path) -> None:
     _compiled_vs_eager(tmp_path, "aogpt", None)
 
 
-def test_compile_setting_is_checked_and_auto_is_off_for_now() -> None:
+def test_compile_setting_is_checked_and_auto_compiles_on_cuda(monkeypatch) -> None:
     from anyorder.config import load_config
     from anyorder.errors import ConfigError
+    from anyorder.training import setup
     from anyorder.training.setup import check_config, use_compile
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     auto = load_config(None, [])
     assert auto.train.compile == "auto"
-    assert not use_compile(auto, cpu) and not use_compile(auto, cuda)  # until measured
+    monkeypatch.setattr(setup, "_has_triton", lambda: True)
+    assert not use_compile(auto, cpu) and use_compile(auto, cuda)
+    monkeypatch.setattr(setup, "_has_triton", lambda: False)  # inductor has no GPU kernels
+    assert not use_compile(auto, cuda)
     assert use_compile(load_config(None, ["train.compile=true"]), cpu)
     assert not use_compile(load_config(None, ["train.compile=false"]), cuda)
     with pytest.raises(ConfigError, match=r"^train.compile='fast': use true, false or auto$"):

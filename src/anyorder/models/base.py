@@ -127,6 +127,16 @@ class AnyOrderLM(nn.Module):
         answer = self.answer_slots(tokens, order, prompt_len)
         return (nll * answer).sum() / answer.sum().clamp(min=1)
 
+    def loss_draws(
+        self, tokens: Tensor, generator: torch.Generator | None, prompt_len: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        """The random inputs of :meth:`loss`, drawn from ``generator`` ahead of it, as keyword
+        arguments to pass it: a compiled loss then reads tensors only (a generator is a graph
+        break). None for the decoders, whose loss is a function of the tokens and the order;
+        the encoder's mask levels. ``loss(..., **draws)`` equals ``loss(..., generator=g)``
+        from the same generator state."""
+        return {}
+
     def answer_slots(self, tokens: Tensor, order: Tensor | None, prompt_len: Tensor) -> Tensor:
         """(B, n) True at the slots whose target is an answer position (``>= prompt_len``)."""
         return self.resolve_order(tokens, order) >= prompt_len.to(tokens.device)[:, None]

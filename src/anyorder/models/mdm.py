@@ -149,25 +149,39 @@ class MDM(AnyOrderLM):
         """
         self.check_tokens(tokens)
         order = self.resolve_order(tokens, order)
-        B, n = tokens.shape
-        gen_device = generator.device if generator is not None else tokens.device
+        n = tokens.shape[1]
         if prompt_len is not None:
             prompt_len = prompt_len.to(tokens.device)
             order = prompt_first(order, prompt_len)
-        if mask_count is not None:
-            m = mask_count.to(tokens.device)
-        elif prompt_len is None:
-            m = torch.randint(1, n + 1, (B,), generator=generator, device=gen_device)
-            m = m.to(tokens.device)
-        else:
-            r = n - prompt_len
-            u = torch.rand(B, generator=generator, device=gen_device, dtype=torch.float64)
-            m = (u.to(tokens.device) * r).floor().long().clamp(max=r - 1) + 1  # uniform 1..r
+        if mask_count is None:
+            mask_count = self.draw_mask_count(tokens, generator, prompt_len)
+        m = mask_count.to(tokens.device)
         masked = inverse(order) >= (n - m)[:, None]  # (B, n) by position
         logits = self.denoise(torch.where(masked, self.mask_id, tokens)).float()
         nll = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
         # (1/m) * sum over the m masked tokens is an unbiased estimate of ELBO / n.
         return (nll * masked).sum(dim=1) / m
+
+    def draw_mask_count(
+        self, tokens: Tensor, generator: torch.Generator | None, prompt_len: Tensor | None = None
+    ) -> Tensor:
+        """The number of masked tokens ``m`` (B,) of each row of one ELBO estimate: uniform on
+        ``1..n``, or on ``1..r`` for an answer of ``r`` tokens after a ``prompt_len`` prompt;
+        drawn from ``generator`` on its device, returned on the tokens' device."""
+        B, n = tokens.shape
+        gen_device = generator.device if generator is not None else tokens.device
+        if prompt_len is None:
+            m = torch.randint(1, n + 1, (B,), generator=generator, device=gen_device)
+            return m.to(tokens.device)
+        r = n - prompt_len.to(tokens.device)
+        u = torch.rand(B, generator=generator, device=gen_device, dtype=torch.float64)
+        return (u.to(tokens.device) * r).floor().long().clamp(max=r - 1) + 1  # uniform 1..r
+
+    def loss_draws(
+        self, tokens: Tensor, generator: torch.Generator | None, prompt_len: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        """The mask levels of :meth:`loss`, drawn ahead of it (see the base class)."""
+        return {"mask_count": self.draw_mask_count(tokens, generator, prompt_len)}
 
     def loss(
         self,
@@ -177,14 +191,18 @@ class MDM(AnyOrderLM):
         *,
         generator: torch.Generator | None = None,
         prompt_len: Tensor | None = None,
+        mask_count: Tensor | None = None,
     ) -> Tensor:
-        """Monte-Carlo ELBO (nats/token), one random mask level per sequence.
+        """Monte-Carlo ELBO (nats/token), one random mask level per sequence (``mask_count``
+        where given: :meth:`loss_draws`, else drawn from ``generator`` here).
 
         ``blocks`` is not used: the encoder is trained on mask sets, not blocks. With
         ``prompt_len`` the prompt is never masked and the mean is per answer token of the
         batch (each row's estimate weighted by its answer's length).
         """
-        est = self.elbo_estimate(tokens, order, generator=generator, prompt_len=prompt_len)
+        est = self.elbo_estimate(
+            tokens, order, generator=generator, prompt_len=prompt_len, mask_count=mask_count
+        )
         if prompt_len is None:
             return est.mean()
         r = (tokens.shape[1] - prompt_len.to(tokens.device)).to(est.dtype)

@@ -115,6 +115,8 @@ def record_step(parts: RunParts, loop: LoopState, dt: float) -> None:
     loop.window_steps += 1
     loop.timing.append(dt)
     timed = len(loop.timing)
+    if timed == 1 and parts.compiled:  # the compile is paid here: say so, not hide it
+        say(parts, loop, f"step {loop.step}: {dt:.1f} s, compiling the loss and its backward")
     if timed == ESTIMATE_AFTER or (loop.step == loop.end and timed < ESTIMATE_AFTER):
         fit_and_estimate(parts, loop)
     if loop.bar is not None:

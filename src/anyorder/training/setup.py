@@ -18,8 +18,8 @@ Design choices:
   where that CPU computes bf16 faster than fp32 (measured once: :mod:`anyorder.precision`;
   about 1.5-2x faster for the tiny models on a CPU with AMX, 7-13x slower on one with
   AVX2 only), else fp32. Losses are computed in fp32 (the models upcast the logits).
-* ``torch.compile`` works in place, after wrapping (:func:`compile_modules`), and is off by
-  default until measured (:data:`COMPILE_AUTO`).
+* ``torch.compile`` works in place, after wrapping (:func:`compile_modules`): on by default
+  on CUDA, off on the CPU (:data:`COMPILE_AUTO`).
 * Rank 0 tokenizes; the other ranks wait and read its folder. A dry run without a prepared
   cache tokenizes at most :data:`DRY_RUN_DOCUMENTS` documents into a temporary folder.
 """
@@ -50,11 +50,13 @@ if TYPE_CHECKING:
 
 DRY_RUN_DOCUMENTS = 2000
 """A dry run without a prepared cache tokenizes at most this many documents (in a temp dir)."""
-COMPILE_AUTO = {"cpu": False, "cuda": False}
-"""What ``train.compile=auto`` means on each device type. Off everywhere for now: on this
-project's CPU a compiled step is no faster (docs/performance.md), and compiled against eager
-on a GPU is measured side by side by ``benchmarks/gpu_check.sh`` (``train_step.py --compile
-both``); turn ``cuda`` on here when that table shows a win."""
+COMPILE_AUTO = {"cpu": False, "cuda": True}
+"""What ``train.compile=auto`` means on each device type. On CUDA (with Triton, which
+inductor's GPU kernels need) the loss compiles: the whole loss and its backward are one
+graph for every model kind (``fullgraph=True``, tested on the CPU), and nanoGPT-style
+trainers, the AO-GPT authors' among them, compile theirs; ``benchmarks/gpu_check.sh`` times
+compiled beside eager (``train_step.py --compile both``). Off on the CPU: on this project's
+CPU a compiled step is no faster (docs/performance.md)."""
 COMPILE_KWARGS: dict[str, Any] = {}
 """Extra ``torch.compile`` arguments of a compiled run (tests use ``backend="aot_eager"``)."""
 
@@ -277,7 +279,7 @@ def make_optimizer(model: nn.Module, cfg: RunConfig, device: torch.device) -> to
 
 
 class LossModule(nn.Module):
-    """``wrapper(tokens, order, blocks, generator, prompt_len) = model.loss(...)``: the one
+    """``wrapper(tokens, order, blocks, generator, prompt_len, draws) = model.loss(...)``: the one
     forward that DDP and FSDP wrap, so their hooks run for every model kind."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -291,19 +293,43 @@ class LossModule(nn.Module):
         blocks: Tensor | None,
         generator: torch.Generator | None = None,
         prompt_len: Tensor | None = None,
+        draws: dict[str, Tensor] | None = None,
     ) -> Tensor:
-        if prompt_len is None:  # a model without the keyword (a test double) still trains
-            return self.model.loss(tokens, order, blocks, generator=generator)
-        return self.model.loss(tokens, order, blocks, generator=generator, prompt_len=prompt_len)
+        """``draws``: the loss's random inputs, drawn ahead (:func:`loss_draws`), so that a
+        compiled forward sees no generator."""
+        extra = dict(draws or {})
+        if prompt_len is not None:  # a model without the keyword (a test double) still trains
+            extra["prompt_len"] = prompt_len
+        return self.model.loss(tokens, order, blocks, generator=generator, **extra)
+
+
+def loss_draws(
+    model: nn.Module, tokens: Tensor, generator: torch.Generator, prompt_len: Tensor | None
+) -> dict[str, Tensor]:
+    """``model.loss_draws``: the random inputs of its loss from ``generator`` (none for a
+    model without the method, a test double)."""
+    draw = getattr(model, "loss_draws", None)
+    return {} if draw is None else draw(tokens, generator, prompt_len)
 
 
 def use_compile(cfg: RunConfig, device: torch.device) -> bool:
     """Whether this run compiles: ``train.compile``, with ``auto`` resolved per device."""
     c = cfg.train.compile
-    return c if isinstance(c, bool) else COMPILE_AUTO.get(device.type, False)
+    if isinstance(c, bool):
+        return c
+    return COMPILE_AUTO.get(device.type, False) and (device.type != "cuda" or _has_triton())
 
 
-def compile_modules(model: nn.Module, train_module: nn.Module) -> None:
+def _has_triton() -> bool:
+    """Whether inductor can make GPU kernels here (Triton imports)."""
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return bool(has_triton())
+
+
+def compile_modules(model: nn.Module, train_module: nn.Module, fullgraph: bool = False) -> None:
     """Compile, in place, the training entry point (the loss, so the cross-entropy over the
     vocabulary is compiled with the model) and the model itself: its ``forward`` and, for the
     models that have one, its ``features`` trunk, which validation's ``token_nll`` calls
@@ -314,11 +340,14 @@ def compile_modules(model: nn.Module, train_module: nn.Module) -> None:
     outermost wrapper (DDP's, so that dynamo splits the graph at DDP's gradient buckets;
     under FSDP2 the loss module over the sharded model, whose hooks dynamo leaves to run
     eagerly). Calls of the compiled model inside the compiled loss are traced inline.
+
+    ``fullgraph`` (one process): the loss and its backward are one graph, and a graph break
+    is an error instead of a silent slowdown (DDP's and FSDP's runs break it on purpose).
     """
     model.compile(**COMPILE_KWARGS)
     if model.has_features():  # an instance attribute: the class and state_dict are untouched
         model.features = torch.compile(model.features, **COMPILE_KWARGS)
-    train_module.compile(**COMPILE_KWARGS)
+    train_module.compile(fullgraph=fullgraph, **COMPILE_KWARGS)
 
 
 def autocast_context(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager:
@@ -370,8 +399,9 @@ def build_parts(
     aliases = ckpt_mod.tied_aliases(model)
     n_params = model.num_params()
     train_module = wrap_model(model, LossModule(model), cfg, env)
-    if use_compile(cfg, device):  # after wrapping: see compile_modules
-        compile_modules(model, train_module)
+    compiled = use_compile(cfg, device)
+    if compiled:  # after wrapping: see compile_modules
+        compile_modules(model, train_module, fullgraph=not env.distributed)
     opt = make_optimizer(model, cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
     ema = EMA(params, t.ema, t.ema_warmup) if t.ema > 0 else None
@@ -402,4 +432,5 @@ def build_parts(
         micro=t.batch_size // env.world_size // t.grad_accum,
         base=base,
         adapters=keys,
+        compiled=compiled,
     )

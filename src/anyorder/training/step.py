@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from anyorder.training.distributed import DistEnv
+from anyorder.training.setup import loss_draws
 from anyorder.training.state import RunParts, lr_at
 
 
@@ -77,13 +78,18 @@ def train_step(parts: RunParts, step: int, rows: int | None = None) -> float:
         else:
             sync = contextlib.nullcontext()
         with sync:
-            with parts.autocast:
+            p = None if plen is None else plen[sl]
+            # the loss's random inputs drawn here, eagerly: a compiled forward reads tensors
+            draws = loss_draws(parts.model, x[sl], parts.loss_gen, p)
+            gen = None if hasattr(parts.model, "loss_draws") else parts.loss_gen
+            with parts.autocast:  # inside the (compiled) forward
                 loss = parts.train_module(
                     x[sl],
                     None if order is None else order[sl],
                     None if blocks is None else blocks[sl],
-                    parts.loss_gen,
-                    None if plen is None else plen[sl],
+                    gen,
+                    p,
+                    draws,
                 )
             # pre-training divides as it always has (bit for bit); prompts weigh by tokens
             part = loss / accum if weights is None else loss * weights[a]
