@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything worth running in one GPU session, as one prepared script of at most 6 minutes
-# (a 15-minute lease leaves room to fix and rerun): the GPU tests, then every benchmark at
+# Everything worth running in one GPU session, as one prepared script of at most 7 minutes
+# (a 15-minute lease leaves room for the machine's start and one more command): the GPU tests, then every benchmark at
 # the papers' size (12 x 768, n = 1024, bf16), each time-boxed, then ONE table of the issue-14
 # targets (benchmarks/gpu_targets.py). A part that fails or runs out of time leaves its rows
 # "not measured"; the table says which. Logs and JSON go to $OUT (default
@@ -11,8 +11,9 @@
 #   GPU_CHECK_BUDGET=300 PY=python3 bash benchmarks/gpu_check.sh
 #
 # Order (the most wanted first, so a short budget cuts the least): tests; training, eager;
-# decoding; training, compiled beside eager (what `train.compile=auto` is to be decided on);
-# the Figure-4 benchmark.
+# decoding; training, compiled beside eager (`train.compile=auto` compiles on CUDA); our
+# aogpt beside the AO-GPT authors' trainer (when .ref/ holds their repository); the Figure-4
+# benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PY:-}" ]; then
@@ -21,11 +22,11 @@ fi
 export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
 OUT=${OUT:-benchmarks/results/$DEVICE}
-BUDGET=${GPU_CHECK_BUDGET:-345} # seconds for all parts; the table takes a second more
+BUDGET=${GPU_CHECK_BUDGET:-405} # seconds for all parts; the table takes a second more
 # each part's own limit is scaled: the CPU dry path on a shared 2-core machine is slower
 SCALE=${GPU_CHECK_SCALE:-$([ "$DEVICE" = cpu ] && echo 4 || echo 1)}
 mkdir -p "$OUT"
-rm -f "$OUT"/{gpu_tests.txt,train_step.json,train_compile.json,decode.json,decoder_vs_encoder.json}
+rm -f "$OUT"/{gpu_tests.txt,train_step.json,train_compile.json,decode.json,decoder_vs_encoder.json,vs_reference.json}
 START=$SECONDS
 
 # run NAME SECONDS CMD...: CMD time-boxed to SECONDS or what is left of the budget; its
@@ -70,12 +71,14 @@ if [ "$DEVICE" = cpu ]; then # the dry path: the same parts at tiny sizes
   DECODE=(--sizes tiny --seq-len 32 --batches 1,8 --dtype fp32)
   DVE=(--lengths 32 --steps 8 --batch 8 --dtype fp32)
   TESTS=(tests/test_gpu.py)
+  VSREF=(--compile compiled --repeats 1)
 else
   TRAIN=(--paper --dtype bf16 --repeats 3)
   COMPILE=(--compile both)
   DECODE=(--paper --dtype bf16 --batches 1,8 --graphs) # CUDA graphs (eager where they fail)
   DVE=(--size small --dtype bf16 --lengths 1024 --steps 256 --batch 8 --graphs)
   TESTS=(tests/)
+  VSREF=(--paper --compile both --repeats 3)
 fi
 
 ANYORDER_GPU_TEST_DEVICE=$DEVICE run gpu_tests 100 \
@@ -88,6 +91,12 @@ run decode 100 "$PY" benchmarks/decode.py --device "$DEVICE" "${DECODE[@]}" --le
   $(budget decode 60) --json "$OUT/decode.json"
 run train_compile 150 "$PY" benchmarks/train_step.py --device "$DEVICE" "${TRAIN[@]}" \
   "${COMPILE[@]}" --models gpt,aogpt,armd_half --no-peak --json "$OUT/train_compile.json"
+if [ -f .ref/model_AOGPT_AdaLN6_NoRep_cond_128_trunc_qknorm.py ]; then
+  run vs_reference 120 "$PY" benchmarks/vs_reference_trainer.py --device "$DEVICE" "${VSREF[@]}" \
+    --json "$OUT/vs_reference.json"
+else
+  echo "[vs_reference] skipped: no .ref/ (unpack scxue/AO-GPT-MDM there; carry it to the GPU)"
+fi
 # shellcheck disable=SC2046
 run decoder_vs_encoder 60 "$PY" benchmarks/decoder_vs_encoder.py --device "$DEVICE" "${DVE[@]}" \
   $(budget decoder_vs_encoder 30) --json "$OUT/decoder_vs_encoder.json" \

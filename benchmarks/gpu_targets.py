@@ -15,9 +15,11 @@ The rows (H200, bf16, 12 x 768, n = 1024; docs/performance.md has the "before"):
 * decoding, aogpt Lemma 1 T = 256, batch 8: <= 0.77 s per batch;
 * ARMD strided decoding, batch 1, S = 1 / 2 / 4: <= 1.2 / 0.6 / 0.32 s per sample;
 * training, gpt: >= 40% of 790 TFLOP/s (eager and compiled);
-* training, aogpt / gpt time ratio <= 1.10 x its FLOP ratio; armd / gpt <= 1.05 x (both modes);
-* ``train.compile=auto`` on CUDA: compiled / eager step time of each model (below 1: compile
-  wins; then set ``anyorder.training.setup.COMPILE_AUTO["cuda"] = True``).
+* training, aogpt / gpt and armd / gpt time ratio <= 1.10 x its FLOP ratio (both modes);
+* ``train.compile=auto`` (on on CUDA): compiled / eager step time of each model (below 1:
+  compile wins), and the compile's cost, the first compiled step: <= 90 s per model;
+* our compiled aogpt's tokens/s >= the AO-GPT authors' compiled trainer's, same GPU and
+  shape (``vs_reference_trainer.py``; needs their repository in ``.ref/``).
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def training_rows(payloads: list[tuple[dict | None, str]]) -> list[dict]:
             )
         models = sorted({m for m, c in seen if c == compiled and m != "gpt"}) or ["aogpt", "armd"]
         for model in models:
-            limit = 1.10 if model == "aogpt" else 1.05
+            limit = 1.10  # issue 42: time over gpt within 1.1x the FLOP ratio, every model
             target = f"training {model}/gpt time over FLOP ratio ({mode})"
             hit = seen.get((model, compiled))
             if hit is None:
@@ -167,7 +169,7 @@ def training_rows(payloads: list[tuple[dict | None, str]]) -> list[dict]:
             paper = _paper_train(meta)
             value = r["time_over_flop"]
             out.append(row(target, f"<= {limit}", value, value <= limit if paper else None, note))
-    for (model, compiled), (r, _) in sorted(seen.items()):
+    for (model, compiled), (r, meta) in sorted(seen.items()):
         if compiled and r.get("vs_eager") is not None:
             out.append(
                 row(
@@ -175,10 +177,35 @@ def training_rows(payloads: list[tuple[dict | None, str]]) -> list[dict]:
                     "< 1: compile wins",
                     r["vs_eager"],
                     None,
-                    "informs COMPILE_AUTO['cuda'] in anyorder/training/setup.py",
+                    "train.compile=auto compiles on CUDA (COMPILE_AUTO in training/setup.py)",
+                )
+            )
+        if compiled and r.get("first_step_s") is not None:
+            first, paper = r["first_step_s"], _paper_train(meta)
+            out.append(
+                row(
+                    f"compile time: {model}, first compiled step (s)",
+                    "<= 90",
+                    first,
+                    first <= 90 if paper else None,
+                    "" if paper else "not the target's size",
                 )
             )
     return out
+
+
+def reference_rows(ref: dict | None, why: str) -> list[dict]:
+    """Our compiled aogpt's tokens/s over the AO-GPT authors' compiled trainer's, same GPU
+    and shape (``benchmarks/vs_reference_trainer.py``)."""
+    target = "training aogpt compiled tokens/s over the authors' compiled trainer"
+    got = (ref or {}).get("results", {}).get("compiled")
+    if got is None:
+        return [row(target, ">= 1", None, None, why or "no compiled row in the JSON")]
+    shape = (ref or {}).get("shape", {})
+    paper = shape.get("n_layer") == 12 and shape.get("seq_len") == PAPER_N
+    note = f"ours {got['ours_tokens_s']:,.0f}, theirs {got['theirs_tokens_s']:,.0f} tokens/s"
+    value = got["ours_over_theirs"]
+    return [row(target, ">= 1", value, value >= 1 if paper else None, note)]
 
 
 def _paper_train(meta: dict) -> bool:
@@ -206,7 +233,13 @@ def build(folder: Path) -> list[dict]:
     dec, why = load(folder / "decode.json")
     dve, _ = load(folder / "decoder_vs_encoder.json")
     trains = [load(folder / "train_step.json"), load(folder / "train_compile.json")]
-    return [test_row(folder / "gpu_tests.txt"), *decode_rows(dec, why, dve), *training_rows(trains)]
+    ref, why_ref = load(folder / "vs_reference.json")
+    return [
+        test_row(folder / "gpu_tests.txt"),
+        *decode_rows(dec, why, dve),
+        *training_rows(trains),
+        *reference_rows(ref, why_ref),
+    ]
 
 
 def show(rows: list[dict]) -> None:

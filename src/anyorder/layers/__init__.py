@@ -21,7 +21,8 @@ Modules: :mod:`~anyorder.layers.norm` (RMSNorm, LayerNorm), :mod:`~anyorder.laye
 (positions: RoPE, sinusoidal), :mod:`~anyorder.layers.masks` (block masks, prepared masks,
 packings), :mod:`~anyorder.layers.flex` (the optional FlexAttention backend),
 :mod:`~anyorder.layers.attention` (:class:`Attention`), :mod:`~anyorder.layers.adaln`
-(adaLN and its joined forms), :mod:`~anyorder.layers.blocks` (MLP, Block, Head, init).
+(adaLN and its joined forms), :mod:`~anyorder.layers.blocks` (MLP, Block, Head, init),
+:mod:`~anyorder.layers.head_loss` (the head's cross-entropy in chunks).
 """
 
 from anyorder.layers.adaln import (
@@ -51,6 +52,7 @@ from anyorder.layers.flex import (  # noqa: F401 (tests)
     flex_enabled,
     set_attention_backend,
 )
+from anyorder.layers.head_loss import head_cross_entropy
 from anyorder.layers.masks import (
     Mask,
     Packing,
@@ -104,6 +106,7 @@ __all__ = [
     "block_mask",
     "block_visibility",
     "flex_enabled",
+    "head_cross_entropy",
     "init_normal",
     "init_weights",
     "make_norm",

@@ -25,6 +25,8 @@ from torch.utils.checkpoint import checkpoint
 
 from anyorder.config import ModelConfig
 from anyorder.errors import ConfigError
+from anyorder.layers.blocks import Head
+from anyorder.layers.head_loss import head_cross_entropy
 
 DEFAULT_MAX_TOKENS = 1 << 13
 """Default chunk of the likelihood paths: token positions per trunk call, and as many
@@ -71,9 +73,28 @@ class AnyOrderLM(nn.Module):
     # -- the interface ------------------------------------------------------------------
 
     def forward(
-        self, tokens: Tensor, order: Tensor | None = None, blocks: Tensor | None = None
+        self,
+        tokens: Tensor,
+        order: Tensor | None = None,
+        blocks: Tensor | None = None,
+        *,
+        targets: Tensor | None = None,
+        weights: Tensor | None = None,
     ) -> Tensor:
-        return self.head_logits(self.features(tokens, order, blocks))
+        """Logits (B, T, V); with ``targets`` and ``weights`` (B, T), the fp32 scalar
+        ``sum(weights * NLL of targets)`` instead, the head's cross-entropy computed in
+        chunks that keep no logits for backward (:func:`head_cross_entropy`; inside forward,
+        so that DDP's and FSDP's hooks see the head's weight used)."""
+        h = self.features(tokens, order, blocks)
+        if targets is None:
+            return self.head_logits(h)
+        head = self.head_params()
+        if head is None:
+            logits = self.head_logits(h).float()
+            return (
+                F.cross_entropy(logits.transpose(1, 2), targets, reduction="none") * weights
+            ).sum()
+        return head_cross_entropy(h, *head, targets, weights)
 
     def features(
         self,
@@ -94,6 +115,16 @@ class AnyOrderLM(nn.Module):
     def head_logits(self, h: Tensor) -> Tensor:
         """Logits (..., V) from final hidden states (..., d)."""
         return self.head(h)
+
+    def head_params(self) -> tuple[Tensor, Tensor | None] | None:
+        """``(W, b)`` with ``head_logits(h) == F.linear(h, W, b)`` where the head is a plain
+        :class:`~anyorder.layers.Head` (the first ``vocab_size`` rows of its table); None for
+        any other head (peft's adapters with their dropout, a model's own ``head_logits``)."""
+        head = getattr(self, "head", None)
+        if type(head) is not Head or type(self).head_logits is not AnyOrderLM.head_logits:
+            return None
+        bias = None if head.bias is None else head.bias[: head.used]
+        return head.weight[: head.used], bias
 
     def has_features(self) -> bool:
         """Whether this model splits its forward into :meth:`features` and the head (a test
@@ -119,13 +150,16 @@ class AnyOrderLM(nn.Module):
         known context with no loss; the mean is over the answer's tokens of the batch (the
         order should put the prompt first: :func:`anyorder.orders.prompt_first`).
         """
-        logits = self(tokens, order, blocks)
         targets = self.targets(tokens, order)
         if prompt_len is None:
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        nll = F.cross_entropy(logits.transpose(1, 2).float(), targets, reduction="none")  # (B, n)
-        answer = self.answer_slots(tokens, order, prompt_len)
-        return (nll * answer).sum() / answer.sum().clamp(min=1)
+            weights = torch.full(targets.shape, 1 / targets.numel(), device=targets.device)
+        else:
+            answer = self.answer_slots(tokens, order, prompt_len).float()
+            weights = answer / answer.sum().clamp(min=1)
+        if self.has_features():  # the head's cross-entropy in chunks, inside forward
+            return self(tokens, order, blocks, targets=targets, weights=weights)
+        logits = self(tokens, order, blocks).float()
+        return (F.cross_entropy(logits.transpose(1, 2), targets, reduction="none") * weights).sum()
 
     def loss_draws(
         self, tokens: Tensor, generator: torch.Generator | None, prompt_len: Tensor | None = None

@@ -1,0 +1,97 @@
+"""The head's cross-entropy in chunks (``layers/head_loss.py``) against the plain
+``F.cross_entropy`` of the full logits: loss and gradients of ``h``, the head's weight and
+bias, under fp32 and bf16 autocast, in one chunk and in many; and what it keeps for
+backward: no tensor of the logits' size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from anyorder.layers import head_loss
+from anyorder.layers.head_loss import head_cross_entropy
+
+from conftest import tiny_model
+
+
+def _plain(h, w, b, y, wt):
+    logits = F.linear(h, w, b).float()
+    return (
+        F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none") * wt.flatten()
+    ).sum()
+
+
+def _grads(fn, h, w, b, y, wt):
+    leaves = [t.detach().clone().requires_grad_() for t in (h, w, b)]
+    loss = fn(*leaves, y, wt)
+    loss.backward()
+    return loss.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("chunk", [1 << 25, 37 * 3, 37])  # one chunk; rows of 3; of 1
+@pytest.mark.parametrize("autocast", [False, True])
+def test_equals_the_plain_cross_entropy(monkeypatch, chunk: int, autocast: bool) -> None:
+    monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(0)
+    B, T, d, V = 2, 5, 16, 37
+    h, w, b = (
+        torch.randn(B, T, d, generator=g),
+        torch.randn(V, d, generator=g),
+        torch.randn(V, generator=g),
+    )
+    y = torch.randint(0, V, (B, T), generator=g)
+    wt = torch.rand(B, T, generator=g) * (torch.rand(B, T, generator=g) > 0.3)  # some rows off
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        la, ga = _grads(_plain, h, w, b, y, wt)
+        lb, gb = _grads(head_cross_entropy, h, w, b, y, wt)
+        with torch.no_grad():
+            lc = head_cross_entropy(h, w, b, y, wt)
+    tol = dict(atol=2e-2, rtol=2e-2) if autocast else dict(atol=1e-5, rtol=1e-5)
+    assert lb.dtype == torch.float32
+    torch.testing.assert_close(lb, la, **tol)
+    torch.testing.assert_close(lc, lb, atol=1e-6, rtol=1e-6)  # no-grad: the same chunks
+    for a, c in zip(ga, gb):
+        assert c.dtype == a.dtype == torch.float32
+        torch.testing.assert_close(c, a, **tol)
+    assert torch.equal(gb[0][wt == 0], torch.zeros_like(gb[0][wt == 0]))  # weight 0: no grad
+
+
+@pytest.mark.parametrize(
+    ("kind", "head"),
+    [
+        ("gpt", dict(tie_embeddings=True)),
+        ("aogpt", dict(tie_embeddings=False, head_bias=True)),
+        ("armd", dict(tie_embeddings=True, padded_vocab=128)),  # the head's first 97 rows
+    ],
+)
+def test_a_decoders_loss_keeps_no_logits_for_backward(kind: str, head: dict) -> None:
+    """The loss equals the plain cross-entropy of ``forward``'s logits (and its gradients),
+    and autograd saves no tensor with a row per token and a column per vocabulary id (the
+    plain path saves two: the logits and their log-softmax)."""
+    model = tiny_model(kind, vocab_size=97, seq_len=16, **head).train()
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 97, (3, 16), generator=g)
+    order = (
+        None if kind == "gpt" else torch.stack([torch.randperm(16, generator=g) for _ in range(3)])
+    )
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.loss(tokens, order)
+    loss.backward()
+    fused = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(tokens, order).float()
+    plain = F.cross_entropy(logits.flatten(0, 1), model.targets(tokens, order).flatten())
+    plain.backward()
+    torch.testing.assert_close(loss, plain, atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(fused[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+    assert saved and not [
+        s for s in saved if s and s[-1] == 97 and torch.Size(s).numel() >= 48 * 97
+    ]
