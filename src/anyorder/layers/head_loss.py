@@ -28,14 +28,9 @@ CHUNK_ELEMENTS = 1 << 25
 667 of GPT-2's."""
 
 
-def _chunk(
-    h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """Logits (rows, V) in fp32 from products in ``dtype``, and each row's NLL of its target."""
-    b = None if bias is None else bias.to(dtype)
-    logits = F.linear(h.to(dtype), weight.to(dtype), b).float()
-    lse = torch.logsumexp(logits, dim=-1)
-    return logits, lse - logits.gather(1, targets[:, None]).squeeze(1)
+def _log_probs(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Log-probabilities (rows, V) in fp32 of ``F.linear(h, weight, bias)`` (one dtype)."""
+    return F.log_softmax(F.linear(h, weight, bias).float(), dim=-1)
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
@@ -44,23 +39,26 @@ class _HeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, targets, weights, rows, dtype):  # noqa: ANN001, ANN205
         cd = dtype or h.dtype  # the products' dtype, as F.linear computes them
+        w_c, b_c = weight.to(cd), None if bias is None else bias.to(cd)
+        grad_hs, grad_w, grad_b = [], None, None
         with torch.autocast(h.device.type, enabled=False):  # the casts are explicit here
             total = torch.zeros((), dtype=torch.float32, device=h.device)
-            grad_h = torch.empty_like(h)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            grad_b = None if bias is None else torch.zeros(bias.shape, device=bias.device)
-            w_c = weight.to(cd)
             for i in range(0, h.shape[0], rows):
-                h_c, y_c, wt = h[i : i + rows], targets[i : i + rows], weights[i : i + rows]
-                logits, nll = _chunk(h_c, weight, bias, y_c, cd)
-                total = total + (wt * nll).sum()
-                g = torch.softmax(logits, dim=-1)
-                g.scatter_add_(1, y_c[:, None], torch.full_like(wt[:, None], -1.0))
-                g = (g * wt[:, None]).to(cd)  # dL/dlogits, computed in fp32
-                grad_h[i : i + rows] = (g @ w_c).to(h.dtype)
-                grad_w += (g.t() @ h_c.to(cd)).float()
-                if grad_b is not None:
-                    grad_b += g.sum(0).float()
+                h_c, y_c, wt = h[i : i + rows].to(cd), targets[i : i + rows], weights[i : i + rows]
+                logp = _log_probs(h_c, w_c, b_c)  # (rows, V) fp32, a fresh tensor
+                total = total - (wt * logp.gather(1, y_c[:, None]).squeeze(1)).sum()
+                g = logp.exp_().mul_(wt[:, None])  # dL/dlogits = w (softmax - onehot), in place
+                g = g.scatter_add_(1, y_c[:, None], -wt[:, None]).to(cd)
+                gh, gw = (g @ w_c).to(h.dtype), (g.t() @ h_c).float()
+                gb = None if bias is None else g.sum(0).float()
+                grad_hs.append(gh)
+                if grad_w is None:  # the first chunk: nothing to sum yet
+                    grad_w, grad_b = gw, gb
+                else:  # the chunks' sums in fp32
+                    grad_w += gw
+                    if gb is not None:
+                        grad_b += gb
+            grad_h = grad_hs[0] if len(grad_hs) == 1 else torch.cat(grad_hs)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return total
@@ -97,8 +95,13 @@ def head_cross_entropy(
     )
     if grads:
         return _HeadCrossEntropy.apply(h, weight, bias, targets, weights, rows, dtype)
+    cd = dtype or h.dtype
+    w_c, b_c = weight.to(cd), None if bias is None else bias.to(cd)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
     for i in range(0, h.shape[0], rows):
-        _, nll = _chunk(h[i : i + rows], weight, bias, targets[i : i + rows], dtype or h.dtype)
-        total = total + (weights[i : i + rows] * nll).sum()
+        logp = _log_probs(h[i : i + rows].to(cd), w_c, b_c)
+        total = (
+            total
+            - (weights[i : i + rows] * logp.gather(1, targets[i : i + rows, None])[:, 0]).sum()
+        )
     return total
