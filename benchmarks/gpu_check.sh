@@ -26,7 +26,7 @@ BUDGET=${GPU_CHECK_BUDGET:-405} # seconds for all parts; the table takes a secon
 # each part's own limit is scaled: the CPU dry path on a shared 2-core machine is slower
 SCALE=${GPU_CHECK_SCALE:-$([ "$DEVICE" = cpu ] && echo 4 || echo 1)}
 mkdir -p "$OUT"
-rm -f "$OUT"/{gpu_tests.txt,train_step.json,train_compile.json,decode.json,decoder_vs_encoder.json,vs_reference.json}
+rm -f "$OUT"/{gpu_tests.txt,train_step.json,train_compile.json,decode.json,decoder_vs_encoder.json,vs_reference.json,head_loss.json}
 START=$SECONDS
 
 # run NAME SECONDS CMD...: CMD time-boxed to SECONDS or what is left of the budget; its
@@ -72,6 +72,7 @@ if [ "$DEVICE" = cpu ]; then # the dry path: the same parts at tiny sizes
   DVE=(--lengths 32 --steps 8 --batch 8 --dtype fp32)
   TESTS=(tests/test_gpu.py)
   VSREF=(--compile compiled --repeats 1)
+  HEAD=(--repeats 2)
 else
   TRAIN=(--paper --dtype bf16 --repeats 3)
   COMPILE=(--compile both)
@@ -79,6 +80,7 @@ else
   DVE=(--size small --dtype bf16 --lengths 1024 --steps 256 --batch 8 --graphs)
   TESTS=(tests/)
   VSREF=(--paper --compile both --repeats 3)
+  HEAD=(--paper --dtype bf16 --repeats 5)
 fi
 
 ANYORDER_GPU_TEST_DEVICE=$DEVICE run gpu_tests 100 \
@@ -91,6 +93,8 @@ run decode 100 "$PY" benchmarks/decode.py --device "$DEVICE" "${DECODE[@]}" --le
   $(budget decode 60) --json "$OUT/decode.json"
 run train_compile 150 "$PY" benchmarks/train_step.py --device "$DEVICE" "${TRAIN[@]}" \
   "${COMPILE[@]}" --models gpt,aogpt,armd_half --no-peak --json "$OUT/train_compile.json"
+run head_loss 30 "$PY" benchmarks/head_loss.py --device "$DEVICE" "${HEAD[@]}" \
+  --json "$OUT/head_loss.json"
 if [ -f .ref/model_AOGPT_AdaLN6_NoRep_cond_128_trunc_qknorm.py ]; then
   run vs_reference 120 "$PY" benchmarks/vs_reference_trainer.py --device "$DEVICE" "${VSREF[@]}" \
     --json "$OUT/vs_reference.json"

@@ -194,6 +194,22 @@ def training_rows(payloads: list[tuple[dict | None, str]]) -> list[dict]:
     return out
 
 
+def head_loss_rows(head: dict | None, why: str) -> list[dict]:
+    """The head's cross-entropy in chunks against the plain path (``head_loss.py``): no
+    target of its own, the figures the loss's default rests on."""
+    target = "head loss in chunks: time over the plain path (8 x 1024 x 50,257)"
+    rows = [r for r in (head or {}).get("rows", []) if r.get("V") == 50257]
+    if not rows:
+        return [row(target, "informational", None, None, why or "no 50,257-id row")]
+    r = rows[-1]
+    note = f"kept for backward {r['saved_bytes']['chunked'] / 2**20:.0f} MB against "
+    note += f"{r['saved_bytes']['plain'] / 2**20:.0f} MB"
+    if r.get("peak_bytes"):
+        p = r["peak_bytes"]
+        note += f"; peak {p['chunked'] / 2**20:.0f} MB against {p['plain'] / 2**20:.0f} MB"
+    return [row(target, "informational", r["time_ratio"], None, note)]
+
+
 def reference_rows(ref: dict | None, why: str) -> list[dict]:
     """Our compiled aogpt's tokens/s over the AO-GPT authors' compiled trainer's, same GPU
     and shape (``benchmarks/vs_reference_trainer.py``)."""
@@ -239,6 +255,7 @@ def build(folder: Path) -> list[dict]:
         *decode_rows(dec, why, dve),
         *training_rows(trains),
         *reference_rows(ref, why_ref),
+        *head_loss_rows(*load(folder / "head_loss.json")),
     ]
 
 

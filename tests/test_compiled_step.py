@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from anyorder.config import LoraConfig
+from anyorder.layers import head_loss
 from anyorder.models.lora import add_adapters
 from anyorder.orders import prompt_first, strided
 from anyorder.training.setup import LossModule, loss_draws
@@ -23,8 +24,11 @@ from conftest import tiny_model
 N, B = 16, 3
 KINDS = ("gpt", "aogpt", "armd", "mdm")
 VARIANTS = ("plain", "prompt", "blocks", "checkpointed", "lora", "dropout")
-CASES = [  # gpt and aogpt predict one token per slot: no blocks
-    (k, v) for k in KINDS for v in VARIANTS if not (v == "blocks" and k in ("gpt", "aogpt"))
+CASES = [  # gpt and aogpt predict one token per slot: no blocks; the encoder has no chunks
+    (k, v)
+    for k in KINDS
+    for v in VARIANTS
+    if not (v == "blocks" and k in ("gpt", "aogpt")) and not (v == "chunked" and k == "mdm")
 ]
 
 
@@ -66,7 +70,10 @@ def _step(module, model, inputs, seed: int):
     return loss.detach(), grads
 
 
-def _check(kind: str, variant: str, backend: str) -> None:
+def _check(kind: str, variant: str, backend: str, monkeypatch) -> None:
+    if variant in ("chunked", "prompt"):  # the head's loss in chunks of 5 rows, not plain
+        monkeypatch.setattr(head_loss, "PLAIN_UP_TO", 0)
+        monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", 5 * 11)
     model = _model(kind, variant)
     module = LossModule(model)
     inputs = _inputs(kind, variant)
@@ -91,12 +98,12 @@ def _check(kind: str, variant: str, backend: str) -> None:
 
 
 @pytest.mark.parametrize(("kind", "variant"), CASES)
-def test_loss_and_backward_compile_as_one_graph(kind: str, variant: str) -> None:
+def test_loss_and_backward_compile_as_one_graph(kind: str, variant: str, monkeypatch) -> None:
     """No graph break (fullgraph raises on one): dynamo and AOT autograd's backward."""
-    _check(kind, variant, "aot_eager")
+    _check(kind, variant, "aot_eager", monkeypatch)
 
 
-INDUCTOR_DEFAULT = [("gpt", "prompt"), ("aogpt", "plain"), ("armd", "plain"), ("mdm", "plain")]
+INDUCTOR_DEFAULT = [("gpt", "prompt"), ("aogpt", "chunked"), ("armd", "plain"), ("mdm", "plain")]
 
 
 @pytest.mark.parametrize(
@@ -105,13 +112,13 @@ INDUCTOR_DEFAULT = [("gpt", "prompt"), ("aogpt", "plain"), ("armd", "plain"), ("
     + [
         pytest.param(k, v, marks=pytest.mark.slow)
         for k in KINDS
-        for v in ("plain", "prompt", "blocks", "lora")
+        for v in ("plain", "prompt", "blocks", "lora", "chunked")
         if (k, v) in CASES and (k, v) not in INDUCTOR_DEFAULT
     ],
 )
-def test_inductor_step_equals_eager(kind: str, variant: str) -> None:
+def test_inductor_step_equals_eager(kind: str, variant: str, monkeypatch) -> None:
     """Inductor's CPU kernels, as ``train.compile=true`` runs them."""
-    _check(kind, variant, "inductor")
+    _check(kind, variant, "inductor", monkeypatch)
 
 
 def test_draws_ahead_equal_the_generator_inside() -> None:

@@ -29,9 +29,14 @@ def _grads(fn, h, w, b, y, wt):
     return loss.detach(), [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("chunk", [1 << 25, 37 * 3, 37])  # one chunk; rows of 3; of 1
+@pytest.mark.parametrize(  # the plain path (small heads); one chunk; rows of 3; of 1
+    ("plain_up_to", "chunk"), [(1 << 22, 1 << 25), (0, 1 << 25), (0, 37 * 3), (0, 37)]
+)
 @pytest.mark.parametrize("autocast", [False, True])
-def test_equals_the_plain_cross_entropy(monkeypatch, chunk: int, autocast: bool) -> None:
+def test_equals_the_plain_cross_entropy(
+    monkeypatch, plain_up_to: int, chunk: int, autocast: bool
+) -> None:
+    monkeypatch.setattr(head_loss, "PLAIN_UP_TO", plain_up_to)
     monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", chunk)
     g = torch.Generator().manual_seed(0)
     B, T, d, V = 2, 5, 16, 37
@@ -65,10 +70,14 @@ def test_equals_the_plain_cross_entropy(monkeypatch, chunk: int, autocast: bool)
         ("armd", dict(tie_embeddings=True, padded_vocab=128)),  # the head's first 97 rows
     ],
 )
-def test_a_decoders_loss_keeps_no_logits_for_backward(kind: str, head: dict) -> None:
+@pytest.mark.parametrize("plain_up_to", [0, 1 << 22])  # a large head; a small one (plain)
+def test_a_decoders_loss_keeps_no_logits_for_backward(
+    monkeypatch, kind: str, head: dict, plain_up_to: int
+) -> None:
     """The loss equals the plain cross-entropy of ``forward``'s logits (and its gradients),
-    and autograd saves no tensor with a row per token and a column per vocabulary id (the
-    plain path saves two: the logits and their log-softmax)."""
+    and, above ``PLAIN_UP_TO`` logits, autograd saves no tensor with a row per token and a
+    column per vocabulary id (the plain path saves two: the logits and their log-softmax)."""
+    monkeypatch.setattr(head_loss, "PLAIN_UP_TO", plain_up_to)
     model = tiny_model(kind, vocab_size=97, seq_len=16, **head).train()
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 97, (3, 16), generator=g)
@@ -92,6 +101,5 @@ def test_a_decoders_loss_keeps_no_logits_for_backward(kind: str, head: dict) -> 
     torch.testing.assert_close(loss, plain, atol=1e-5, rtol=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(fused[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
-    assert saved and not [
-        s for s in saved if s and s[-1] == 97 and torch.Size(s).numel() >= 48 * 97
-    ]
+    logits_kept = [s for s in saved if s and s[-1] == 97 and torch.Size(s).numel() >= 48 * 97]
+    assert saved and bool(logits_kept) == (plain_up_to > 0)

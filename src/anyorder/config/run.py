@@ -184,8 +184,10 @@ class TrainConfig:
     """Autocast dtype: auto (bf16 on CUDA and on a CPU that computes bf16 faster than fp32,
     measured once per CPU; else fp32), bf16 or fp32."""
     compile: bool | str = "auto"
-    """torch.compile the model and its loss: true, false, or auto (per device, as measured:
-    off everywhere until a GPU measurement says otherwise; see docs/performance.md)."""
+    """torch.compile the model and its loss: true, false, or auto (on on CUDA where Triton
+    imports, off on the CPU, where a compiled step is no faster; see docs/performance.md).
+    In one process the loss and its backward compile as one graph (fullgraph); the first
+    step pays for the compilation and says how long it took."""
     fsdp: bool = False
     """Shard with FSDP2 fully_shard instead of DDP under torchrun."""
     activation_checkpointing: bool = False
