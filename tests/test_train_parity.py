@@ -23,6 +23,7 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from anyorder.checkpoint import load_model
 from anyorder.cli import main
@@ -45,9 +46,11 @@ def their_lr(step: int, cfg) -> float:
     return low + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (t.lr - low)
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> dict:
-    """Our run on the fixture's recipe (one CLI training), its losses and final weights."""
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def trained(tmp_path_factory, request) -> dict:
+    """Our run on the fixture's recipe (one CLI training), its losses and final weights:
+    eager, and compiled as ``train.compile=true`` compiles (inductor's CPU kernels, the loss
+    and its backward as one graph)."""
     tmp = tmp_path_factory.mktemp("parity")
     expected = torch.load(FIXTURE / "expected.pt", weights_only=True)
     convert_ref(FIXTURE / "init.pt", tmp / "init", "aogpt-ref", weights="raw", tokenizer="bytes")
@@ -56,8 +59,12 @@ def trained(tmp_path_factory) -> dict:
         (tmp / "run.yaml").write_text("train: {seed: 0}\n")  # the recipe is in the overrides
         argv = ["train", str(tmp / "run.yaml"), "--no-progress", *expected["overrides"],
                 f"train.init_from={tmp / 'init'}",
-                f"train.out_dir={tmp / 'run'}", f"data.cache_dir={tmp / 'cache'}"]  # fmt: skip
+                f"train.out_dir={tmp / 'run'}", f"data.cache_dir={tmp / 'cache'}",
+                f"train.compile={'true' if request.param == 'compiled' else 'false'}"]  # fmt: skip
+        counters["stats"].clear()
         assert main(argv) == 0
+        graphs = counters["stats"]["unique_graphs"]
+    assert (graphs > 0) == (request.param == "compiled")  # the loss (and validation's calls)
     rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r and "tokens_per_s" in r]
     return {"expected": expected, "losses": torch.tensor(losses, dtype=torch.float64),
