@@ -103,3 +103,38 @@ def test_a_decoders_loss_keeps_no_logits_for_backward(
         torch.testing.assert_close(fused[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
     logits_kept = [s for s in saved if s and s[-1] == 97 and torch.Size(s).numel() >= 48 * 97]
     assert saved and bool(logits_kept) == (plain_up_to > 0)
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_chunked_head_loss_under_two_ranks_matches_one_process(tmp_path, monkeypatch, fsdp):
+    """The head's loss in chunks (inside ``forward``, so DDP's and FSDP2's hooks see the
+    head's weight used) under two gloo ranks gives one process's weights and losses."""
+    import json
+
+    from anyorder.training.loop import train
+    from test_train import DIST_EXTRA, WORKER, _cfg, _losses, _overrides, _weights
+
+    from conftest import run_two_ranks
+
+    chunks = "H.PLAIN_UP_TO = 0; H.CHUNK_ELEMENTS = 257 * 7"  # rows of 7: several chunks
+    monkeypatch.setattr(head_loss, "PLAIN_UP_TO", 0)
+    monkeypatch.setattr(head_loss, "CHUNK_ELEMENTS", 257 * 7)
+    cache, single, run = tmp_path / "cache", tmp_path / "single", tmp_path / "dist"
+    train(_cfg(single, cache, "aogpt", **DIST_EXTRA), progress=False)
+    script = tmp_path / "worker.py"
+    script.write_text(
+        WORKER.replace(
+            "from anyorder.training.loop import train\n",
+            f"from anyorder.training.loop import train\nimport anyorder.layers.head_loss as H\n"
+            f"{chunks}\n",
+        )
+    )
+    assert chunks in script.read_text()
+    extra = {**DIST_EXTRA, "train.fsdp": fsdp}
+    run_two_ranks(script, json.dumps(_overrides(run, cache, "aogpt", **extra)), tmp_path / "st")
+    for which in ("raw", "ema"):  # the tolerance of test_train's aogpt case (adaLN at zero)
+        a, b = _weights(single, which), _weights(run, which)
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=0, atol=5e-5, msg=k)
+    for (_, x), (_, y) in zip(_losses(single), _losses(run)):
+        assert abs(x - y) < 1e-5
