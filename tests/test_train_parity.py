@@ -14,6 +14,10 @@ worst (one float32 ulp at 5 nats; 23 of 24 steps bit-equal), the weights and the
 weights to 1.2e-7 at worst. The tolerances, 2e-6 nats and 1e-6, are about 4x and 9x that.
 A real difference shows far above them: before the BOS vector was decayed as their one-row
 table is, the losses differed by 2.4e-6 and the weights by 1.4e-4 (every weight it feeds).
+
+Compiled (``train.compile=true``: inductor's kernels sum in other orders again): measured
+9.5e-7 to 2.4e-6 nats and 1.9e-7 on the weights; the tolerances, 1e-5 nats (the issue's
+bound for compiled against eager) and 5e-6, still put the BOS bug's weights 28x above.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from anyorder.interop.reference import convert_ref, convert_reference
 from conftest import REPO
 
 FIXTURE = REPO / "tests" / "fixtures" / "aogpt-train"
-LOSS_ATOL = 2e-6
-WEIGHT_ATOL = 1e-6
+LOSS_ATOL = {"eager": 2e-6, "compiled": 1e-5}
+WEIGHT_ATOL = {"eager": 1e-6, "compiled": 5e-6}
 
 
 def their_lr(step: int, cfg) -> float:
@@ -67,7 +71,8 @@ def trained(tmp_path_factory, request) -> dict:
     assert (graphs > 0) == (request.param == "compiled")  # the loss (and validation's calls)
     rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r and "tokens_per_s" in r]
-    return {"expected": expected, "losses": torch.tensor(losses, dtype=torch.float64),
+    return {"mode": request.param, "expected": expected,
+            "losses": torch.tensor(losses, dtype=torch.float64),
             "raw": load_model(tmp / "run", weights="raw").model.state_dict(),
             "ema": load_model(tmp / "run", weights="ema").model.state_dict()}  # fmt: skip
 
@@ -76,7 +81,8 @@ def test_every_step_loss_equals_the_reference_codes(trained) -> None:
     ours, theirs = trained["losses"], trained["expected"]["losses"]
     assert len(theirs) >= 20 and ours.shape == theirs.shape
     worst = float((ours - theirs).abs().max())
-    assert worst <= LOSS_ATOL, f"worst per-step loss difference {worst:.3g}"
+    print(f"{trained['mode']}: worst per-step loss difference {worst:.3g}")
+    assert worst <= LOSS_ATOL[trained["mode"]], f"worst per-step loss difference {worst:.3g}"
     assert float(theirs[0] - theirs[-1]) > 0.5  # it trained: the comparison is not vacuous
 
 
@@ -88,7 +94,9 @@ def test_weights_after_training_equal_the_reference_codes(trained, weights: str)
     assert set(ours) == set(theirs)
     init = convert_reference(FIXTURE / "init.pt", "aogpt-ref", weights="raw", tokenizer="bytes")
     moved = max(float((theirs[k] - v).abs().max()) for k, v in init.model.state_dict().items())
-    assert moved > 100 * WEIGHT_ATOL  # the weights moved far more than the tolerance
+    atol = WEIGHT_ATOL[trained["mode"]]
+    assert moved > 100 * atol  # the weights moved far more than the tolerance
     diff = {k: float((ours[k].float() - theirs[k].float()).abs().max()) for k in ours}
     worst = max(diff, key=diff.get)
-    assert diff[worst] <= WEIGHT_ATOL, f"{worst}: {diff[worst]:.3g}"
+    print(f"{trained['mode']} {weights}: worst weight difference {diff[worst]:.3g} ({worst})")
+    assert diff[worst] <= atol, f"{worst}: {diff[worst]:.3g}"

@@ -85,17 +85,26 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
 
 def head_cross_entropy(
-    h: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, weights: Tensor
+    h: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    weights: Tensor | None = None,
 ) -> Tensor:
     """``sum_i weights_i * CE(F.linear(h_i, weight, bias), targets_i)`` in fp32: ``h``
-    (..., d), ``targets`` and ``weights`` (...) alike; the logits computed
-    :data:`CHUNK_ELEMENTS` at a time and never kept (see the module docstring)."""
+    (..., d), ``targets`` and ``weights`` (...) alike (``None``: the mean over every row);
+    the logits computed :data:`CHUNK_ELEMENTS` at a time and never kept (see the module
+    docstring)."""
     d, V = h.shape[-1], weight.shape[0]
     h, targets = h.reshape(-1, d), targets.reshape(-1)
-    weights = weights.reshape(-1).float()
     if h.shape[0] * V <= PLAIN_UP_TO:  # small: the plain path (see PLAIN_UP_TO)
         logits = F.linear(h, weight, bias).float()
-        return (F.cross_entropy(logits, targets, reduction="none") * weights).sum()
+        if weights is None:
+            return F.cross_entropy(logits, targets)
+        return (F.cross_entropy(logits, targets, reduction="none") * weights.reshape(-1)).sum()
+    if weights is None:
+        weights = torch.full(targets.shape, 1 / targets.numel(), device=h.device)
+    weights = weights.reshape(-1).float()
     rows = max(1, CHUNK_ELEMENTS // V)
     on = torch.is_autocast_enabled(h.device.type)
     dtype = torch.get_autocast_dtype(h.device.type) if on else None

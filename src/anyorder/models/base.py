@@ -36,6 +36,14 @@ trunk call's peak is about 20 floats of width ``d_model`` per position (measured
 with memory to spare, for larger batches."""
 
 
+def _nll(logits: Tensor, targets: Tensor, weights: Tensor | None) -> Tensor:
+    """The mean NLL (fp32) of ``targets`` under ``logits`` (..., V), or ``sum(weights * NLL)``."""
+    logits = logits.flatten(0, -2).float()
+    if weights is None:
+        return F.cross_entropy(logits, targets.flatten())
+    return (F.cross_entropy(logits, targets.flatten(), reduction="none") * weights.flatten()).sum()
+
+
 def head_rows(cfg: ModelConfig, max_tokens: int = DEFAULT_MAX_TOKENS) -> int:
     """Rows per head call so that their logits hold no more elements than ``max_tokens``
     hidden states: ``max_tokens * d / V`` (at least 16). 8192 tokens, d = 768, V = 50257:
@@ -81,19 +89,17 @@ class AnyOrderLM(nn.Module):
         targets: Tensor | None = None,
         weights: Tensor | None = None,
     ) -> Tensor:
-        """Logits (B, T, V); with ``targets`` and ``weights`` (B, T), the fp32 scalar
-        ``sum(weights * NLL of targets)`` instead, the head's cross-entropy computed in
-        chunks that keep no logits for backward (:func:`head_cross_entropy`; inside forward,
-        so that DDP's and FSDP's hooks see the head's weight used)."""
+        """Logits (B, T, V); with ``targets`` (B, T), the fp32 loss instead: the mean NLL of
+        the targets, or ``sum(weights * NLL)`` with ``weights`` (B, T); the head's
+        cross-entropy computed in chunks that keep no logits for backward
+        (:func:`head_cross_entropy`; inside forward, so that DDP's and FSDP's hooks see the
+        head's weight used)."""
         h = self.features(tokens, order, blocks)
         if targets is None:
             return self.head_logits(h)
         head = self.head_params()
         if head is None:
-            logits = self.head_logits(h).float()
-            return (
-                F.cross_entropy(logits.transpose(1, 2), targets, reduction="none") * weights
-            ).sum()
+            return _nll(self.head_logits(h), targets, weights)
         return head_cross_entropy(h, *head, targets, weights)
 
     def features(
@@ -151,15 +157,13 @@ class AnyOrderLM(nn.Module):
         order should put the prompt first: :func:`anyorder.orders.prompt_first`).
         """
         targets = self.targets(tokens, order)
-        if prompt_len is None:
-            weights = torch.full(targets.shape, 1 / targets.numel(), device=targets.device)
-        else:
+        weights = None  # the mean over every slot
+        if prompt_len is not None:
             answer = self.answer_slots(tokens, order, prompt_len).float()
             weights = answer / answer.sum().clamp(min=1)
         if self.has_features():  # the head's cross-entropy in chunks, inside forward
             return self(tokens, order, blocks, targets=targets, weights=weights)
-        logits = self(tokens, order, blocks).float()
-        return (F.cross_entropy(logits.transpose(1, 2), targets, reduction="none") * weights).sum()
+        return _nll(self(tokens, order, blocks), targets, weights)
 
     def loss_draws(
         self, tokens: Tensor, generator: torch.Generator | None, prompt_len: Tensor | None = None
