@@ -236,3 +236,15 @@ def test_compiled_two_processes_match_one_eager_process(tmp_path, fsdp: bool) ->
             torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4)
     for (_, x), (_, y) in zip(_losses(single), _losses(run)):
         assert abs(x - y) < 1e-4
+
+
+def test_compile_leaves_the_encoders_features_eager() -> None:
+    """``compile_modules`` compiles validation's ``features`` where it traces whole; the
+    encoder's groups its masked copies by values read on the host (a graph break at every
+    call, and dynamo's warnings on every validation), so its ``features`` stay eager."""
+    from anyorder.training.setup import LossModule, compile_modules
+
+    for kind, compiled in (("aogpt", True), ("mdm", False)):
+        model = tiny_model(kind)
+        compile_modules(model, LossModule(model), fullgraph=True)
+        assert ("features" in vars(model)) is compiled  # the compiled instance attribute

@@ -55,6 +55,9 @@ class AnyOrderLM(nn.Module):
     """Base class: config, parameter counts, the slot-aligned cross-entropy loss."""
 
     kind: str = ""
+    compile_features: bool = True
+    """Whether ``train.compile`` compiles :meth:`features` too (validation calls it): not
+    where it reads values back to the host by design (a graph break at every call)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -36,6 +36,7 @@ class MDM(AnyOrderLM):
 
     kind = "mdm"
     copies_per_pass = 64  # masked copies per encoder call in forward()
+    compile_features = False  # its copies are grouped by values read on the host
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)

@@ -345,7 +345,8 @@ def compile_modules(model: nn.Module, train_module: nn.Module, fullgraph: bool =
     is an error instead of a silent slowdown (DDP's and FSDP's runs break it on purpose).
     """
     model.compile(**COMPILE_KWARGS)
-    if model.has_features():  # an instance attribute: the class and state_dict are untouched
+    if model.has_features() and model.compile_features:
+        # an instance attribute: the class and state_dict are untouched
         model.features = torch.compile(model.features, **COMPILE_KWARGS)
     train_module.compile(fullgraph=fullgraph, **COMPILE_KWARGS)
 
