@@ -8,7 +8,18 @@ problem and the fix.
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Iterable
+from typing import TextIO
+
+
+def print_line(text: str, stream: TextIO | None = None) -> None:
+    """``text`` and its newline to ``stream`` (stderr) in one write, flushed: the lines of
+    processes that share the stream (torchrun's ranks) never run into each other (``print``
+    writes the newline apart, and another rank's line came in between)."""
+    out = sys.stderr if stream is None else stream
+    out.write(text + "\n")
+    out.flush()
 
 
 def did_you_mean(word: str, options: Iterable[str]) -> str | None:

@@ -25,7 +25,7 @@ from anyorder.cli.train import (
     run_info,
     run_train,
 )
-from anyorder.errors import AnyorderError, did_you_mean
+from anyorder.errors import AnyorderError, did_you_mean, print_line
 
 Command = tuple[
     str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]
@@ -138,14 +138,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _closed_pipe()
     except AnyorderError as e:
-        print(f"anyorder {args.command}: error: {e}", file=sys.stderr)
+        print_line(f"anyorder {args.command}: error: {e}")
         return e.exit_code
     except OSError as e:
         # A backstop for paths the checks before it did not foresee (a name too long, a
         # path under /proc): one line naming the path and the system's cause, never a
         # traceback. Writers say more (anyorder.atomic); a closed pipe is handled above.
-        print(f"anyorder {args.command}: error: {os_error_line(e)}", file=sys.stderr)
+        print_line(f"anyorder {args.command}: error: {os_error_line(e)}")
         return 2
     except KeyboardInterrupt:
-        print(f"anyorder {args.command}: interrupted", file=sys.stderr)
+        print_line(f"anyorder {args.command}: interrupted")
         return 130

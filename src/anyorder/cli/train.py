@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from anyorder.errors import AnyorderError
+from anyorder.errors import AnyorderError, print_line
 
 # ----------------------------------------------------------------------------- info
 
@@ -86,7 +86,7 @@ def run_train(args: argparse.Namespace) -> int:
     except AnyorderError as e:
         if not distributed:
             raise
-        print(f"anyorder train: error: {e}", file=sys.stderr)
+        print_line(f"anyorder train: error: {e}")
         code = e.exit_code
     except BaseException:
         if not distributed:

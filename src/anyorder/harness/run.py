@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from anyorder.errors import AnyorderError
+from anyorder.errors import AnyorderError, print_line
 from anyorder.harness.backend import AnyorderLM
 
 
@@ -82,5 +82,5 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cli_evaluate()
     except AnyorderError as e:
-        print(f"anyorder harness: error: {e}", file=sys.stderr)
+        print_line(f"anyorder harness: error: {e}")
         raise SystemExit(e.exit_code) from None
