@@ -23,7 +23,7 @@ from conftest import tiny_model
 
 N, B = 16, 3
 KINDS = ("gpt", "aogpt", "armd", "mdm")
-VARIANTS = ("plain", "prompt", "blocks", "checkpointed", "lora", "dropout")
+VARIANTS = ("plain", "prompt", "blocks", "checkpointed", "lora", "dropout", "chunked")
 CASES = [  # gpt and aogpt predict one token per slot: no blocks; the encoder has no chunks
     (k, v)
     for k in KINDS
