@@ -97,7 +97,9 @@ def make(shape: dict, kw: dict, device: torch.device, backend: str | None):
     cfg = preset("tiny", **shape, **kw)
     model = build_model(cfg).to(device).train()
     # fused AdamW on CUDA, as training's make_optimizer takes it
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" or None)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, fused=True if device.type == "cuda" else None
+    )
     run = LossModule(model)
     if backend is not None:  # as compile_modules compiles a one-process run's loss
         run.compile(backend=backend, fullgraph=True)

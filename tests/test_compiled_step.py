@@ -17,7 +17,7 @@ from anyorder.config import LoraConfig
 from anyorder.layers import head_loss
 from anyorder.models.lora import add_adapters
 from anyorder.orders import prompt_first, strided
-from anyorder.training.setup import LossModule, loss_draws
+from anyorder.training.setup import LossModule
 
 from conftest import tiny_model
 
@@ -61,7 +61,7 @@ def _step(module, model, inputs, seed: int):
     """One micro-step as ``training/step.py`` takes it: the draws eagerly, the loss through
     the module, backward; the loss and every gradient."""
     tokens, order, blocks, plen = inputs
-    draws = loss_draws(model, tokens, torch.Generator().manual_seed(seed), plen)
+    draws = model.loss_draws(tokens, torch.Generator().manual_seed(seed), plen)
     torch.manual_seed(seed)  # dropout's masks: the same stream on both sides
     loss = module(tokens, order, blocks, None, plen, draws)
     loss.backward()
@@ -129,7 +129,7 @@ def test_draws_ahead_equal_the_generator_inside() -> None:
     for p in (None, plen):
         g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
         inside = model.loss(tokens, order, generator=g1, prompt_len=p)
-        ahead = model.loss(tokens, order, prompt_len=p, **loss_draws(model, tokens, g2, p))
+        ahead = model.loss(tokens, order, prompt_len=p, **model.loss_draws(tokens, g2, p))
         assert torch.equal(inside, ahead)
         assert torch.equal(g1.get_state(), g2.get_state())
-    assert loss_draws(tiny_model("aogpt"), tokens, g1, None) == {}
+    assert tiny_model("aogpt").loss_draws(tokens, g1, None) == {}

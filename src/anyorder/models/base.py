@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from anyorder.config import ModelConfig
 from anyorder.errors import ConfigError
 from anyorder.layers.blocks import Head
-from anyorder.layers.head_loss import head_cross_entropy
+from anyorder.layers.head_loss import head_cross_entropy, weighted_nll
 
 DEFAULT_MAX_TOKENS = 1 << 13
 """Default chunk of the likelihood paths: token positions per trunk call, and as many
@@ -34,14 +34,6 @@ logits elements as ``max_tokens x d_model`` per head call (see :func:`head_rows`
 trunk call's peak is about 20 floats of width ``d_model`` per position (measured: 45 MB at
 8192 positions and d_model 64; so about 0.5 GB at GPT-2 small's 768): raise it on a GPU
 with memory to spare, for larger batches."""
-
-
-def _nll(logits: Tensor, targets: Tensor, weights: Tensor | None) -> Tensor:
-    """The mean NLL (fp32) of ``targets`` under ``logits`` (..., V), or ``sum(weights * NLL)``."""
-    logits = logits.flatten(0, -2).float()
-    if weights is None:
-        return F.cross_entropy(logits, targets.flatten())
-    return (F.cross_entropy(logits, targets.flatten(), reduction="none") * weights.flatten()).sum()
 
 
 def head_rows(cfg: ModelConfig, max_tokens: int = DEFAULT_MAX_TOKENS) -> int:
@@ -102,7 +94,7 @@ class AnyOrderLM(nn.Module):
             return self.head_logits(h)
         head = self.head_params()
         if head is None:
-            return _nll(self.head_logits(h), targets, weights)
+            return weighted_nll(self.head_logits(h), targets, weights)
         return head_cross_entropy(h, *head, targets, weights)
 
     def features(
@@ -166,7 +158,7 @@ class AnyOrderLM(nn.Module):
             weights = answer / answer.sum().clamp(min=1)
         if self.has_features():  # the head's cross-entropy in chunks, inside forward
             return self(tokens, order, blocks, targets=targets, weights=weights)
-        return _nll(self(tokens, order, blocks), targets, weights)
+        return weighted_nll(self(tokens, order, blocks), targets, weights)
 
     def loss_draws(
         self, tokens: Tensor, generator: torch.Generator | None, prompt_len: Tensor | None = None

@@ -31,6 +31,7 @@ from anyorder.progress import LineProgress, estimate
 from anyorder.training.distributed import from_rank0
 from anyorder.training.metrics import MetricsLog
 from anyorder.training.resume import step_of
+from anyorder.training.setup import use_compile
 from anyorder.training.state import RunParts, lr_at, save_state
 from anyorder.training.validation import count_evaluations
 
@@ -115,7 +116,7 @@ def record_step(parts: RunParts, loop: LoopState, dt: float) -> None:
     loop.window_steps += 1
     loop.timing.append(dt)
     timed = len(loop.timing)
-    if timed == 1 and parts.compiled:  # the compile is paid here: say so, not hide it
+    if timed == 1 and use_compile(parts.cfg, parts.env.device):  # paid here: say so
         say(parts, loop, f"step {loop.step}: {dt:.1f} s, compiling the loss and its backward")
     if timed == ESTIMATE_AFTER or (loop.step == loop.end and timed < ESTIMATE_AFTER):
         fit_and_estimate(parts, loop)

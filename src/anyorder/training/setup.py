@@ -295,21 +295,12 @@ class LossModule(nn.Module):
         prompt_len: Tensor | None = None,
         draws: dict[str, Tensor] | None = None,
     ) -> Tensor:
-        """``draws``: the loss's random inputs, drawn ahead (:func:`loss_draws`), so that a
-        compiled forward sees no generator."""
+        """``draws``: the loss's random inputs, drawn ahead (``model.loss_draws``), so that
+        a compiled forward sees no generator."""
         extra = dict(draws or {})
         if prompt_len is not None:  # a model without the keyword (a test double) still trains
             extra["prompt_len"] = prompt_len
         return self.model.loss(tokens, order, blocks, generator=generator, **extra)
-
-
-def loss_draws(
-    model: nn.Module, tokens: Tensor, generator: torch.Generator, prompt_len: Tensor | None
-) -> dict[str, Tensor]:
-    """``model.loss_draws``: the random inputs of its loss from ``generator`` (none for a
-    model without the method, a test double)."""
-    draw = getattr(model, "loss_draws", None)
-    return {} if draw is None else draw(tokens, generator, prompt_len)
 
 
 def use_compile(cfg: RunConfig, device: torch.device) -> bool:
@@ -400,8 +391,7 @@ def build_parts(
     aliases = ckpt_mod.tied_aliases(model)
     n_params = model.num_params()
     train_module = wrap_model(model, LossModule(model), cfg, env)
-    compiled = use_compile(cfg, device)
-    if compiled:  # after wrapping: see compile_modules
+    if use_compile(cfg, device):  # after wrapping: see compile_modules
         compile_modules(model, train_module, fullgraph=not env.distributed)
     opt = make_optimizer(model, cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -433,5 +423,4 @@ def build_parts(
         micro=t.batch_size // env.world_size // t.grad_accum,
         base=base,
         adapters=keys,
-        compiled=compiled,
     )

@@ -129,7 +129,6 @@ class RunParts:
     micro: int  # rows per micro-step on this rank
     base: dict[str, str] | None = None  # a LoRA run's base: its folder and state_digest
     adapters: frozenset[str] | None = None  # a LoRA run's adapter keys: what it saves
-    compiled: bool = False  # the loss module runs under torch.compile
 
 
 def rng_state(loss_gen: torch.Generator, device: torch.device) -> dict[str, Any]:

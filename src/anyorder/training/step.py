@@ -32,7 +32,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from anyorder.training.distributed import DistEnv
-from anyorder.training.setup import loss_draws
 from anyorder.training.state import RunParts, lr_at
 
 
@@ -80,14 +79,13 @@ def train_step(parts: RunParts, step: int, rows: int | None = None) -> float:
         with sync:
             p = None if plen is None else plen[sl]
             # the loss's random inputs drawn here, eagerly: a compiled forward reads tensors
-            draws = loss_draws(parts.model, x[sl], parts.loss_gen, p)
-            gen = None if hasattr(parts.model, "loss_draws") else parts.loss_gen
+            draws = parts.model.loss_draws(x[sl], parts.loss_gen, p)
             with parts.autocast:  # inside the (compiled) forward
                 loss = parts.train_module(
                     x[sl],
                     None if order is None else order[sl],
                     None if blocks is None else blocks[sl],
-                    gen,
+                    None,
                     p,
                     draws,
                 )
