@@ -120,23 +120,32 @@ def run_cli(
         )
 
 
-def chatml_tokenizer(**tokens):
-    """A tiny byte-level BPE (300 ids, ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>``
-    special) as a ``transformers`` fast tokenizer whose EOS is ``<|im_end|>``; ``tokens``:
-    more of its special tokens (``bos_token=...``). No chat template: the caller sets it."""
+def tiny_bpe(special_tokens: list[str], corpus: list[str]):
+    """A byte-level BPE of 300 ids trained on ``corpus`` (``tokenizers``' ``Tokenizer``),
+    ``special_tokens`` first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=300,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    raw.train_from_iterator(["hello world user assistant add and"] * 10, trainer=trainer)
+    raw.train_from_iterator(corpus, trainer=trainer)
+    return raw
+
+
+def chatml_tokenizer(**tokens):
+    """A tiny byte-level BPE (300 ids, ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>``
+    special) as a ``transformers`` fast tokenizer whose EOS is ``<|im_end|>``; ``tokens``:
+    more of its special tokens (``bos_token=...``). No chat template: the caller sets it."""
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    raw = tiny_bpe(specials, ["hello world user assistant add and"] * 10)
     return PreTrainedTokenizerFast(
         tokenizer_object=raw,
         eos_token="<|im_end|>",

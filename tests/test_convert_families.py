@@ -25,6 +25,8 @@ from anyorder.cli import main  # noqa: E402
 from anyorder.interop.streaming import convert_family  # noqa: E402
 from anyorder.sample import sample  # noqa: E402
 
+from conftest import tiny_bpe  # noqa: E402
+
 VOCAB = 320
 CLASSES = {
     "llama": (tr.LlamaConfig, tr.LlamaForCausalLM),
@@ -93,17 +95,7 @@ def logits_on_bos(hf, x: torch.Tensor, bos: int = 1) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def tokenizer_files(tmp_path_factory):
     """A tiny BPE as a transformers fast tokenizer with BOS, EOS, pad and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    raw = Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    raw.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    raw = tiny_bpe(["<pad>", "<s>", "</s>"], ["the quick brown fox jumps over the lazy dog"] * 50)
     tok = tr.PreTrainedTokenizerFast(
         tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
