@@ -21,6 +21,8 @@ import transformers as tr  # noqa: E402
 from anyorder.checkpoint.exported import load_exported  # noqa: E402
 from anyorder.cli import main  # noqa: E402
 
+from conftest import tiny_bpe  # noqa: E402
+
 VOCAB = 320
 TRANSFORMERS_4 = int(tr.__version__.split(".")[0]) < 5
 """transformers 4 (pyproject's floor) knows no ``rope_parameters``: a config spelled so is
@@ -358,17 +360,7 @@ def tokenizer_files(tmp_path_factory):
 
 def _tokenizer(folder, specials, bos, eos):
     """A tiny byte-level BPE with ``specials`` as ids 0.. and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    raw = Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    raw.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    raw = tiny_bpe(specials, ["the quick brown fox jumps over the lazy dog"] * 50)
     tok = tr.PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=bos, eos_token=eos)
     tok.chat_template = CHAT
     tok.save_pretrained(str(folder))
