@@ -5,9 +5,13 @@ backward: no tensor of the logits' size."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from anyorder.layers import head_loss
 from anyorder.layers.head_loss import head_cross_entropy
@@ -138,3 +142,47 @@ def test_chunked_head_loss_under_two_ranks_matches_one_process(tmp_path, monkeyp
             torch.testing.assert_close(b[k], a[k], rtol=0, atol=5e-5, msg=k)
     for (_, x), (_, y) in zip(_losses(single), _losses(run)):
         assert abs(x - y) < 1e-5
+
+
+HEAD_EXAMPLES = int(os.environ.get("ANYORDER_HEAD_LOSS_EXAMPLES", "60"))
+
+
+@settings(max_examples=HEAD_EXAMPLES, derandomize=True, deadline=None, database=None)
+@given(
+    rows=st.integers(1, 40),
+    d=st.integers(1, 24),
+    V=st.integers(2, 90),
+    chunk_rows=st.integers(1, 45),
+    bias=st.booleans(),
+    weighted=st.booleans(),
+    grad=st.sampled_from(["all", "h", "weight", "none"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_chunks_equal_the_plain_path_at_random(rows, d, V, chunk_rows, bias, weighted, grad, seed):
+    """Random sizes, chunkings (one row a chunk to all rows in one), biases, weights (some
+    rows off) and which inputs want gradients: the chunked loss and its gradients equal the
+    plain cross-entropy's (fp32, 1e-5), the no-grad path included."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = torch.randn(rows, d, generator=g), torch.randn(V, d, generator=g)
+    b = torch.randn(V, generator=g) if bias else None
+    y = torch.randint(0, V, (rows,), generator=g)
+    wt = torch.rand(rows, generator=g) * (torch.rand(rows, generator=g) > 0.2) if weighted else None
+    want_grad = {"all": (True, True), "h": (True, False), "weight": (False, True)}.get(grad)
+    leaves = {}
+    for name, fn in (("plain", head_loss.weighted_nll), ("chunked", head_cross_entropy)):
+        hh = h.clone().requires_grad_(bool(want_grad and want_grad[0]))
+        ww = w.clone().requires_grad_(bool(want_grad and want_grad[1]))
+        bb = None if b is None else b.clone().requires_grad_(bool(want_grad and want_grad[1]))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(head_loss, "PLAIN_UP_TO", 0)
+            mp.setattr(head_loss, "CHUNK_ELEMENTS", chunk_rows * V)
+            loss = fn(F.linear(hh, ww, bb), y, wt) if name == "plain" else fn(hh, ww, bb, y, wt)
+        if want_grad:
+            loss.backward()
+        leaves[name] = (loss.detach(), [t.grad for t in (hh, ww, bb) if t is not None])
+    (a, ga), (c, gc) = leaves["plain"], leaves["chunked"]
+    torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
+    for x, z in zip(ga, gc):
+        assert (x is None) == (z is None)
+        if x is not None:
+            torch.testing.assert_close(z, x, atol=1e-5, rtol=1e-5)
