@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("sampling", {"sampling", "sample"}),
     ("evaluation", {"evaluation"}),
     ("training", {"training"}),
-    ("apps", {"api", "cli", "demo", "serve", "experiments", "plots", "harness", "hf"}),
+    ("apps", {"api", "cli", "demo", "serve", "experiments", "plots", "harness", "hf", "vllm"}),
 ]
 LAYER_OF = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
 FACADE = "anyorder"

@@ -1,0 +1,182 @@
+"""What the engine learns of an anyorder export before it serves: its config, its limits,
+and the admission of each request.
+
+* :class:`VllmAnyorderConfig`: the export's ``config.json`` with the names vLLM reads
+  (``hidden_size``, ``num_attention_heads``...), as read-only views of anyorder's fields.
+* :class:`EngineHook`: vLLM's per-architecture config hook (``verify_and_update_config``):
+  refuses what cannot be served exactly (armd, mdm, the V2 model runner, speculative
+  decoding) in one line, counts the BOS slot in ``max_model_len``, adds the worker's order
+  tables (:mod:`anyorder.vllm.tables`), runs the model without CUDA graphs, and installs
+  :func:`admit`.
+* :func:`admit`: every request, before the engine takes it: the BOS slot put in front of the
+  prompt, the order fields checked against the prompt (vLLM's 400, naming the field), and a
+  prefix-cache salt per order. vLLM has no per-model hook that sees a request's prompt and
+  its parameters together before admission; the platform's ``validate_request`` does, so
+  :func:`admit` wraps it (in the processes that configured an anyorder model only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from anyorder.hf.config import AnyorderConfig
+from anyorder.vllm.requests import (
+    ADMITTED_KEY,
+    RequestError,
+    cache_salt,
+    resolve_order,
+)
+
+SERVED_KINDS = ("gpt", "aogpt")
+TABLES = "anyorder.vllm.tables:OrderTables"
+BOS_ID = 0
+"""The token id the BOS slot holds in the engine: any id in the vocabulary would do, the
+model reads slot 0 as its learned BOS whatever the id."""
+
+
+class VllmAnyorderConfig(AnyorderConfig):
+    """:class:`~anyorder.hf.config.AnyorderConfig` with the attribute names vLLM reads
+    (``head_dim`` is one of anyorder's fields already)."""
+
+    def _model(self):
+        return self.to_model_config()
+
+    @property
+    def hidden_size(self) -> int:
+        return self._model().d_model
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self._model().n_head
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self._model().kv_heads
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self._model().n_layer
+
+
+def refusal(vllm_config: Any) -> str | None:
+    """Why this engine cannot serve the export exactly, or None."""
+    kind = vllm_config.model_config.hf_config.kind
+    if kind == "armd":
+        return (
+            "armd cannot be served by vLLM: its query stream reads the content stream's keys "
+            "and values with a second set of activations per slot, and vLLM's paged attention "
+            "keeps one stream per layer; serve it with `anyorder serve`, or serve a gpt or "
+            "aogpt export"
+        )
+    if kind not in SERVED_KINDS:
+        return (
+            f"{kind} cannot be served by vLLM: the engine's KV cache is causal and {kind} is "
+            "not; serve gpt or aogpt exports (or use `anyorder serve`)"
+        )
+    if vllm_config.use_v2_model_runner:
+        return (
+            "anyorder models run on vLLM's V1 model runner (their order tables are a V1 "
+            "logits processor): set VLLM_USE_V2_MODEL_RUNNER=0"
+        )
+    if vllm_config.speculative_config is not None:
+        return "anyorder models take no speculative config in vLLM yet: drop it"
+    return None
+
+
+class EngineHook:
+    """vLLM's config hook for the ``AnyorderModel`` architecture (``MODELS_CONFIG_MAP``)."""
+
+    @staticmethod
+    def verify_and_update_model_config(model_config: Any) -> None:
+        return None
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: Any) -> None:
+        why = refusal(vllm_config)
+        if why:
+            raise ValueError(why)
+        model_config = vllm_config.model_config
+        seq_len = model_config.hf_config.seq_len
+        # the BOS slot and seq_len tokens (the last one sampled only); vLLM derived seq_len
+        if model_config.max_model_len == seq_len:
+            model_config.max_model_len = seq_len + 1
+        elif model_config.max_model_len > seq_len + 1:
+            raise ValueError(
+                f"max_model_len {model_config.max_model_len} is over what the model holds "
+                f"({seq_len} positions and the BOS slot: {seq_len + 1}); pass "
+                f"--max-model-len {seq_len + 1} or less"
+            )
+        processors = list(model_config.logits_processors or [])
+        if TABLES not in processors:
+            model_config.logits_processors = [*processors, TABLES]
+        _eager(vllm_config)
+        install_admission(vllm_config)
+
+
+def _eager(vllm_config: Any) -> None:
+    """No CUDA graphs: the model reads the order tables by the batch's rows, which a captured
+    graph would bake in (not measured on a GPU: exactness first)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+
+
+_ADMITTING: dict[str, Any] = {}
+
+
+def install_admission(vllm_config: Any) -> None:
+    """Wrap the platform's ``validate_request`` with :func:`admit` (once per process)."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    _ADMITTING["config"] = vllm_config
+    if getattr(platform.validate_request, "_anyorder", False):
+        return
+    original = platform.validate_request
+
+    def validate_request(processed_inputs: Any, params: Any) -> None:
+        original(processed_inputs, params)
+        config = _ADMITTING.get("config")
+        if config is not None:
+            admit(processed_inputs, params, config)
+
+    validate_request._anyorder = True  # type: ignore[attr-defined]
+    platform.validate_request = staticmethod(validate_request)  # type: ignore[method-assign]
+
+
+def admit(processed_inputs: Any, params: Any, vllm_config: Any) -> None:
+    """One request, before the engine takes it (see the module's text).
+
+    Raises:
+        VLLMValidationError: the order fields cannot be served (vLLM answers 400).
+    """
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    if not isinstance(params, SamplingParams) or processed_inputs.get("type") != "token":
+        if isinstance(params, SamplingParams):
+            raise VLLMValidationError("anyorder models take token or text prompts only")
+        return
+    ids = processed_inputs["prompt_token_ids"]
+    model_config = vllm_config.model_config
+    hf = model_config.hf_config
+    max_tokens = params.max_tokens
+    if max_tokens is None:
+        max_tokens = model_config.max_model_len - 1 - len(ids)
+    try:
+        order = resolve_order(
+            params.extra_args,
+            prompt_len=len(ids),
+            max_tokens=max_tokens,
+            seq_len=hf.seq_len,
+            kind=hf.kind,
+            ignore_eos=params.ignore_eos,
+            stops=bool(params.stop or params.stop_token_ids),
+        )
+    except RequestError as e:
+        raise VLLMValidationError(str(e), parameter=e.parameter) from None
+    processed_inputs["prompt_token_ids"] = [BOS_ID, *ids]
+    if order is not None:  # a user's salt kept, ours beside it
+        salt = processed_inputs.get("cache_salt")
+        processed_inputs["cache_salt"] = cache_salt(order) + (f"|{salt}" if salt else "")
+    params.extra_args = {**(params.extra_args or {}), ADMITTED_KEY: True}
