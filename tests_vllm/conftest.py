@@ -41,7 +41,9 @@ def tiny(kind: str, seed: int = 0, **overrides):
 
 
 def engine_args() -> dict:
-    return dict(dtype="float32", max_num_seqs=16, enforce_eager=True, kv_cache_memory_bytes=KV_BYTES)
+    return dict(
+        dtype="float32", max_num_seqs=16, enforce_eager=True, kv_cache_memory_bytes=KV_BYTES
+    )
 
 
 @pytest.fixture(scope="session")
@@ -82,11 +84,9 @@ def gpt_engine(exports):
     stop(llm)
 
 
-def full_order(prompt_len: int, length: int, order: Sequence[int] | None) -> list[int]:
-    return list(range(length)) if order is None else list(order)
-
-
-def anyorder_greedy(model, prompt: Sequence[int], order: Sequence[int]) -> tuple[list[int], list[float]]:
+def anyorder_greedy(
+    model, prompt: Sequence[int], order: Sequence[int]
+) -> tuple[list[int], list[float]]:
     """anyorder's own sampler, greedy, for ``order`` with ``prompt`` at its first positions:
     the generated tokens in generation order, and their log-probabilities from the plain
     uncached forward (an independent computation: no cache, the whole sequence at once)."""
@@ -97,7 +97,8 @@ def anyorder_greedy(model, prompt: Sequence[int], order: Sequence[int]) -> tuple
         tokens[0, position], known[0, position] = token, True
     kw = {} if model.kind == "gpt" else {"order": torch.tensor([list(order)])}
     result = sample(model, n, prompt=tokens, known=known, top_k=1, **kw)
-    return [int(result.tokens[0, p]) for p in order[k:]], forward_logprobs(model, result.tokens[0], order, k)
+    generated = [int(result.tokens[0, p]) for p in order[k:]]
+    return generated, forward_logprobs(model, result.tokens[0], order, k)
 
 
 def forward_logprobs(model, tokens, order: Sequence[int], start: int) -> list[float]:

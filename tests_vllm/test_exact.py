@@ -4,11 +4,12 @@ right and in any order chosen per request, alone and batched with other orders."
 from __future__ import annotations
 
 import pytest
-from conftest import anyorder_greedy, engine_logprobs, forward_logprobs
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from anyorder.vllm import ORDER_KEY, SEED_KEY, place, seeded_order
+
+from conftest import anyorder_greedy, engine_logprobs, forward_logprobs
 
 TOL = 1e-4  # nats, fp32
 
@@ -34,7 +35,6 @@ def test_left_to_right_greedy_is_anyorders(kind, gpt_engine, aogpt_engine):
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], greedy(12))
     for prompt, out in zip(prompts, outs):
         check(model, prompt, list(range(len(prompt) + 12)), out.outputs[0])
-
 
 
 def test_the_cli_s_greedy_text_is_the_engine_s(exports, gpt_engine):
@@ -78,7 +78,7 @@ def test_any_order_per_request_batched_and_alone(aogpt_engine):
     batched = llm.generate(prompts, params)
     for (prompt, order), out in zip(ORDERS, batched):
         check(model, prompt, order, out.outputs[0])
-    for i, (prompt, order) in enumerate(ORDERS):
+    for i in range(len(ORDERS)):
         alone = llm.generate([prompts[i]], params[i])[0].outputs[0]
         assert alone.token_ids == batched[i].outputs[0].token_ids
 
@@ -115,11 +115,15 @@ def test_seeded_sampling_is_reproducible_and_drawn_from_the_model(aogpt_engine, 
     log-probability is the model's conditional for that order (uncached forward)."""
     llm, model = aogpt_engine
     prompt = [1, 2]
-    params = SamplingParams(max_tokens=8, temperature=1.0, seed=1234, logprobs=0,
-                            detokenize=False, ignore_eos=True, extra_args=extra or None)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=8, temperature=1.0, seed=1234, logprobs=0, detokenize=False,
+        ignore_eos=True, extra_args=extra or None,
+    )  # fmt: skip
     first, again = (llm.generate([TokensPrompt(prompt_token_ids=prompt)], params)[0] for _ in "ab")
     assert first.outputs[0].token_ids == again.outputs[0].token_ids
-    order = extra.get(ORDER_KEY) or (seeded_order(2, 10, extra[SEED_KEY]) if extra else list(range(10)))
+    order = list(range(10))
+    if extra:
+        order = extra.get(ORDER_KEY) or seeded_order(2, 10, extra[SEED_KEY])
     tokens = [0] * 10
     for token, position in zip(prompt + list(first.outputs[0].token_ids), order):
         tokens[position] = token
