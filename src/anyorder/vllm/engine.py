@@ -9,7 +9,8 @@ and the admission of each request.
   tables (:mod:`anyorder.vllm.tables`), runs the model without CUDA graphs, and installs
   :func:`admit`.
 * :func:`admit`: every request, before the engine takes it: the BOS slot put in front of the
-  prompt, the order fields checked against the prompt (vLLM's 400, naming the field), and a
+  prompt (a converted model's tokenizer puts its BOS there already: that one is the slot),
+  the order fields checked against the prompt (vLLM's 400, naming the field), and a
   prefix-cache salt per order. vLLM has no per-model hook that sees a request's prompt and
   its parameters together before admission; the platform's ``validate_request`` does, so
   :func:`admit` wraps it (in the processes that configured an anyorder model only).
@@ -30,8 +31,9 @@ from anyorder.vllm.requests import (
 SERVED_KINDS = ("gpt", "aogpt")
 TABLES = "anyorder.vllm.tables:OrderTables"
 BOS_ID = 0
-"""The token id the BOS slot holds in the engine: any id in the vocabulary would do, the
-model reads slot 0 as its learned BOS whatever the id."""
+"""The token id the BOS slot holds in the engine when the export names no ``bos_token_id``:
+any id in the vocabulary would do, the model reads slot 0 as its learned BOS whatever the
+id."""
 
 
 class VllmAnyorderConfig(AnyorderConfig):
@@ -157,9 +159,13 @@ def admit(processed_inputs: Any, params: Any, vllm_config: Any) -> None:
         if isinstance(params, SamplingParams):
             raise VLLMValidationError("anyorder models take token or text prompts only")
         return
-    ids = processed_inputs["prompt_token_ids"]
+    ids = list(processed_inputs["prompt_token_ids"])
     model_config = vllm_config.model_config
     hf = model_config.hf_config
+    bos = getattr(hf, "bos_token_id", None)  # a converted model's: its tokenizer adds it
+    bos = bos if isinstance(bos, int) and not isinstance(bos, bool) else None
+    if bos is not None and ids[:1] == [bos]:
+        ids = ids[1:]  # the tokenizer's BOS is the BOS slot (anyorder never encodes one)
     max_tokens = params.max_tokens
     if max_tokens is None:
         max_tokens = model_config.max_model_len - 1 - len(ids)
@@ -175,7 +181,7 @@ def admit(processed_inputs: Any, params: Any, vllm_config: Any) -> None:
         )
     except RequestError as e:
         raise VLLMValidationError(str(e), parameter=e.parameter) from None
-    processed_inputs["prompt_token_ids"] = [BOS_ID, *ids]
+    processed_inputs["prompt_token_ids"] = [BOS_ID if bos is None else bos, *ids]
     if order is not None:  # a user's salt kept, ours beside it
         salt = processed_inputs.get("cache_salt")
         processed_inputs["cache_salt"] = cache_salt(order) + (f"|{salt}" if salt else "")
