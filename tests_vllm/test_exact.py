@@ -3,7 +3,11 @@ right and in any order chosen per request, alone and batched with other orders."
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -132,3 +136,36 @@ def test_seeded_sampling_is_reproducible_and_drawn_from_the_model(aogpt_engine, 
     want = forward_logprobs(model, torch.tensor(tokens), order, 2)
     got = engine_logprobs(first.outputs[0])
     assert max(abs(a - b) for a, b in zip(got, want)) < TOL
+
+
+@st.composite
+def requests(draw):
+    """A batch of 1-6 requests: prompts of 0-6 tokens, 1-12 generated, each left to right, an
+    explicit order (prompt positions anywhere) or a seed."""
+    out = []
+    for _ in range(draw(st.integers(1, 6))):
+        k, m = draw(st.integers(0, 6)), draw(st.integers(1, 12))
+        prompt = draw(st.lists(st.integers(0, 255), min_size=k, max_size=k))
+        how = draw(st.sampled_from(["l2r", "order", "seed"]))
+        if how == "l2r":
+            out.append((prompt, list(range(k + m)), {}))
+        elif how == "order":
+            order = draw(st.permutations(range(k + m)))
+            out.append((prompt, list(order), {ORDER_KEY: list(order)}))
+        else:
+            seed = draw(st.integers(0, 2**31))
+            out.append((prompt, seeded_order(k, k + m, seed), {SEED_KEY: seed}))
+    return out
+
+
+@settings(max_examples=int(os.environ.get("ANYORDER_VLLM_EXAMPLES", "12")), deadline=None,
+          suppress_health_check=list(HealthCheck))  # fmt: skip
+@given(batch=requests())
+def test_random_batches_equal_anyorders_sampler(aogpt_engine, batch):
+    """Property: any batch of requests (sizes, prompts, orders, seeds drawn at random) gets,
+    request by request, anyorder's greedy tokens and the uncached forward's log-probabilities."""
+    llm, model = aogpt_engine
+    prompts = [TokensPrompt(prompt_token_ids=p) for p, _, _ in batch]
+    params = [greedy(len(o) - len(p), **fields) for p, o, fields in batch]
+    for (prompt, order, _), out in zip(batch, llm.generate(prompts, params, use_tqdm=False)):
+        check(model, prompt, order, out.outputs[0])
