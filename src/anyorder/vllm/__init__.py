@@ -24,16 +24,18 @@ def register() -> None:
     """vLLM's general-plugin entry point: run in every vLLM process, any number of times.
 
     Registers the export's config class with vLLM's config registry (and ``AutoConfig``),
-    the model class (lazily, by name) and the architecture's config hook.
+    the model class (lazily, by name) and the architecture's config hook, and wraps the
+    engines' request intake with anyorder's admission (:mod:`anyorder.vllm.engine`).
     """
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
     from vllm.transformers_utils.config import _CONFIG_REGISTRY
 
     from anyorder.checkpoint.exported import MODEL_TYPE
-    from anyorder.vllm.engine import EngineHook, VllmAnyorderConfig
+    from anyorder.vllm.engine import EngineHook, VllmAnyorderConfig, install_admission
 
     _CONFIG_REGISTRY[MODEL_TYPE] = VllmAnyorderConfig
     MODELS_CONFIG_MAP[ARCHITECTURE] = EngineHook  # type: ignore[assignment]
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "anyorder.vllm.model:AnyorderForVLLM")
+    install_admission()

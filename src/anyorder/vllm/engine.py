@@ -6,20 +6,22 @@ and the admission of each request.
 * :class:`EngineHook`: vLLM's per-architecture config hook (``verify_and_update_config``):
   refuses what cannot be served exactly (armd, mdm, the V2 model runner, speculative
   decoding) in one line, counts the BOS slot in ``max_model_len``, adds the worker's order
-  tables (:mod:`anyorder.vllm.tables`), runs the model without CUDA graphs, and installs
-  :func:`admit`.
+  tables (:mod:`anyorder.vllm.tables`) and runs the model without CUDA graphs.
 * :func:`admit`: every request, before the engine takes it: the BOS slot put in front of the
   prompt (a converted model's tokenizer puts its BOS there already: that one is the slot),
   the order fields checked against the prompt (vLLM's 400, naming the field), and a
   prefix-cache salt per order. vLLM has no per-model hook that sees a request's prompt and
-  its parameters together before admission; the platform's ``validate_request`` does, so
-  :func:`admit` wraps it (in the processes that configured an anyorder model only).
+  its parameters together before admission, so :func:`install_admission` (run by the
+  plugin in every vLLM process) wraps the engine's ``InputProcessor.process_inputs``, and
+  :func:`admit` runs for the engines whose config is an anyorder export's only: several
+  engines in one process, anyorder's and others', each get their own rules.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from anyorder.checkpoint.exported import MODEL_TYPE
 from anyorder.hf.config import AnyorderConfig
 from anyorder.vllm.requests import (
     ADMITTED_KEY,
@@ -112,7 +114,6 @@ class EngineHook:
         if TABLES not in processors:
             model_config.logits_processors = [*processors, TABLES]
         _eager(vllm_config)
-        install_admission(vllm_config)
 
 
 def _eager(vllm_config: Any) -> None:
@@ -123,27 +124,23 @@ def _eager(vllm_config: Any) -> None:
     vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
 
 
-_ADMITTING: dict[str, Any] = {}
+def install_admission() -> None:
+    """Wrap vLLM's ``InputProcessor.process_inputs`` with :func:`admit` for the engines that
+    serve an anyorder export (each engine's own config decides; once per process)."""
+    from vllm.v1.engine.input_processor import InputProcessor
 
-
-def install_admission(vllm_config: Any) -> None:
-    """Wrap the platform's ``validate_request`` with :func:`admit` (once per process)."""
-    from vllm.platforms import current_platform
-
-    platform = type(current_platform)
-    _ADMITTING["config"] = vllm_config
-    if getattr(platform.validate_request, "_anyorder", False):
+    original = InputProcessor.process_inputs
+    if getattr(original, "_anyorder", False):
         return
-    original = platform.validate_request
 
-    def validate_request(processed_inputs: Any, params: Any) -> None:
-        original(processed_inputs, params)
-        config = _ADMITTING.get("config")
-        if config is not None:
-            admit(processed_inputs, params, config)
+    def process_inputs(self: Any, request_id: str, prompt: Any, params: Any, *a, **kw):
+        config = self.vllm_config
+        if getattr(config.model_config.hf_config, "model_type", None) == MODEL_TYPE:
+            admit(prompt, params, config)
+        return original(self, request_id, prompt, params, *a, **kw)
 
-    validate_request._anyorder = True  # type: ignore[attr-defined]
-    platform.validate_request = staticmethod(validate_request)  # type: ignore[method-assign]
+    process_inputs._anyorder = True  # type: ignore[attr-defined]
+    InputProcessor.process_inputs = process_inputs  # type: ignore[method-assign]
 
 
 def admit(processed_inputs: Any, params: Any, vllm_config: Any) -> None:
@@ -155,10 +152,13 @@ def admit(processed_inputs: Any, params: Any, vllm_config: Any) -> None:
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
-    if not isinstance(params, SamplingParams) or processed_inputs.get("type") != "token":
-        if isinstance(params, SamplingParams):
-            raise VLLMValidationError("anyorder models take token or text prompts only")
+    if not isinstance(params, SamplingParams):
         return
+    if not isinstance(processed_inputs, dict) or "prompt_token_ids" not in processed_inputs:
+        raise VLLMValidationError(
+            "anyorder models take token prompts, or text their tokenizer renders (vLLM's "
+            "LLM.generate and its server do): pass TokensPrompt(prompt_token_ids=...)"
+        )
     ids = list(processed_inputs["prompt_token_ids"])
     model_config = vllm_config.model_config
     hf = model_config.hf_config
