@@ -39,7 +39,7 @@ from _bench import machine, print_table, write_json  # noqa: E402
 
 PROMPT = "The "
 N = 128
-CONCURRENCY = (1, 8, 32)
+CONCURRENCY = [1, 8, 32]
 
 
 def _free_port() -> int:
@@ -105,7 +105,8 @@ def vllm_rows(folder: Path, work: Path, generated: int) -> list[dict]:
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
-        "--dtype", "float32", "--max-num-seqs", "32", "--kv-cache-memory-bytes", str(1 << 28),
+        "--dtype", "float32", "--max-num-seqs", str(max(CONCURRENCY)),
+        "--kv-cache-memory-bytes", str(1 << 28),
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     rows = []
@@ -178,7 +179,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1, help="anyorder's sampler's threads")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/vllm_serving.json"))
+    ap.add_argument("--quick", action="store_true", help="n = 32, 1 and 2 requests (a check)")
     args = ap.parse_args()
+    global N
+    if args.quick:
+        N, CONCURRENCY[:] = 32, [1, 2]
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     torch.set_num_threads(args.threads)
     from anyorder.checkpoint.exporting import save_pretrained
@@ -187,7 +192,12 @@ def main() -> None:
     from anyorder.models import build_model
 
     torch.manual_seed(0)
-    cfg = preset("tiny", kind="aogpt", vocab_size=257, seq_len=N, n_layer=4, n_head=4, d_model=256)
+    size = (
+        dict(n_layer=2, n_head=2, d_model=64)
+        if args.quick
+        else dict(n_layer=4, n_head=4, d_model=256)
+    )
+    cfg = preset("tiny", kind="aogpt", vocab_size=257, seq_len=N, **size)
     model, tokenizer = build_model(cfg).eval(), ByteTokenizer()
     generated = N - len(tokenizer.encode(PROMPT))
     with tempfile.TemporaryDirectory(prefix="anyorder-vllm-bench-") as tmp:
@@ -205,7 +215,7 @@ def main() -> None:
         for r in rows
     ]  # fmt: skip
     print_table(
-        f"aogpt 4 x 256, n = {N} ({generated} generated a request), fp32, CPU",
+        f"aogpt {cfg.n_layer} x {cfg.d_model}, n = {N} ({generated} generated a request), fp32",
         ["server", "order", "requests", "wall s", "tokens/s", "requests/s"],
         table,
     )
@@ -218,10 +228,8 @@ def main() -> None:
     }  # fmt: skip
     print("vLLM, random order over left to right (tokens/s): "
           + ", ".join(f"{c}: {v:.2f}x" for c, v in cost.items()))  # fmt: skip
-    write_json(
-        args.json,
-        {"machine": machine(), "rows": rows, "random_over_l2r": cost, "threads": args.threads},
-    )
+    payload = {"machine": machine(), "rows": rows, "random_over_l2r": cost}
+    write_json(args.json, {**payload, "threads": args.threads, "n": N, "generated": generated})
 
 
 if __name__ == "__main__":
