@@ -86,3 +86,15 @@ def test_a_context_past_the_model_is_refused_at_start(exports, monkeypatch):
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     with pytest.raises(Exception, match="max_model_len 64 is over what the model holds"):
         start(exports["gpt"][0], max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"tensor_parallel_size": 2}, "anyorder models run whole on one device per engine"),
+        ({"enable_prompt_embeds": True}, "anyorder models take token prompts, not embeddings"),
+    ],
+)
+def test_what_the_model_cannot_honour_is_refused_at_start(exports, options, message):
+    with pytest.raises(Exception, match=message):
+        start(exports["gpt"][0], **options)

@@ -5,8 +5,9 @@ and the admission of each request.
   (``hidden_size``, ``num_attention_heads``...), as read-only views of anyorder's fields.
 * :class:`EngineHook`: vLLM's per-architecture config hook (``verify_and_update_config``):
   refuses what cannot be served exactly (armd, mdm, the V2 model runner, speculative
-  decoding) in one line, counts the BOS slot in ``max_model_len``, adds the worker's order
-  tables (:mod:`anyorder.vllm.tables`) and runs the model without CUDA graphs.
+  decoding, sharded layers, quantization, prompt embeddings) in one line, counts the BOS slot
+  in ``max_model_len``, adds the worker's order tables (:mod:`anyorder.vllm.tables`) and
+  runs the model without CUDA graphs.
 * :func:`admit`: every request, before the engine takes it: the BOS slot put in front of the
   prompt (a converted model's tokenizer puts its BOS there already: that one is the slot),
   the order fields checked against the prompt (vLLM's 400, naming the field), and a
@@ -84,6 +85,20 @@ def refusal(vllm_config: Any) -> str | None:
         )
     if vllm_config.speculative_config is not None:
         return "anyorder models take no speculative config in vLLM yet: drop it"
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        return (
+            "anyorder models run whole on one device per engine in vLLM (their layers are "
+            "not sharded): drop --tensor-parallel-size/--pipeline-parallel-size (data "
+            "parallelism, one whole copy per engine, works)"
+        )
+    model_config = vllm_config.model_config
+    if model_config.quantization is not None:
+        return (
+            f"anyorder models take no quantization in vLLM ({model_config.quantization}): drop it"
+        )
+    if model_config.enable_prompt_embeds:
+        return "anyorder models take token prompts, not embeddings: drop --enable-prompt-embeds"
     return None
 
 
