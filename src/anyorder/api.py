@@ -196,7 +196,7 @@ class Model:
         seed: int = 0,
         stop_at_eos: bool = True,
         reveal: str = "binomial",
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | str = "auto",
         speculative: int | None = None,
         per_pass: int = 1,
     ) -> list[str]:
@@ -227,8 +227,8 @@ class Model:
             reveal: with ``steps``, how many tokens each step reveals: ``binomial`` (the
                 exact reverse process, per sample) or ``reference`` (the AO-GPT reference
                 code's deterministic counts, never an empty step).
-            cuda_graphs: capture each forward-pass shape once as a CUDA graph and replay it
-                (a model on a CUDA device; the decoders).
+            cuda_graphs: CUDA graphs of the decoders' passes: ``"auto"`` (default) on a CUDA
+                device, eager on a CPU; False: always eager; True: CUDA required.
             speculative: aogpt/armd: any-order speculative sampling, at most ``K`` tokens
                 per forward pass, drafted and checked against the one-token-per-pass
                 conditionals: the same law as sequential decoding, in fewer passes.
@@ -380,7 +380,7 @@ class Model:
         seed: int,
         stop_at_eos: bool,
         reveal: str = "binomial",
-        graphs: bool = False,
+        graphs: bool | str = "auto",
         speculative: int | None = None,
         per_pass: int = 1,
         answer_only: bool = False,

@@ -1,5 +1,9 @@
 """CUDA graphs of the decoding passes: each group's pass captured once, then replayed.
 
+On by default on CUDA (``graphs="auto"``: every sampler, ``anyorder sample``,
+``anyorder.load(...).generate``, the server, ``transformers``' ``generate``, the harness);
+``graphs=False`` / ``--no-cuda-graphs`` decodes eagerly. On a CPU, ``auto`` is eager.
+
 Design choices:
 
 * ``torch.cuda.CUDAGraph`` directly, not ``torch.compile(mode="reduce-overhead")``: a pass
@@ -25,12 +29,14 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-GRAPH_MODES = ("off", "cuda", "emulate")
+GRAPH_MODES = ("off", "cuda", "emulate", "auto")
+"""``auto`` (every sampler's default): ``cuda`` on a CUDA device, ``off`` elsewhere."""
 
 
 class PassRunner:
@@ -47,6 +53,8 @@ class PassRunner:
         self.counter = torch.zeros(1, dtype=torch.long, device=table.device)
         self.graph = None
         self.out: Tensor | None = None
+        self.capture_s = 0.0
+        """Host seconds the capture took (its warm-up pass launched, the pass recorded)."""
 
     def _select(self) -> Tensor:
         """This pass's table row, by the device counter; the counter moves on."""
@@ -58,7 +66,10 @@ class PassRunner:
         """Logits of the group's next pass. A replay's output is the same tensor each time:
         read it before the next call."""
         if self.graph is None:
-            return self._record()
+            start = time.perf_counter()
+            out = self._record()
+            self.capture_s = time.perf_counter() - start
+            return out
         if self.mode == "cuda":
             self.graph.replay()
             return self.out
@@ -76,7 +87,8 @@ class PassRunner:
         torch.cuda.current_stream().wait_stream(side)
         out.record_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
-        with _no_cast_cache(), torch.cuda.graph(graph):
+        # thread_local: a server's other threads may use CUDA while this one records
+        with _no_cast_cache(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.out = self.fn(self._select())  # recorded only: runs at each replay
         self.graph = graph
         return out
@@ -90,12 +102,15 @@ def _no_cast_cache():
 
 
 def resolve_mode(graphs: bool | str, device: torch.device) -> str:
-    """``graphs`` as given to a sampler (False/True or a mode name) to a mode."""
+    """``graphs`` as given to a sampler (False/True or a mode name) to a mode: ``auto``, the
+    default, captures on CUDA and runs eagerly elsewhere."""
     from anyorder.errors import SamplingError
 
     mode = {False: "off", True: "cuda"}.get(graphs, graphs) if isinstance(graphs, bool) else graphs
     if mode not in GRAPH_MODES:
         raise SamplingError(f"graphs={graphs!r}: use True, False, or one of {GRAPH_MODES}")
+    if mode == "auto":
+        return "cuda" if device.type == "cuda" else "off"
     if mode == "cuda" and device.type != "cuda":
         raise SamplingError(
             f"CUDA graphs need a CUDA device; the model is on {device.type} (leave graphs off)"

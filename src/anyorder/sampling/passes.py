@@ -350,7 +350,16 @@ def run_plan(
     logits = None if logits_buf is None else logits_buf[:, :n]
     if stop_at_eos is not None:
         out, step_of, logits = _after_eos(out, step_of, logits, order, stop_at_eos)
-    return SampleResult(out, order, forward_passes=passes, step_of=step_of, logits=logits)
+    extra = {}
+    if runners:  # what capturing cost, for the callers to report
+        extra["graphs"] = {
+            "mode": graphs,
+            "shapes": len(runners),
+            "capture_s": sum(r.capture_s for r in runners),
+        }
+    return SampleResult(
+        out, order, forward_passes=passes, step_of=step_of, logits=logits, extra=extra
+    )
 
 
 def check_stop_order(order: Tensor, k: int) -> None:

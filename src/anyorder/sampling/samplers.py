@@ -20,7 +20,7 @@ Design choices:
 * Orders and reveal counts are drawn before the loop; a prompt shared by the whole batch is
   prefilled once and the cache forked. Known slots come first in the order, left to right.
 * ``graphs``: capture each pass shape once as a CUDA graph and replay it
-  (:mod:`anyorder.sampling.graphs`); off by default, and on the CPU always eager.
+  (:mod:`anyorder.sampling.graphs`); ``auto`` (the default) on CUDA, always eager on a CPU.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def sequential_sample(
     stop_at_eos: int | None = None,
     keep_logits: bool = False,
     on_step: StepHook | None = None,
-    graphs: bool | str = False,
+    graphs: bool | str = "auto",
 ) -> SampleResult:
     """One token per step along an order, with a KV cache: O(1) model cost per token.
 
@@ -171,8 +171,9 @@ def sequential_sample(
         keep_logits: return the logits each token was drawn from (slot-aligned).
         on_step: called after each pass with the decided positions and tokens, (B, Q) each
             (padding positions are ``n``), and their step (:data:`StepHook`).
-        graphs: True: capture each pass shape once as a CUDA graph and replay it (CUDA
-            only; ``"emulate"`` runs the replay logic without a graph, for tests).
+        graphs: ``"auto"`` (default): capture each pass shape once as a CUDA graph and
+            replay it on CUDA, eager elsewhere; True: the same, CUDA required; False: eager;
+            ``"emulate"`` runs the replay logic without a graph, for tests.
 
     Returns:
         A :class:`SampleResult`; ``forward_passes`` is the number of model calls.
@@ -236,7 +237,7 @@ def lemma1_sample(
     generator: torch.Generator | None = None,
     keep_logits: bool = False,
     on_step: StepHook | None = None,
-    graphs: bool | str = False,
+    graphs: bool | str = "auto",
 ) -> SampleResult:
     """``steps``-step masked-diffusion sampling by Lemma 1, on a decoder with a KV cache.
 
@@ -302,7 +303,7 @@ def strided_sample(
     generator: torch.Generator | None = None,
     keep_logits: bool = False,
     on_step: StepHook | None = None,
-    graphs: bool | str = False,
+    graphs: bool | str = "auto",
 ) -> SampleResult:
     """ARMD's strided block-parallel decoding: the ``S`` stream heads one at a time, then
     ``S`` tokens per forward pass (``S + m/S - 1`` passes for ``m`` unknown tokens), with the
@@ -451,7 +452,7 @@ def sample(
     stop_at_eos: int | None = None,
     keep_logits: bool = False,
     on_step: StepHook | None = None,
-    graphs: bool | str = False,
+    graphs: bool | str = "auto",
 ) -> SampleResult:
     """The fast sampler that fits the model and the request.
 
@@ -481,7 +482,7 @@ def sample(
     if isinstance(model, MDM):
         if streams is not None:
             raise SamplingError("strided decoding is ARMD's; mdm takes --steps")
-        if graphs not in (False, "off"):
+        if graphs not in (False, "off", "auto"):
             raise SamplingError("CUDA graphs are for the decoders; mdm runs eagerly")
         return encoder_sample(model, n, steps=steps, **diffusion, **common)
     common["graphs"] = graphs

@@ -1,0 +1,75 @@
+"""Issue 41, item 1: CUDA graphs by default on CUDA (``graphs="auto"``) at every entry
+point, eager on a CPU exactly as before, and the capture's cost reported."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from anyorder.api import Model
+from anyorder.cli.main import build_parser
+from anyorder.cli.sample import graphs_line
+from anyorder.errors import SamplingError
+from anyorder.sampling import lemma1_sample, sample, sequential_sample, strided_sample
+from anyorder.sampling.graphs import resolve_mode
+
+from conftest import tiny_model
+
+
+def test_auto_captures_on_cuda_and_is_eager_elsewhere():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_mode("auto", cpu) == "off"
+    assert resolve_mode("auto", cuda) == "cuda"
+    assert resolve_mode(False, cuda) == "off"
+    assert resolve_mode("emulate", cpu) == "emulate"
+    with pytest.raises(SamplingError, match="CUDA graphs need a CUDA device"):
+        resolve_mode(True, cpu)
+    with pytest.raises(SamplingError, match="graphs='yes': use True, False, or one of"):
+        resolve_mode("yes", cpu)
+
+
+@pytest.mark.parametrize(
+    "fn, name",
+    [(sample, "graphs"), (sequential_sample, "graphs"), (lemma1_sample, "graphs"),
+     (strided_sample, "graphs"), (Model.generate, "cuda_graphs"), (Model._sample, "graphs")],
+)  # fmt: skip
+def test_every_entry_point_defaults_to_auto(fn, name):
+    assert inspect.signature(fn).parameters[name].default == "auto"
+
+
+def test_the_cli_defaults_to_auto_and_turns_it_off_or_on():
+    parse = build_parser().parse_args
+    assert parse(["sample", "run"]).cuda_graphs == "auto"
+    assert parse(["sample", "run", "--no-cuda-graphs"]).cuda_graphs is False
+    assert parse(["sample", "run", "--cuda-graphs"]).cuda_graphs is True
+
+
+@pytest.mark.parametrize(
+    "kind, kw", [("gpt", {}), ("aogpt", {"steps": 5}), ("armd", {"streams": 2})]
+)
+def test_on_a_cpu_the_default_is_the_eager_decode_bit_for_bit(kind, kw):
+    model = tiny_model(kind)
+    runs = []
+    for graphs in ("auto", False):
+        g = torch.Generator().manual_seed(3)
+        runs.append(sample(model, 12, batch=2, generator=g, keep_logits=True, graphs=graphs, **kw))
+    assert torch.equal(runs[0].tokens, runs[1].tokens)
+    assert torch.equal(runs[0].logits, runs[1].logits)
+    assert "graphs" not in runs[0].extra  # nothing captured
+
+
+def test_what_capturing_cost_is_reported():
+    model = tiny_model("aogpt")
+    g = torch.Generator().manual_seed(0)
+    result = sample(model, 12, steps=4, generator=g, graphs="emulate")
+    captured = result.extra["graphs"]
+    assert captured["mode"] == "emulate" and 1 <= captured["shapes"] <= 8
+    assert captured["capture_s"] >= 0
+    assert graphs_line(captured) is None  # no graph was captured: nothing to report
+    line = graphs_line({**captured, "mode": "cuda", "capture_s": 0.25})
+    assert line == (
+        f"CUDA graphs: {captured['shapes']} pass shapes captured in 0.25 s, in the time above "
+        "(--no-cuda-graphs: eager)"
+    )
