@@ -331,8 +331,10 @@ class _Decode:
         picked = raw.gather(1, cols[:, :Kd, None].expand(-1, -1, V))
         law = probabilities(picked, *self.ctl)  # the drafts' laws: K - 1 columns, not all
         pos = chosen[:, :Kd]
-        if Kd > law.shape[1]:  # fewer columns than drafts: padding (never drafted)
-            law = torch.cat([law, law.new_zeros(B, Kd - law.shape[1], V)], dim=1)
+        if Kd > law.shape[1]:  # fewer columns than drafts: padding (never drafted; draw()
+            stand_in = law.new_zeros(B, Kd - law.shape[1], V)  # wants distributions)
+            stand_in[..., 0] = 1.0
+            law = torch.cat([law, stand_in], dim=1)
             pos = torch.cat([pos, pos.new_full((B, Kd - pos.shape[1]), -1)], dim=1)
         real = (pos >= 0) & (torch.arange(Kd, device=device)[None] < many[:, None] - 1)
         y = draw(law, real, self.generator)

@@ -73,6 +73,28 @@ class Round:
         return (self.targets >= 0).sum(dim=1)
 
 
+_CONSTANTS: dict[tuple[int, int, str], Tensor] = {}
+
+
+def const(value: int, device: torch.device | str) -> Tensor:
+    """A 0-dim long tensor of ``value`` on ``device``, made once: ``torch.where(c, x, 5)``
+    fills a new one at every call, a kernel launch on a GPU (never written to)."""
+    key = (value, 0, str(device))
+    found = _CONSTANTS.get(key)
+    if found is None:
+        found = _CONSTANTS[key] = torch.tensor(value, device=device)
+    return found
+
+
+def arange(size: int, device: torch.device | str) -> Tensor:
+    """``torch.arange(size)`` on ``device``, made once per size (never written to)."""
+    key = (size, 1, str(device))
+    found = _CONSTANTS.get(key)
+    if found is None:
+        found = _CONSTANTS[key] = torch.arange(size, device=device)
+    return found
+
+
 def extend(order: Tensor) -> Tensor:
     """(B, n + 1) the order with slot ``n`` a padding column (position ``n``)."""
     n = order.shape[1]

@@ -57,7 +57,7 @@ from anyorder.errors import SamplingError
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.sampling.draws import SampleResult, check_controls
-from anyorder.sampling.rounds import Engine, HostCounts, Round, extend
+from anyorder.sampling.rounds import Engine, HostCounts, Round, arange, const, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.verify import accept, draw, probabilities
 
@@ -167,11 +167,12 @@ def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_ro
     tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], dim=1)
     c = torch.full((B,), k, dtype=torch.long, device=device)
     e, cc, D = torch.zeros_like(c), torch.zeros_like(c), torch.zeros_like(c)
-    counts = torch.zeros(4, B, dtype=torch.long, device=device)  # passes drafted accepted tokens
+    counts = torch.zeros(3, B, dtype=torch.long, device=device)  # passes, drafted, accepted
     p = torch.zeros(B, max(K - 1, 0), V, dtype=torch.float64, device=device)  # drafts' law
     step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=device)
     logits_buf = torch.zeros(B, n + 1, V, device=device) if keep_logits else None
     cols = torch.arange(max(K - 1, 0), device=device)
+    pad = const(n, device)  # where(...) with a Python number fills a new tensor each call
     passes = 0
     while not host.finished():
         live = c < n
@@ -187,16 +188,16 @@ def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_ro
         drafts = tok.gather(1, ext.gather(1, dslot))  # (B, K-1) the drafts in the cache
         q = probabilities(logits, *ctl)  # (B, J, V)
         m, closing = accept(q, p, drafts, D, generator)
-        m = torch.where(live, m, 0)
-        close_pos = ext.gather(1, torch.where(live, c + m, n)[:, None])[:, 0]
+        m = m * live  # a finished row commits nothing
+        close_pos = ext.gather(1, torch.where(live, c + m, pad)[:, None])[:, 0]
         tok.scatter_(1, close_pos[:, None], closing[:, None])
-        jj = torch.arange(logits.shape[1], device=device)
+        jj = arange(logits.shape[1], device)
         done = (jj[None] <= m[:, None]) & live[:, None]  # (B, J) columns committed now
-        slots = torch.where(done, c[:, None] + jj, n)
+        slots = torch.where(done, c[:, None] + jj, pad)
         step_of.scatter_(1, ext.gather(1, slots), passes)
         if logits_buf is not None:
             logits_buf.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
-        c_new = torch.where(live, c + m + 1, c)
+        c_new = c + m + live  # m + 1 tokens for a live row, none for a finished one
         host.note(c_new)
         # every entry up to the commit is kept: ARMD's content one short of it (the closing
         # token is written by the next pass)
@@ -207,19 +208,18 @@ def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_ro
                 dict(positions=verified, tokens=drafts, accepted=m, position=close_pos,
                      token=closing)
             )  # fmt: skip
-        D_next = torch.where(c_new < n, (n - 1 - c_new).clamp(0, K - 1), 0)
-        p = _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, live)
+        D_next = (n - 1 - c_new).clamp(0, K - 1)  # 0 once a row is done
+        p = _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, cols)
         if on_step is not None:
             decided = ext.gather(1, slots[:, :K])  # (B, K), padding n: at most K per pass
             on_step(decided, tok.gather(1, decided), passes)
-        counts += torch.stack(
-            [live.long(), torch.where(live, D, 0), m, torch.where(live, m + 1, 0)]
-        )
+        counts += torch.stack([live.long(), D, m])  # a finished row's D and m are 0
         c, e, D, passes = c_new, c_new, D_next, passes + 1
         cc = (c - 1).clamp(min=0) if armd else c
     out = SampleResult(tok[:, :n].clone(), order, forward_passes=passes, step_of=step_of[:, :n])
     out.logits = None if logits_buf is None else logits_buf[:, :n]
-    out.extra["speculative"] = SpeculativeStats(*counts.cpu().numpy())
+    passes_, drafted, accepted = counts.cpu().numpy()  # tokens: a closing one per pass
+    out.extra["speculative"] = SpeculativeStats(passes_, drafted, accepted, accepted + passes_)
     out.extra["attention_shapes"] = sorted(eng.shapes)
     return out
 
@@ -245,7 +245,8 @@ def spec_gpt_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> T
     of slot ``c + D - 1``, as the parallel prediction mask repeats it), real while ``j <
     D + K`` and ``c + j < n``. One launch matters on a GPU: ~27 ops instead of ~66."""
     n = ext.shape[1] - 1
-    j = torch.arange(2 * K - 1, device=c.device)[None]
+    device = c.device
+    j = arange(2 * K - 1, device)[None]
     s = c[:, None] + j
     on = live[:, None]
     chain = (j <= D[:, None]) & on
@@ -253,11 +254,13 @@ def spec_gpt_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> T
     top = (c + D)[:, None]
     in_slot = torch.where(chain, s, top) - 1
     bos = in_slot < 0
-    col = torch.where(real, torch.where(bos, n + 1, ext.gather(1, in_slot.clamp(0, n))), n)
-    pos = torch.where(real & ~bos, col, 0)
-    target = torch.where(real, ext.gather(1, s.clamp(max=n)), 0)
-    limit = torch.where(chain, s, torch.where(real, top, BIG))
-    keep = torch.where(chain, s, BIG)
+    col = torch.where(bos, const(n + 1, device), ext.gather(1, in_slot.clamp(0, n)))
+    col = torch.where(real, col, const(n, device))
+    pos = col * (real & ~bos)
+    target = ext.gather(1, s.clamp(max=n)) * real
+    big = const(BIG, device)
+    limit = torch.where(chain, s, torch.where(real, top, big))
+    keep = torch.where(chain, s, big)
     return torch.stack([col, pos, target, limit, s, keep], dim=1)
 
 
@@ -294,21 +297,21 @@ def spec_armd_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> 
     return torch.cat([torch.stack(content, 1), torch.stack(rows, 1)], dim=2)
 
 
-def _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, live):
+def _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, i):
     """The next round's drafts: this pass's outputs at slots ``c'..c'+D'-1`` (columns
-    ``m + 1 + i``), drawn and written into the token buffer. Returns their laws (B, K-1, V)."""
+    ``m + 1 + i``), drawn and written into the token buffer. Returns their laws (B, K-1, V).
+    ``i``: ``arange(K - 1)``. A finished row has ``D' = 0``: no draft is real; the padding
+    drafts land in the padding column ``n`` (read by padding entries only)."""
     B, J, V = q.shape
     Kd = p.shape[1]
     if Kd == 0:
         return p
-    device = q.device
-    i = torch.arange(Kd, device=device)
-    real = (i[None] < D_next[:, None]) & live[:, None]
-    cols = (m[:, None] + 1 + i).clamp(max=J - 1)
+    real = i[None] < D_next[:, None]
+    cols = (m[:, None] + (i + 1)).clamp(max=J - 1)
     law = q.gather(1, cols[..., None].expand(B, Kd, V))
     y = draw(law, real, generator)
-    pos = ext.gather(1, torch.where(real, c_new[:, None] + i, ext.shape[1] - 1))
-    tok.scatter_(1, pos, torch.where(real, y, tok.gather(1, pos)))
+    pos = ext.gather(1, torch.where(real, c_new[:, None] + i, const(ext.shape[1] - 1, q.device)))
+    tok.scatter_(1, pos, y)
     return law
 
 

@@ -14,8 +14,10 @@ Design choices:
 * Temperature, top-k and top-p filter both ``p`` and ``q`` (:func:`probabilities`), so the
   output is exact with respect to the filtered sequential sampler.
 * Rows of a batch are independent: each row accepts its own number of drafts; rows without
-  a real draw get a one-hot stand-in distribution (``torch.multinomial`` refuses all-zero
-  rows) and their draws are ignored.
+  a real draw are drawn all the same (every row passed is a distribution) and their draws
+  are zeroed.
+* Few kernels a pass: a GPU pass of a small model is bound by launches, so constants are
+  kept on the device and masks multiply instead of selecting where they can.
 """
 
 from __future__ import annotations
@@ -34,16 +36,18 @@ def probabilities(
     return filter_logits(logits.double() / temperature, top_k, top_p).softmax(dim=-1)
 
 
-def draw(probs: Tensor, valid: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token per row of ``probs`` (..., V) where ``valid`` (...) is True (0 elsewhere)."""
+def draw(probs: Tensor, valid: Tensor | None, generator: torch.Generator | None) -> Tensor:
+    """One token per row of ``probs`` (..., V), every row a distribution, kept where ``valid``
+    (...) is True (0 elsewhere; None: every row). Every row is drawn: one multinomial draw
+    per row takes the same randoms whatever the row holds (an exponential per entry), so
+    the kept rows get what they would get alone, and no stand-in row is built."""
     V = probs.shape[-1]
-    stand_in = torch.zeros(V, dtype=probs.dtype, device=probs.device)
-    stand_in[0] = 1.0
-    flat = torch.where(valid[..., None], probs, stand_in).reshape(-1, V)
+    flat = probs.reshape(-1, V)
     if generator is not None and generator.device != flat.device:
         flat = flat.to(generator.device)
     out = torch.multinomial(flat, 1, generator=generator).to(probs.device)
-    return out.view(probs.shape[:-1]).masked_fill(~valid, 0)
+    out = out.view(probs.shape[:-1])
+    return out if valid is None else out * valid
 
 
 def uniform(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -79,26 +83,20 @@ def accept(
     B, Kd = drafts.shape
     if q.shape[1] <= Kd:  # near the end a pass has fewer columns than drafts (padding)
         q = torch.cat([q, q[:, -1:].expand(B, Kd + 1 - q.shape[1], -1)], dim=1)
-    cols = torch.arange(Kd, device=q.device)
-    real = cols < num_drafts[:, None]  # (B, Kd)
     u = uniform((B, Kd), q, generator)
-    if Kd:
-        py = p.gather(2, drafts[..., None])[..., 0]
-        qy = q[:, :Kd].gather(2, drafts[..., None])[..., 0]
-        ok = (u * py <= qy) & real  # accept with probability min(1, q/p)
-        m = ok.long().cumprod(dim=1).sum(dim=1)
-    else:
-        m = torch.zeros(B, dtype=torch.long, device=q.device)
     V = q.shape[-1]
+    if not Kd:
+        m = torch.zeros(B, dtype=torch.long, device=q.device)
+        return m, draw(q[:, 0], None, generator)
+    py = p.gather(2, drafts[..., None])[..., 0]
+    qy = q[:, :Kd].gather(2, drafts[..., None])[..., 0]
+    # accept with probability min(1, q/p); a row's drafts past num_drafts are padding, and
+    # the leading run of accepted ones stops at the first that is not accepted
+    m = (u * py <= qy).long().cumprod(dim=1).sum(dim=1).minimum(num_drafts)
     q_m = q.gather(1, m[:, None, None].expand(B, 1, V))[:, 0]
-    if Kd:
-        p_m = p.gather(1, m.clamp(max=Kd - 1)[:, None, None].expand(B, 1, V))[:, 0]
-        p_m = torch.where((m < num_drafts)[:, None], p_m, torch.zeros_like(p_m))
-    else:
-        p_m = torch.zeros_like(q_m)
-    residual = (q_m - p_m).clamp(min=0)
+    p_m = p.gather(1, m.clamp(max=Kd - 1)[:, None, None].expand(B, 1, V))[:, 0]
+    residual = (q_m - p_m * (m < num_drafts)[:, None]).clamp(min=0)  # (q - p)+, or q: bonus
     mass = residual.sum(dim=-1, keepdim=True)
     # a rejection has probability 0 where q <= p nowhere; rounding may still leave no mass
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-300), q_m)
-    token = draw(residual, torch.ones(B, dtype=torch.bool, device=q.device), generator)
-    return m, token
+    return m, draw(residual, None, generator)
