@@ -167,33 +167,36 @@ def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_ro
     tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], dim=1)
     c = torch.full((B,), k, dtype=torch.long, device=device)
     e, cc, D = torch.zeros_like(c), torch.zeros_like(c), torch.zeros_like(c)
-    counts = torch.zeros(3, B, dtype=torch.long, device=device)  # passes, drafted, accepted
+    counts = torch.zeros(2, B, dtype=torch.long, device=device)  # drafted, accepted
     p = torch.zeros(B, max(K - 1, 0), V, dtype=torch.float64, device=device)  # drafts' law
     step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=device)
     logits_buf = torch.zeros(B, n + 1, V, device=device) if keep_logits else None
     cols = torch.arange(max(K - 1, 0), device=device)
-    pad = const(n, device)  # where(...) with a Python number fills a new tensor each call
+    ext_bos = torch.cat([ext, ext.new_full((B, 1), n + 1)], dim=1)  # slot -1: the BOS column
+    drafts = torch.zeros(B, max(K - 1, 0), dtype=torch.long, device=device)
     passes = 0
     while not host.finished():
         live = c < n
         first = passes == 0
         start = k if first else 0  # the catch-up's prompt columns are not asked for
         if eng.static and not first:  # the GPU's fixed widths: a leaner table
-            table = (spec_armd_table if armd else spec_gpt_table)(ext, c, D, live, K)
+            if armd:
+                table = spec_armd_table(ext, c, D, live, K)
+            else:
+                table = spec_gpt_table(ext, c, D, live, K, ext_bos)
             logits = eng.run(ext, None, tok, start, first, host.reach(), table=table)
         else:
             r = _round(ext, c, e, cc, D, K, n)
             logits = eng.run(ext, r, tok, start, first, host.reach())
-        dslot = (c[:, None] + cols).clamp(max=n)
-        drafts = tok.gather(1, ext.gather(1, dslot))  # (B, K-1) the drafts in the cache
+        # drafts: (B, K-1) the tokens the last pass drew for slots c..c+D-1 (0 past D)
         q = probabilities(logits, *ctl)  # (B, J, V)
         m, closing = accept(q, p, drafts, D, generator)
-        m = m * live  # a finished row commits nothing
-        close_pos = ext.gather(1, torch.where(live, c + m, pad)[:, None])[:, 0]
+        # a finished row (c = n, D = 0) commits nothing: m <= D is 0, and its closing token
+        # and its one "committed" column land in the padding slot n (position n)
+        close_pos = ext.gather(1, (c + m)[:, None])[:, 0]
         tok.scatter_(1, close_pos[:, None], closing[:, None])
         jj = arange(logits.shape[1], device)
-        done = (jj[None] <= m[:, None]) & live[:, None]  # (B, J) columns committed now
-        slots = torch.where(done, c[:, None] + jj, pad)
+        slots = torch.where(jj[None] <= m[:, None], c[:, None] + jj, const(n, device))
         step_of.scatter_(1, ext.gather(1, slots), passes)
         if logits_buf is not None:
             logits_buf.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
@@ -201,25 +204,27 @@ def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_ro
         host.note(c_new)
         # every entry up to the commit is kept: ARMD's content one short of it (the closing
         # token is written by the next pass)
-        eng.forget(c_new, (c_new - 1).clamp(min=0))
+        eng.forget(c_new, (c_new - 1).clamp(min=0) if armd else None)
         if on_round is not None:
+            dslot = (c[:, None] + cols).clamp(max=n)
             verified = ext.gather(1, torch.where(cols < D[:, None], dslot, n))
             on_round(
                 dict(positions=verified, tokens=drafts, accepted=m, position=close_pos,
                      token=closing)
             )  # fmt: skip
         D_next = (n - 1 - c_new).clamp(0, K - 1)  # 0 once a row is done
-        p = _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, cols)
+        p, drafts = _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, cols)
         if on_step is not None:
             decided = ext.gather(1, slots[:, :K])  # (B, K), padding n: at most K per pass
             on_step(decided, tok.gather(1, decided), passes)
-        counts += torch.stack([live.long(), D, m])  # a finished row's D and m are 0
+        counts += torch.stack([D, m])  # a finished row's D and m are 0
         c, e, D, passes = c_new, c_new, D_next, passes + 1
         cc = (c - 1).clamp(min=0) if armd else c
     out = SampleResult(tok[:, :n].clone(), order, forward_passes=passes, step_of=step_of[:, :n])
     out.logits = None if logits_buf is None else logits_buf[:, :n]
-    passes_, drafted, accepted = counts.cpu().numpy()  # tokens: a closing one per pass
-    out.extra["speculative"] = SpeculativeStats(passes_, drafted, accepted, accepted + passes_)
+    drafted, accepted = counts.cpu().numpy()  # a row's passes commit its n - k tokens, one
+    made = np.full(B, n - k)  # closing token each and its accepted drafts
+    out.extra["speculative"] = SpeculativeStats(made - accepted, drafted, accepted, made)
     out.extra["attention_shapes"] = sorted(eng.shapes)
     return out
 
@@ -236,7 +241,9 @@ def _round(ext: Tensor, c: Tensor, e: Tensor, cc: Tensor, D: Tensor, K: int, n: 
     return Round(e, cc, top, torch.where(active, top, cc), targets)
 
 
-def spec_gpt_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> Tensor:
+def spec_gpt_table(
+    ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int, ext_bos: Tensor | None = None
+) -> Tensor:
     """The AO-GPT table (B, 6, 2K - 1) of a pass after the first, as :func:`_round` and
     :func:`~anyorder.sampling.rounds.gpt_table` build it (the tests check they agree), in a
     third of the ops: after the first pass every row keeps exactly its committed slots
@@ -246,17 +253,17 @@ def spec_gpt_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> T
     D + K`` and ``c + j < n``. One launch matters on a GPU: ~27 ops instead of ~66."""
     n = ext.shape[1] - 1
     device = c.device
+    if ext_bos is None:  # ``ext`` with a column n + 1 holding n + 1: the BOS's slot -1
+        ext_bos = torch.cat([ext, ext.new_full((len(c), 1), n + 1)], dim=1)
     j = arange(2 * K - 1, device)[None]
     s = c[:, None] + j
     on = live[:, None]
     chain = (j <= D[:, None]) & on
     real = (j < D[:, None] + K) & (s < n) & on
     top = (c + D)[:, None]
-    in_slot = torch.where(chain, s, top) - 1
-    bos = in_slot < 0
-    col = torch.where(bos, const(n + 1, device), ext.gather(1, in_slot.clamp(0, n)))
-    col = torch.where(real, col, const(n, device))
-    pos = col * (real & ~bos)
+    in_slot = torch.where(chain, s, top) - 1  # -1: the BOS, column n + 1 (mod n + 2)
+    col = ext_bos.gather(1, torch.where(real, in_slot.remainder(n + 2), const(n, device)))
+    pos = col * (col < n)  # 0 for the BOS (n + 1) and the padding (n)
     target = ext.gather(1, s.clamp(max=n)) * real
     big = const(BIG, device)
     limit = torch.where(chain, s, torch.where(real, top, big))
@@ -299,20 +306,21 @@ def spec_armd_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> 
 
 def _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, i):
     """The next round's drafts: this pass's outputs at slots ``c'..c'+D'-1`` (columns
-    ``m + 1 + i``), drawn and written into the token buffer. Returns their laws (B, K-1, V).
+    ``m + 1 + i``), drawn and written into the token buffer. Returns their laws (B, K-1, V)
+    and the drafts (B, K-1), 0 past ``D'`` (the next pass verifies them as they are).
     ``i``: ``arange(K - 1)``. A finished row has ``D' = 0``: no draft is real; the padding
     drafts land in the padding column ``n`` (read by padding entries only)."""
     B, J, V = q.shape
     Kd = p.shape[1]
     if Kd == 0:
-        return p
+        return p, torch.zeros(B, 0, dtype=torch.long, device=q.device)
     real = i[None] < D_next[:, None]
-    cols = (m[:, None] + (i + 1)).clamp(max=J - 1)
+    cols = (m[:, None] + arange(Kd + 1, q.device)[1:]).clamp(max=J - 1)
     law = q.gather(1, cols[..., None].expand(B, Kd, V))
     y = draw(law, real, generator)
     pos = ext.gather(1, torch.where(real, c_new[:, None] + i, const(ext.shape[1] - 1, q.device)))
     tok.scatter_(1, pos, y)
-    return law
+    return law, y
 
 
 def check_request(draft: int | None, steps: int | None, streams: int | None, order) -> None:

@@ -33,7 +33,10 @@ def probabilities(
 ) -> Tensor:
     """The sampling distribution (..., V) float64 of logits (..., V) under the controls: the
     very distribution :func:`anyorder.sampling.draws.sample_logits` draws from."""
-    return filter_logits(logits.double() / temperature, top_k, top_p).softmax(dim=-1)
+    x = logits.double()
+    if temperature != 1.0:  # a kernel saved at the default (x / 1 is x)
+        x = x / temperature
+    return filter_logits(x, top_k, top_p).softmax(dim=-1)
 
 
 def draw(probs: Tensor, valid: Tensor | None, generator: torch.Generator | None) -> Tensor:
@@ -96,7 +99,7 @@ def accept(
     q_m = q.gather(1, m[:, None, None].expand(B, 1, V))[:, 0]
     p_m = p.gather(1, m.clamp(max=Kd - 1)[:, None, None].expand(B, 1, V))[:, 0]
     residual = (q_m - p_m * (m < num_drafts)[:, None]).clamp(min=0)  # (q - p)+, or q: bonus
-    mass = residual.sum(dim=-1, keepdim=True)
-    # a rejection has probability 0 where q <= p nowhere; rounding may still leave no mass
-    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-300), q_m)
+    # a rejection has probability 0 where q <= p nowhere; rounding may still leave no mass.
+    # Not normalised: a multinomial draw weighs its row as it is
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, q_m)
     return m, draw(residual, None, generator)
