@@ -277,29 +277,30 @@ def spec_armd_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> 
     fewer ops: content rows of slots ``c - 1 .. c + D - 1`` (the closing token of the last
     round, then the drafts), query rows as :func:`spec_gpt_table`'s columns."""
     n = ext.shape[1] - 1
+    device = c.device
     on = live[:, None]
-    j = torch.arange(K, device=c.device)[None]
+    j = arange(K, device)[None]
     s = (c - 1)[:, None] + j
     creal = (j <= D[:, None]) & on
-    cpos = torch.where(creal, ext.gather(1, s.clamp(0, n)), n)
-    crank = torch.where(creal, s, BIG)
-    ones = torch.ones_like(s)
-    content = [cpos, torch.where(creal, cpos, 0), crank + 1, 0 * s, s, crank, BIG * ones, ones]
-    j = torch.arange(2 * K - 1, device=c.device)[None]
+    cpos = torch.where(creal, ext.gather(1, s.clamp(0, n)), const(n, device))
+    big = const(BIG, device)
+    crank = torch.where(creal, s, big)
+    fixed = [const(v, device).expand_as(s) for v in (0, BIG, 1)]  # constant rows: no kernel
+    content = [cpos, cpos * creal, crank + 1, fixed[0], s, crank, fixed[1], fixed[2]]
+    j = arange(2 * K - 1, device)[None]
     s = c[:, None] + j
     chain = (j <= D[:, None]) & on
     real = (j < D[:, None] + K) & (s < n) & on
-    lim = torch.where(chain, s, torch.where(real, (c + D)[:, None], BIG))
-    ones = torch.ones_like(s)
+    lim = torch.where(chain, s, torch.where(real, (c + D)[:, None], big))
     rows = [
-        n * ones,
-        torch.where(real, ext.gather(1, s.clamp(max=n)), 0),
+        const(n, device).expand_as(s),
+        ext.gather(1, s.clamp(max=n)) * real,
         lim,
         (real & (lim <= 0)).long(),
         s,
-        torch.where(chain, s, BIG),
+        torch.where(chain, s, big),
         lim,
-        torch.where(real, lim.clamp(min=1), 1),
+        torch.where(real, lim.clamp(min=1), const(1, device)),
     ]
     return torch.cat([torch.stack(content, 1), torch.stack(rows, 1)], dim=2)
 
