@@ -44,7 +44,7 @@ from anyorder.sampling.draws import (
     SampleResult,
     check_controls,
 )
-from anyorder.sampling.rounds import Engine, HostCounts, Round, extend
+from anyorder.sampling.rounds import Engine, HostCounts, Round, arange, const, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.speculative import SpeculativeStats
 from anyorder.sampling.verify import accept, draw, probabilities, uniform
@@ -77,9 +77,9 @@ def _reorder(order: Tensor, start: Tensor, chosen: Tensor) -> Tensor:
     of each row, the other undecided positions after them in their old order."""
     B, n = order.shape
     k = chosen.shape[1]
-    slot = torch.arange(n, device=order.device)[None]
+    slot = arange(n, order.device)[None]
     hit = order[:, :, None] == chosen[:, None, :]  # (B, n, k): positions are unique
-    rank = torch.where(hit.any(dim=2), hit.long().argmax(dim=2), k)
+    rank = torch.where(hit.any(dim=2), hit.long().argmax(dim=2), const(k, order.device))
     first = start[:, None]
     key = torch.where(slot < first, slot, torch.where(rank < k, first + rank, first + k + slot))
     return order.gather(1, key.argsort(dim=1))
@@ -90,9 +90,9 @@ def _targets(order: Tensor, first: Tensor, subset: int | None, generator, trim: 
     of them, in position order), padded with -1; ``trim``: as wide as the widest row (a
     read), else ``n`` (or ``subset``) columns."""
     B, n = order.shape
-    idx = first[:, None] + torch.arange(n, device=order.device)[None]
+    idx = first[:, None] + arange(n, order.device)[None]
     valid = idx < n
-    pool = torch.where(valid, order.gather(1, idx.clamp(max=n - 1)), -1)
+    pool = torch.where(valid, order.gather(1, idx.clamp(max=n - 1)), const(-1, order.device))
     if subset is not None and subset < n:
         key = torch.where(valid, uniform((B, n), order, generator), 2.0)
         pick = pool.gather(1, key.topk(subset, dim=1, largest=False).indices)
@@ -107,7 +107,7 @@ def _columns(order: Tensor, c: Tensor, chain: Tensor, targets: Tensor, J: int) -
     """(B, J) the position each output column predicts: chain slots ``c..`` then the
     queries' targets (-1: padding)."""
     n, Q = order.shape[1], targets.shape[1]
-    j = torch.arange(J, device=order.device)[None]
+    j = arange(J, order.device)[None]
     in_chain = order.gather(1, (c[:, None] + j).clamp(max=n - 1))
     t = j - chain[:, None]
     query = targets.gather(1, t.clamp(0, max(Q - 1, 0))) if Q else torch.full_like(t, -1)
@@ -254,7 +254,7 @@ class _Decode:
             live = c < n
             top = torch.where(live, c + D, e - 1) if head else c - 1
             qtop = torch.where(live, top, cc) if head else c
-            first = torch.where(live, top + 1, n)
+            first = torch.where(live, top + 1, const(n, device))
             trim = not eng.static or passes == 0  # the first pass has its own widths
             targets = _targets(self.order, first, self.subset, self.generator, trim)
             start = k if passes == 0 else 1 if passes == 1 else 0  # the columns of c - e

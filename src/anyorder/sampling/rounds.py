@@ -106,9 +106,10 @@ def _queries(r: Round, j: Tensor, L: Tensor) -> tuple[Tensor, Tensor]:
     Q = r.targets.shape[1]
     q = j - L[:, None]
     query = (q >= 0) & (q < r.queries[:, None])
-    padded = torch.cat([r.targets, r.targets.new_full((len(L), 1), -1)], dim=1)
-    target = padded.gather(1, torch.where(query, q, Q))
-    return query, torch.where(query, target, 0)
+    if Q == 0:
+        return query, torch.zeros_like(q)
+    target = r.targets.gather(1, q.clamp(0, Q - 1))  # a query's column is < Q
+    return query, torch.where(query, target, const(0, q.device))
 
 
 def _check_width(need: Tensor, width: int, what: str) -> None:
@@ -128,18 +129,21 @@ def gpt_table(ext: Tensor, r: Round, width: int | None = None) -> Tensor:
     else:
         T = width
         _check_width(L + r.queries, T, "entries")
-    j = torch.arange(T, device=ext.device)[None]
+    device = ext.device
+    j = arange(T, device)[None]
     s = r.e[:, None] + j  # chain slot = cache slot
     chain = j < L[:, None]
     query, qtarget = _queries(r, j, L)
     real = chain | query
     in_slot = torch.where(chain, s - 1, r.qtop[:, None] - 1)
     bos = real & (in_slot < 0)
-    col = torch.where(bos, n + 1, torch.where(real, ext.gather(1, in_slot.clamp(0, n)), n))
-    pos = torch.where(real & ~bos, col, 0)
+    col = torch.where(real, ext.gather(1, in_slot.clamp(0, n)), const(n, device))
+    col = torch.where(bos, const(n + 1, device), col)
+    pos = col * (col < n)  # 0 for the BOS (n + 1) and the padding (n)
     target = torch.where(chain, ext.gather(1, s.clamp(0, n)), qtarget)
-    limit = torch.where(chain, s, torch.where(query, r.qtop[:, None], BIG))
-    keep = torch.where(chain, s, BIG)
+    big = const(BIG, device)
+    limit = torch.where(chain, s, torch.where(query, r.qtop[:, None], big))
+    keep = torch.where(chain, s, big)
     return torch.stack([col, pos, target, limit, s, keep], dim=1)
 
 
