@@ -30,7 +30,12 @@ each sampler, at the ``tiny`` preset, batch 8, n = 256 by default, this prints
 * ``shapes``: distinct attention ``(queries, keys)`` shapes per generation (each needs its own
   CUDA graph and its own plan in shape-specialised attention backends), on the CPU's path
   (which reads exactly the keys a pass needs: a CPU pays per key, not per shape) and on the
-  GPU's (``gpu shapes``: key levels bucketed, at most eight).
+  GPU's (``gpu shapes``: key levels bucketed, at most eight);
+* ``graph launch`` and ``graph kernels`` (per pass), for the samplers that capture their
+  passes as CUDA graphs (``graphs="emulate"`` on the GPU's path: the replay's bookkeeping
+  without a graph): the host's launches, a replay counted as the one launch it is on a GPU
+  (the eager draws and the first pass of each graph, its warm-up, as they are), and the
+  kernels the replays run (the graphs' nodes: device time, not host time).
 
 The training rows count one forward + backward of ``model.loss`` (per step).
 
@@ -46,6 +51,7 @@ import contextlib
 import inspect
 import json
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -99,13 +105,19 @@ class Counter(TorchDispatchMode):
         self.events: list[tuple[str, str]] = []  # (kind, detail) in dispatch order
         self.ops = 0
         self.launches = 0
+        self.in_replay = False  # inside an emulated CUDA graph replay (see replays_counted)
+        self.replays = 0
+        self.graph_kernels = 0  # kernels the replays ran: the graphs' nodes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         self.ops += 1
         if launches_kernel(func):
-            self.launches += 1
+            if self.in_replay:
+                self.graph_kernels += 1
+            else:
+                self.launches += 1
         if "scaled_dot_product" in name or "flex_attention" in name:
             q, k = args[0], args[1]
             self.events.append(("attn", f"{q.shape[-2]}x{k.shape[-2]}"))
@@ -146,10 +158,42 @@ def host_reads(counter: Counter):
             setattr(torch.Tensor, name, orig)
 
 
+@contextlib.contextmanager
+def replays_counted(counter: Counter):
+    """Count each replay of an emulated CUDA graph (``graphs="emulate"``) as the one launch
+    it is on a GPU, and the kernels it runs as the graph's nodes. The first call of a
+    runner is the eager warm-up (its launches count as launches)."""
+    from anyorder.sampling import graphs
+
+    saved = {}
+    for cls in (graphs.PassRunner, getattr(graphs, "RoundRunner", None)):
+        if cls is None:
+            continue
+        orig = saved[cls] = cls.__call__
+
+        def call(self, *a, _orig=orig, **k):
+            if self.graph is None:
+                return _orig(self, *a, **k)
+            counter.replays += 1
+            counter.launches += 1
+            counter.in_replay = True
+            try:
+                return _orig(self, *a, **k)
+            finally:
+                counter.in_replay = False
+
+        cls.__call__ = call
+    try:
+        yield
+    finally:
+        for cls, orig in saved.items():
+            cls.__call__ = orig
+
+
 def measure(fn: Callable[[], int]) -> dict:
     """Run ``fn`` (returns its forward passes) under the counters."""
     counter = Counter()
-    with counter, host_reads(counter):
+    with counter, host_reads(counter), replays_counted(counter):
         passes = fn()
     ev = counter.events
     attn = [i for i, (kind, _) in enumerate(ev) if kind == "attn"]
@@ -171,6 +215,8 @@ def measure(fn: Callable[[], int]) -> dict:
         setup_syncs=len(syncs) - len(inside),
         shapes=len(shapes),
         attention_calls=len(attn),
+        replays=counter.replays,
+        graph_kernels_per_pass=counter.graph_kernels / passes,
     )
 
 
@@ -245,7 +291,11 @@ def _sampler(kw: dict) -> Callable:
         from anyorder.sampling.speculative import speculative_sample
 
         K = kw.pop("speculative")
-        return lambda model, n, **k: speculative_sample(model, n, K, **k)
+
+        def speculative(model, n, **k):
+            return speculative_sample(model, n, K, **k)
+
+        return speculative
     return sample
 
 
@@ -260,6 +310,10 @@ def prompt_of(kind: str, n: int, batch: int) -> tuple[torch.Tensor, torch.Tensor
     else:
         known[torch.randperm(n, generator=g)[: n // 8]] = True
     return tokens, known
+
+
+def _num(x: float | None, width: int = 12) -> str:
+    return f"{x:{width}.1f}" if x is not None else f"{'-':>{width}s}"
 
 
 def main() -> None:
@@ -290,15 +344,25 @@ def main() -> None:
         model = models[kind]
         fn = _sampler(kw)
 
-        def run(model=model, kw=kw, fn=fn) -> int:
+        def run(model=model, kw=kw, fn=fn, graphs=None) -> int:
             g = torch.Generator().manual_seed(0)
+            extra = {} if graphs is None else dict(graphs=graphs)
             with torch.no_grad():
-                return fn(model, n, batch=B, generator=g, **kw).forward_passes
+                return fn(model, n, batch=B, generator=g, **kw, **extra).forward_passes
 
         run()  # warm-up: lazy tables, allocator
         rows[name] = measure(run)
         with gpu_path():
             gpu = measure(run)
+            captured = None
+            if fn is sample or "speculative" in fn.__name__:  # the samplers that capture
+                captured = measure(partial(run, graphs="emulate"))
+        if captured is not None:  # a replay is one launch; the rest are eager
+            rows[name].update(
+                graph_launches_per_pass=captured["launches_per_pass"],
+                graph_kernels_per_pass=captured["graph_kernels_per_pass"],
+                graph_loop_syncs=captured["loop_syncs"],
+            )
         rows[name].update(
             gpu_launches_per_pass=gpu["launches_per_pass"],
             gpu_ops_per_pass=gpu["ops_per_pass"],
@@ -333,7 +397,7 @@ def main() -> None:
         f"{'sampler':30s} {'passes':>6s} {'ops/pass':>9s} {'launch/pass':>11s} "
         f"{'gpu launch':>10s} {'x gpt':>6s} {'syncs/pass':>10s} {'gpu syncs':>9s} "
         f"{'setup syncs':>11s} "
-        f"{'shapes':>6s} {'gpu shapes':>10s}"
+        f"{'shapes':>6s} {'gpu shapes':>10s} {'graph launch':>12s} {'graph kernels':>13s}"
     )
     print(head)
     print("-" * len(head))
@@ -344,7 +408,8 @@ def main() -> None:
             f"{name:30s} {r['passes']:6d} {r['ops_per_pass']:9.1f} {r['launches_per_pass']:11.1f} "
             f"{gpu:10.1f} {ratio:>6s} {r['loop_syncs_per_pass']:10.2f} "
             f"{r['gpu_loop_syncs_per_pass']:9.2f} {r['setup_syncs']:11d} "
-            f"{r['shapes']:6d} {r['gpu_shapes']:10d}"
+            f"{r['shapes']:6d} {r['gpu_shapes']:10d} {_num(r.get('graph_launches_per_pass'))} "
+            f"{_num(r.get('graph_kernels_per_pass'), 13)}"
         )
         for path, ops in (("CPU", r["loop_sync_ops"]), ("GPU", r["gpu_loop_sync_ops"])):
             if ops:

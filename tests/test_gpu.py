@@ -309,3 +309,28 @@ def test_cuda_graphs_under_bf16_autocast(kind: str) -> None:
         b = lemma1_sample(model, N, 6, batch=2, generator=gen(7), keep_logits=True)
     torch.testing.assert_close(a.logits, b.logits, atol=2e-2, rtol=0)
     assert bool(((a.tokens >= 0) & (a.tokens < model.cfg.vocab_size)).all())
+
+
+@pytest.mark.parametrize("kind", ["aogpt", "armd"])
+@pytest.mark.parametrize("generator_on", ["device", "cpu"])
+def test_captured_speculative_rounds_equal_the_eager_rounds(kind: str, generator_on) -> None:
+    """Speculative rounds captured as CUDA graphs (one per key level; the randoms drawn
+    ahead, eagerly, from the generator on the device or on the host): the same tokens as
+    the eager rounds from the same seed, the logits of the uncached forward."""
+    from anyorder.sampling import rounds
+    from anyorder.sampling.speculative import speculative_sample
+
+    model, n, B = on_device(kind, seq_len=24), 24, 3
+    kw = dict(batch=B, keep_logits=True, temperature=0.8)
+    mk = gen if generator_on == "device" else (lambda s: torch.Generator().manual_seed(s))
+    saved, rounds.STATIC_ON_CPU = rounds.STATIC_ON_CPU, True  # the eager GPU path on a CPU
+    try:
+        eager = speculative_sample(model, n, 4, generator=mk(8), graphs=False, **kw)
+    finally:
+        rounds.STATIC_ON_CPU = saved
+    out = speculative_sample(model, n, 4, generator=mk(8), graphs=GRAPHS, **kw)
+    assert out.extra["graphs"]["mode"] == GRAPHS and out.extra["graphs"]["shapes"] >= 1
+    assert torch.equal(out.tokens, eager.tokens) and torch.equal(out.step_of, eager.step_of)
+    torch.testing.assert_close(out.logits, eager.logits, atol=ATOL, rtol=0)
+    ref = model(out.tokens, out.order)
+    torch.testing.assert_close(out.logits, ref, atol=ATOL, rtol=0)

@@ -20,6 +20,9 @@ from test_trunk_options import FAMILY_TRUNKS
 from conftest import tiny_model
 
 KINDS = ["aogpt", "armd"]
+PATHS = ["cpu", "static", "captured"]
+"""The CPU's path (exact widths), the GPU's (fixed widths, key levels), and the GPU's with
+its rounds captured (``graphs="emulate"``: the replay's bookkeeping, no CUDA graph)."""
 
 
 def _variant(kind: str, **overrides):
@@ -113,8 +116,9 @@ def _histogram(tokens: torch.Tensor, V: int) -> torch.Tensor:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("controls", [(1.0, None), (0.7, 0.9)])
 def test_speculative_follows_the_sequential_law_exactly(kind: str, controls) -> None:
-    """20,000 samples at K = 2, 3 and n against the exact law (chi-square, p = 0.001); the
-    same test rejects Lemma 1 at the same passes (it has power)."""
+    """20,000 samples at K = 2, 3 (rounds captured) and n (eager and captured) against the
+    exact law (chi-square, p = 0.001); the same test rejects Lemma 1 at the same passes (it
+    has power)."""
     V, n, B = 3, 4, 20000
     model = tiny_model(kind, vocab_size=V, seq_len=n, n_layer=2, d_model=16, n_head=2)
     model = _moved(model, 8, scale=0.3)  # sharp, yet many sequences likely at 0.7 / 0.9
@@ -125,10 +129,10 @@ def test_speculative_follows_the_sequential_law_exactly(kind: str, controls) -> 
     assert float(law.max()) > 3 * float(law[law > 0].min())  # far from uniform
     assert int((law * B >= 5).sum()) >= 15  # enough cells for the test
     passes = {}
-    for K in (2, 3, n):
+    for K, graphs in ((2, False), (3, "emulate"), (n, False), (n, "emulate")):
         out = speculative_sample(
             model, n, K, order=order.expand(B, n), temperature=temperature, top_p=top_p,
-            generator=torch.Generator().manual_seed(K),
+            generator=torch.Generator().manual_seed(K + 7 * bool(graphs)), graphs=graphs,
         )  # fmt: skip
         _check_counts(out, n, 0)
         stats = out.extra["speculative"]
@@ -171,42 +175,42 @@ def _requests(n_max: int):
         K=st.integers(1, 9),
         prompt=st.sampled_from(["none", "prefix", "scattered", "per-row"]),
         seed=st.integers(0, 2**16),
-        static=st.booleans(),
+        path=st.sampled_from(PATHS),
     )
 
 
 @settings(max_examples=40, derandomize=True, **_DIFF)
 @given(**_requests(24))
 def test_accepted_tokens_use_the_uncached_logits_of_the_final_order(
-    kind, n, batch, K, prompt, seed, static
+    kind, n, batch, K, prompt, seed, path
 ):
     """Every generated slot was drawn from (or verified against) the logits the uncached
     forward gives at that slot of the final order, whatever was drafted and rejected; on
-    the CPU's path and on the GPU's (static widths and key levels)."""
-    _check_against_oracle(kind, n, batch, K, prompt, seed, static)
+    the CPU's path, the GPU's (static widths and key levels) and the GPU's captured."""
+    _check_against_oracle(kind, n, batch, K, prompt, seed, path)
 
 
 @pytest.mark.slow
 @settings(max_examples=_SLOW, **_DIFF)
 @given(**_requests(60))
-def test_accepted_tokens_use_the_uncached_logits_many(kind, n, batch, K, prompt, seed, static):
-    _check_against_oracle(kind, n, batch, K, prompt, seed, static)
+def test_accepted_tokens_use_the_uncached_logits_many(kind, n, batch, K, prompt, seed, path):
+    _check_against_oracle(kind, n, batch, K, prompt, seed, path)
 
 
 @settings(max_examples=int(os.environ.get("ANYORDER_SPEC_EXAMPLES", "12")), derandomize=True,
           **_DIFF)  # fmt: skip
 @given(**_requests(24), trunk=st.sampled_from(sorted(FAMILY_TRUNKS)))
 def test_accepted_tokens_use_the_uncached_logits_on_family_trunks(
-    kind, n, batch, K, prompt, seed, static, trunk
+    kind, n, batch, K, prompt, seed, path, trunk
 ):
     """The same on the trunks of Llama 3, Qwen2, Qwen3 and Mistral (issue 33): grouped-query
     attention with caches of the key/value heads, explicit widths, biases, RoPE scaling."""
     if kind.endswith("-ref"):
         kind = kind[: -len("-ref")].replace("sigmagpt", "aogpt")
-    _check_against_oracle(kind, n, batch, K, prompt, seed, static, FAMILY_TRUNKS[trunk])
+    _check_against_oracle(kind, n, batch, K, prompt, seed, path, FAMILY_TRUNKS[trunk])
 
 
-def _check_against_oracle(kind, n, batch, K, prompt, seed, static, trunk=None) -> None:
+def _check_against_oracle(kind, n, batch, K, prompt, seed, path, trunk=None) -> None:
     from anyorder.sampling import rounds
 
     shape = dict(vocab_size=5, seq_len=64, d_model=32, **(trunk or {}))
@@ -222,11 +226,12 @@ def _check_against_oracle(kind, n, batch, K, prompt, seed, static, trunk=None) -
             known[b, torch.randperm(n, generator=g)[: (n - 1) // 2]] = True
     tokens = torch.randint(0, 5, (batch, n), generator=g)
     k = int(known[0].sum())
-    saved, rounds.STATIC_ON_CPU = rounds.STATIC_ON_CPU, static
+    static = path != "cpu"
+    saved, rounds.STATIC_ON_CPU = rounds.STATIC_ON_CPU, path == "static"
     try:
         out = speculative_sample(
             model, n, K, batch=batch, prompt=tokens, known=known, generator=g,
-            keep_logits=True,
+            keep_logits=True, graphs="emulate" if path == "captured" else False,
         )  # fmt: skip
     finally:
         rounds.STATIC_ON_CPU = saved

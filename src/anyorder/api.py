@@ -410,7 +410,7 @@ class Model:
             elif speculative is not None:
                 result = speculative_sample(
                     model, n, speculative, batch=num_samples, order=order, prompt=prompt,
-                    known=known, **controls,
+                    known=known, graphs=graphs, **controls,
                 )  # fmt: skip
             else:
                 result = sample(

@@ -471,7 +471,9 @@ def _run_sampler(args, model, n, order, streams, prompt, known, gen, stop, strea
             **controls,
         )  # fmt: skip
     if args.speculative is not None:
-        return speculative_sample(model, n, args.speculative, order=order, **controls)
+        return speculative_sample(
+            model, n, args.speculative, order=order, graphs=args.cuda_graphs, **controls
+        )
     return sample(
         model, n, order=None if order == "strided" else order, streams=streams,
         steps=args.steps, schedule=args.schedule or "linear", shared_counts=args.shared_counts,

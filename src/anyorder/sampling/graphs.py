@@ -24,6 +24,12 @@ Design choices:
 * ``mode="emulate"`` runs the same bookkeeping on any device without a graph: the first
   call records, a replay re-runs the callable through the device counter and copies into
   the static output. This is how the CPU tests cover the replay logic.
+* Rounds (:class:`RoundRunner`): the speculative sampler decides each pass after the last,
+  so a pass's table is built on the device from the rows' counters. Its whole round (the
+  table, the pass, the ratio tests, the next drafts, the counters) reads and writes static
+  tensors and draws no random number (they are drawn ahead, eagerly:
+  :class:`~anyorder.sampling.verify.AheadRandoms`), so it is captured as one graph per key
+  level (at most seven) and replayed: a pass is one replay and three eager draws.
 """
 
 from __future__ import annotations
@@ -80,18 +86,84 @@ class PassRunner:
             out = self.fn(self._select())
             self.out, self.graph = out.clone(), "recorded"
             return out
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            out = self.fn(self._select())  # the real pass, eagerly (warm-up)
-        torch.cuda.current_stream().wait_stream(side)
-        out.record_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a server's other threads may use CUDA while this one records
-        with _no_cast_cache(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.out = self.fn(self._select())  # recorded only: runs at each replay
-        self.graph = graph
+        self.graph, out, self.out = capture(lambda: self.fn(self._select()))
         return out
+
+
+def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object, object]:
+    """Run ``fn`` once eagerly on a side stream (the warm-up: a real call), then record it
+    as a CUDA graph (recording runs nothing). Returns the graph, the warm-up's result, and
+    the recorded call's (static tensors, rewritten by each replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = fn()  # the real call, eagerly (warm-up)
+    torch.cuda.current_stream().wait_stream(side)
+    for t in _tensors(out):
+        t.record_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a server's other threads may use CUDA while this one records
+    with _no_cast_cache(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        recorded = fn()  # recorded only: runs at each replay
+    return graph, out, recorded
+
+
+def _tensors(out: object) -> list[Tensor]:
+    """The tensors of a call's result: a tensor, a dict of tensors, or None."""
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [v for v in out.values() if isinstance(v, Tensor)]
+    return []
+
+
+class RoundRunner:
+    """One round of a sampler that decides each pass after the last (speculative decoding),
+    captured once as a CUDA graph and replayed.
+
+    ``fn()`` takes no argument: it reads and updates static tensors in place (the rows'
+    counters, the tokens, the caches, the randoms drawn ahead), and returns None or a dict
+    of tensors that a replay rewrites (read it before the next call). ``static()`` lists the
+    tensors ``fn`` must keep (the same storage at every call): ``emulate`` checks that no
+    call rebinds one, the mistake a graph would hide (it keeps reading the old storage).
+    """
+
+    def __init__(
+        self, fn: Callable[[], dict | None], mode: str, static: Callable[[], list[Tensor]]
+    ) -> None:
+        self.fn, self.mode, self.static = fn, mode, static
+        self.graph = None
+        self.out: dict | None = None
+        self.capture_s = 0.0
+        self.storage: list[int] = []
+
+    def __call__(self) -> dict | None:
+        if self.graph is None:
+            start = time.perf_counter()
+            if self.mode == "emulate":
+                self.storage = [t.data_ptr() for t in self.static()]
+                out = self.fn()
+                self.out, self.graph = out, "recorded"
+                self._check()
+            else:
+                self.graph, out, self.out = capture(self.fn)
+            self.capture_s = time.perf_counter() - start
+            return out
+        if self.mode == "cuda":
+            self.graph.replay()
+            return self.out
+        out = self.fn()
+        self._check()
+        for name, t in (out or {}).items():  # the replay's outputs, in the recorded storage
+            self.out[name].copy_(t)
+        return self.out
+
+    def _check(self) -> None:
+        now = [t.data_ptr() for t in self.static()]
+        if now != self.storage:
+            raise RuntimeError(
+                "a captured round rebound a static tensor (a replay would read the old one)"
+            )
 
 
 def _no_cast_cache():

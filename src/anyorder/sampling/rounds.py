@@ -232,7 +232,7 @@ class HostCounts:
         """The counts after the pass just queued (a device tensor)."""
         self.passes += 1
         if not self.late:
-            self.known, self.at = counts.cpu().numpy(), self.passes
+            self.known, self.at = counts.cpu().numpy().copy(), self.passes  # not a view
             return
         slot = self.passes % 3
         self.host[slot].copy_(counts, non_blocking=True)
@@ -268,10 +268,18 @@ class Engine:
         extra: the most cache slots a pass writes past what a row keeps.
         widths: on a GPU, the fixed widths of every pass after the first (``T``; ARMD
             ``(C, G)``); ignored on the CPU.
+        static: fixed widths and key levels (None: on a GPU, or :data:`STATIC_ON_CPU`; a
+            captured decode asks for them on any device).
     """
 
     def __init__(
-        self, model: AnyOrderLM, batch: int, n: int, extra: int, widths: int | tuple[int, int]
+        self,
+        model: AnyOrderLM,
+        batch: int,
+        n: int,
+        extra: int,
+        widths: int | tuple[int, int],
+        static: bool | None = None,
     ) -> None:
         self.armd = isinstance(model, ARMD)
         self.n = n
@@ -279,9 +287,15 @@ class Engine:
         plan = SimpleNamespace(capacity=self.capacity, block_mode=False)
         engine = ARMDPasses if self.armd else GPTPasses
         self.passes = engine(model, plan, batch)
-        self.static = model.device.type == "cuda" or STATIC_ON_CPU
+        self.static = model.device.type == "cuda" or STATIC_ON_CPU if static is None else static
         self.widths = widths
         self.shapes: set[tuple] = set()  # (queries, keys) of every attention call
+
+    def fixed_keys(self, reach: int) -> int:
+        """The cache slots a fixed-width pass reads when the rows have kept at most
+        ``reach`` slots: one of a few levels (a captured round is one graph per level)."""
+        width = max(self.widths) if self.armd else self.widths
+        return _level(reach + width, self.capacity, 2 if self.armd else 7)
 
     def run(
         self,
@@ -319,7 +333,7 @@ class Engine:
             else:
                 tab, (C, G) = table, widths
             if used is None:  # one level for both caches (cc <= e): two shapes per level
-                kc = kq = _level(reach + max(C, G), self.capacity, levels)
+                kc = kq = self.fixed_keys(reach)
             else:  # exactly the slots the real entries need
                 content = (r.qtop - r.cc).clamp(min=0)
                 kc = _level(_extent(r.qtop, content), self.capacity, levels)
@@ -335,8 +349,10 @@ class Engine:
         else:
             tab = gpt_table(ext, r, widths) if table is None else table
             T = tab.shape[2]
-            end = reach + T if used is None else _extent(r.e + used, used)
-            kk = _level(end, self.capacity, levels)
+            if used is None:
+                kk = self.fixed_keys(reach)
+            else:
+                kk = _level(_extent(r.e + used, used), self.capacity, levels)
             group = Group((T,), kk)
             self.shapes.add((T, kk))
             queries = slice(start, T)

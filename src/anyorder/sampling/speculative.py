@@ -42,11 +42,18 @@ Design choices:
 * **Bounded shapes on a GPU**: every pass after the first has the widths of the widest
   round and reads one of seven key levels (ARMD two, shared by its caches): at most eight
   attention shapes whatever ``n``; on the CPU a pass reads the keys it needs.
+* **Captured rounds on a GPU** (``graphs="auto"``): a round after the first (its table, the
+  pass, the ratio tests, the closing token, the next drafts, the counters) is a function
+  of static tensors updated in place, so each key level's round is captured once as a
+  CUDA graph and replayed: a pass is three eager draws of the randoms (drawn ahead in the
+  live sequence, :class:`~anyorder.sampling.verify.AheadRandoms`: the same tokens as the
+  eager rounds, tested bit for bit), one replay, and the counts' copy to the host.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -57,9 +64,10 @@ from anyorder.errors import SamplingError
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.sampling.draws import SampleResult, check_controls
+from anyorder.sampling.graphs import RoundRunner, resolve_mode
 from anyorder.sampling.rounds import Engine, HostCounts, Round, arange, const, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
-from anyorder.sampling.verify import accept, draw, probabilities
+from anyorder.sampling.verify import AheadRandoms, LiveRandoms, accept, probabilities
 
 
 @dataclass
@@ -111,6 +119,7 @@ def speculative_sample(
     keep_logits: bool = False,
     on_step=None,
     on_round=None,
+    graphs: bool | str = "auto",
 ) -> SampleResult:
     """Any-order speculative sampling: exactly the sequential sampler's law, fewer passes.
 
@@ -134,6 +143,10 @@ def speculative_sample(
             ``positions`` and ``tokens`` of the verified drafts (padding: position ``n``),
             how many of them were ``accepted``, and the ``position`` and ``token`` that
             closed the round (a replacement after a rejection, else the bonus).
+        graphs: capture each round after the first as a CUDA graph (one per key level) and
+            replay it (:mod:`~anyorder.sampling.graphs`): ``"auto"`` (on CUDA), True,
+            False, or ``"emulate"`` (the same bookkeeping without a graph, on any device).
+            The randoms are drawn ahead in the live sequence: the tokens do not depend on it.
 
     Returns:
         A :class:`SampleResult`; ``forward_passes`` counts model calls and
@@ -151,81 +164,178 @@ def speculative_sample(
     tokens, _, order, k = _prepare(model, n, batch, prompt, known, order, generator)
     draft = min(draft, max(n - k, 1))  # a pass never commits more than the slots left
     ctl = (temperature, top_k, top_p)
-    return _run(model, tokens, order, k, draft, ctl, generator, keep_logits, on_step, on_round)
+    mode = resolve_mode(graphs, tokens.device)
+    return _run(
+        model, tokens, order, k, draft, ctl, generator, keep_logits, on_step, on_round, mode
+    )
 
 
-def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_round):
-    """The loop: one pass per round until every row has committed all ``n`` slots. The
-    rows' counters stay on the device; the host keeps only bounds (:class:`HostCounts`)."""
-    B, n = tokens.shape
-    device = tokens.device
-    V = model.cfg.vocab_size
-    armd = isinstance(model, ARMD)
-    eng = Engine(model, B, n, k + 2 * K, (K, 2 * K - 1) if armd else 2 * K - 1)
-    host = HostCounts(np.full(B, k), K, n, eng.static, device)
-    ext = extend(order)
-    tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], dim=1)
-    c = torch.full((B,), k, dtype=torch.long, device=device)
-    e, cc, D = torch.zeros_like(c), torch.zeros_like(c), torch.zeros_like(c)
-    counts = torch.zeros(2, B, dtype=torch.long, device=device)  # drafted, accepted
-    p = torch.zeros(B, max(K - 1, 0), V, dtype=torch.float64, device=device)  # drafts' law
-    step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=device)
-    logits_buf = torch.zeros(B, n + 1, V, device=device) if keep_logits else None
-    cols = torch.arange(max(K - 1, 0), device=device)
-    ext_bos = torch.cat([ext, ext.new_full((B, 1), n + 1)], dim=1)  # slot -1: the BOS column
-    drafts = torch.zeros(B, max(K - 1, 0), dtype=torch.long, device=device)
-    passes = 0
-    while not host.finished():
+class _Loop:
+    """One speculative decode: the rows' state in static device tensors, updated in place by
+    :meth:`round` (one pass), so that a round can be captured as a CUDA graph and replayed
+    (:class:`~anyorder.sampling.graphs.RoundRunner`). The rows' counters stay on the device;
+    the host keeps only bounds (:class:`HostCounts`)."""
+
+    def __init__(self, model, tokens, order, k, K, ctl, generator, keep_logits, mode) -> None:
+        B, n = tokens.shape
+        device = self.device = tokens.device
+        V = model.cfg.vocab_size
+        Kd = max(K - 1, 0)
+        self.n, self.k, self.K, self.ctl, self.mode = n, k, K, ctl, mode
+        self.armd = isinstance(model, ARMD)
+        widths = (K, 2 * K - 1) if self.armd else 2 * K - 1
+        self.eng = Engine(model, B, n, k + 2 * K, widths, static=True if mode != "off" else None)
+        self.host = HostCounts(np.full(B, k), K, n, self.eng.static, device)
+        self.ext = extend(order)
+        self.ext_bos = torch.cat([self.ext, self.ext.new_full((B, 1), n + 1)], dim=1)  # BOS: -1
+        self.tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], 1)
+        self.c = torch.full((B,), k, dtype=torch.long, device=device)
+        self.D = torch.zeros_like(self.c)
+        self.counts = torch.zeros(2, B, dtype=torch.long, device=device)  # drafted, accepted
+        self.p = torch.zeros(B, Kd, V, dtype=torch.float64, device=device)  # drafts' law
+        self.drafts = torch.zeros(B, Kd, dtype=torch.long, device=device)
+        self.step = torch.zeros((), dtype=torch.long, device=device)  # the pass, on the device
+        self.step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=device)
+        self.logits = torch.zeros(B, n + 1, V, device=device) if keep_logits else None
+        self.cols = torch.arange(Kd, device=device)
+        if mode == "off":
+            self.rnd = LiveRandoms(generator)
+        else:  # drawn ahead, in the live sequence: uniforms, the closing pick, the drafts
+            self.rnd = AheadRandoms((B, Kd), [(B, V)] + ([(B, Kd, V)] if Kd else []), device,
+                                    generator)  # fmt: skip
+        self.runners: dict[int, RoundRunner] = {}
+        self.hooks = False
+
+    def static(self) -> list[Tensor]:
+        """The tensors a round updates in place (a captured round keeps their storage)."""
+        kept = [self.c, self.D, self.counts, self.p, self.drafts, self.step, self.tok]
+        return kept + [self.step_of] + ([] if self.logits is None else [self.logits])
+
+    def decode(self, on_step, on_round) -> int:
+        """Every pass until each row has committed all ``n`` slots; returns the passes."""
+        self.hooks = on_step is not None or on_round is not None
+        host, passes = self.host, 0
+        while not host.finished():
+            first = passes == 0
+            if isinstance(self.rnd, AheadRandoms):
+                self.rnd.fill()
+            reach = host.reach()
+            if first or self.mode == "off":  # the first pass has its own widths
+                info = self.round(first, reach)
+            else:
+                key = self.eng.fixed_keys(reach)
+                runner = self.runners.get(key)
+                if runner is None:
+                    fn = partial(self.round, False, reach)
+                    runner = self.runners[key] = RoundRunner(fn, self.mode, self.static)
+                info = runner()
+            host.note(self.c)
+            if info is not None:  # the hooks get their own copies (a replay rewrites these)
+                info = {name: t.clone() for name, t in info.items()}
+                if on_round is not None:
+                    on_round({name: info[name] for name in ROUND_FIELDS})
+                if on_step is not None:
+                    on_step(info["decided"], info["decided_tokens"], passes)
+            passes += 1
+        return passes
+
+    def round(self, first: bool, reach: int) -> dict | None:
+        """One pass of every row, the state updated in place; the hooks' tensors (or None)."""
+        n, K, k, eng, ext, tok, c, D = (
+            self.n, self.K, self.k, self.eng, self.ext, self.tok, self.c, self.D
+        )  # fmt: skip
+        device = self.device
+        self.rnd.begin()
         live = c < n
-        first = passes == 0
         start = k if first else 0  # the catch-up's prompt columns are not asked for
-        if eng.static and not first:  # the GPU's fixed widths: a leaner table
-            if armd:
+        if eng.static and not first:  # the fixed widths: a leaner table
+            if self.armd:
                 table = spec_armd_table(ext, c, D, live, K)
             else:
-                table = spec_gpt_table(ext, c, D, live, K, ext_bos)
-            logits = eng.run(ext, None, tok, start, first, host.reach(), table=table)
+                table = spec_gpt_table(ext, c, D, live, K, self.ext_bos)
+            logits = eng.run(ext, None, tok, start, first, reach, table=table)
         else:
-            r = _round(ext, c, e, cc, D, K, n)
-            logits = eng.run(ext, r, tok, start, first, host.reach())
+            if first:
+                e = cc = torch.zeros_like(c)
+            else:
+                e, cc = c, (c - 1).clamp(min=0) if self.armd else c
+            logits = eng.run(ext, _round(ext, c, e, cc, D, K, n), tok, start, first, reach)
         # drafts: (B, K-1) the tokens the last pass drew for slots c..c+D-1 (0 past D)
-        q = probabilities(logits, *ctl)  # (B, J, V)
-        m, closing = accept(q, p, drafts, D, generator)
+        q = probabilities(logits, *self.ctl)  # (B, J, V)
+        m, closing = accept(q, self.p, self.drafts, D, self.rnd)
         # a finished row (c = n, D = 0) commits nothing: m <= D is 0, and its closing token
         # and its one "committed" column land in the padding slot n (position n)
         close_pos = ext.gather(1, (c + m)[:, None])[:, 0]
         tok.scatter_(1, close_pos[:, None], closing[:, None])
         jj = arange(logits.shape[1], device)
         slots = torch.where(jj[None] <= m[:, None], c[:, None] + jj, const(n, device))
-        step_of.scatter_(1, ext.gather(1, slots), passes)
-        if logits_buf is not None:
-            logits_buf.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
-        c_new = c + m + live  # m + 1 tokens for a live row, none for a finished one
-        host.note(c_new)
+        self.step_of.scatter_(1, ext.gather(1, slots), self.step.expand(slots.shape))
+        if self.logits is not None:
+            V = logits.shape[-1]
+            self.logits.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
+        info = None
+        if self.hooks:
+            dslot = (c[:, None] + self.cols).clamp(max=n)
+            verified = ext.gather(1, torch.where(self.cols < D[:, None], dslot, n))
+            decided = ext.gather(1, slots[:, :K])  # (B, K), padding n: at most K per pass
+            info = dict(positions=verified, tokens=self.drafts.clone(), accepted=m,
+                        position=close_pos, token=closing, decided=decided)  # fmt: skip
+        self.counts += torch.stack([D, m])  # a finished row's D and m are 0
+        c.add_(m + live)  # m + 1 tokens for a live row, none for a finished one
         # every entry up to the commit is kept: ARMD's content one short of it (the closing
         # token is written by the next pass)
-        eng.forget(c_new, (c_new - 1).clamp(min=0) if armd else None)
-        if on_round is not None:
-            dslot = (c[:, None] + cols).clamp(max=n)
-            verified = ext.gather(1, torch.where(cols < D[:, None], dslot, n))
-            on_round(
-                dict(positions=verified, tokens=drafts, accepted=m, position=close_pos,
-                     token=closing)
-            )  # fmt: skip
-        D_next = (n - 1 - c_new).clamp(0, K - 1)  # 0 once a row is done
-        p, drafts = _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, cols)
-        if on_step is not None:
-            decided = ext.gather(1, slots[:, :K])  # (B, K), padding n: at most K per pass
-            on_step(decided, tok.gather(1, decided), passes)
-        counts += torch.stack([D, m])  # a finished row's D and m are 0
-        c, e, D, passes = c_new, c_new, D_next, passes + 1
-        cc = (c - 1).clamp(min=0) if armd else c
-    out = SampleResult(tok[:, :n].clone(), order, forward_passes=passes, step_of=step_of[:, :n])
-    out.logits = None if logits_buf is None else logits_buf[:, :n]
-    drafted, accepted = counts.cpu().numpy()  # a row's passes commit its n - k tokens, one
-    made = np.full(B, n - k)  # closing token each and its accepted drafts
+        eng.forget(c, (c - 1).clamp(min=0) if self.armd else None)
+        torch.clamp(n - 1 - c, 0, K - 1, out=D)  # the next drafts: 0 once a row is done
+        self._next_drafts(q, m)
+        self.step.add_(1)
+        if info is not None:
+            info["decided_tokens"] = tok.gather(1, info["decided"])
+        return info
+
+    def _next_drafts(self, q: Tensor, m: Tensor) -> None:
+        """The next round's drafts: this pass's outputs at slots ``c'..c'+D'-1`` (columns
+        ``m + 1 + i``), drawn and written into the token buffer; their laws into ``p`` and
+        themselves into ``drafts`` (0 past ``D'``: the next pass verifies them as they
+        are). A finished row has ``D' = 0``: no draft is real; the padding drafts land in
+        the padding column ``n`` (read by padding entries only)."""
+        B, J, V = q.shape
+        Kd = self.p.shape[1]
+        if Kd == 0:
+            return
+        i, device = self.cols, q.device
+        real = i[None] < self.D[:, None]
+        cols = (m[:, None] + arange(Kd + 1, device)[1:]).clamp(max=J - 1)
+        torch.gather(q, 1, cols[..., None].expand(B, Kd, V), out=self.p)
+        torch.mul(self.rnd.pick(self.p), real, out=self.drafts)
+        n = self.ext.shape[1] - 1
+        pos = self.ext.gather(1, torch.where(real, self.c[:, None] + i, const(n, device)))
+        self.tok.scatter_(1, pos, self.drafts)
+
+
+ROUND_FIELDS = ("positions", "tokens", "accepted", "position", "token")
+"""What ``on_round`` gets of a pass."""
+
+
+def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_round, mode):
+    """Decode, and gather the result and the statistics."""
+    loop = _Loop(model, tokens, order, k, K, ctl, generator, keep_logits, mode)
+    passes = loop.decode(on_step, on_round)
+    n = loop.n
+    B = len(loop.c)
+    out = SampleResult(
+        loop.tok[:, :n].clone(), order, forward_passes=passes, step_of=loop.step_of[:, :n]
+    )
+    out.logits = None if loop.logits is None else loop.logits[:, :n]
+    drafted, accepted = loop.counts.cpu().numpy()  # a row's passes commit its n - k tokens,
+    made = np.full(B, n - k)  # one closing token each and its accepted drafts
     out.extra["speculative"] = SpeculativeStats(made - accepted, drafted, accepted, made)
-    out.extra["attention_shapes"] = sorted(eng.shapes)
+    out.extra["attention_shapes"] = sorted(loop.eng.shapes)
+    if loop.runners:  # what capturing cost, for the callers to report
+        out.extra["graphs"] = {
+            "mode": mode,
+            "shapes": len(loop.runners),
+            "capture_s": sum(r.capture_s for r in loop.runners.values()),
+        }
     return out
 
 
@@ -303,25 +413,6 @@ def spec_armd_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> 
         torch.where(real, lim.clamp(min=1), const(1, device)),
     ]
     return torch.cat([torch.stack(content, 1), torch.stack(rows, 1)], dim=2)
-
-
-def _next_drafts(q, m, D_next, p, generator, tok, ext, c_new, i):
-    """The next round's drafts: this pass's outputs at slots ``c'..c'+D'-1`` (columns
-    ``m + 1 + i``), drawn and written into the token buffer. Returns their laws (B, K-1, V)
-    and the drafts (B, K-1), 0 past ``D'`` (the next pass verifies them as they are).
-    ``i``: ``arange(K - 1)``. A finished row has ``D' = 0``: no draft is real; the padding
-    drafts land in the padding column ``n`` (read by padding entries only)."""
-    B, J, V = q.shape
-    Kd = p.shape[1]
-    if Kd == 0:
-        return p, torch.zeros(B, 0, dtype=torch.long, device=q.device)
-    real = i[None] < D_next[:, None]
-    cols = (m[:, None] + arange(Kd + 1, q.device)[1:]).clamp(max=J - 1)
-    law = q.gather(1, cols[..., None].expand(B, Kd, V))
-    y = draw(law, real, generator)
-    pos = ext.gather(1, torch.where(real, c_new[:, None] + i, const(ext.shape[1] - 1, q.device)))
-    tok.scatter_(1, pos, y)
-    return law, y
 
 
 def check_request(draft: int | None, steps: int | None, streams: int | None, order) -> None:

@@ -11,6 +11,12 @@ Design choices:
 * Everything is float64 (as every draw of :mod:`anyorder.sampling.draws`) and goes through
   the explicit generator, in a fixed sequence per pass: the uniforms of the ratio tests,
   the residual or bonus draw, then the next drafts.
+* The randoms of a pass come from :class:`Randoms`: drawn as they are needed
+  (:class:`LiveRandoms`, ``torch.multinomial``), or all drawn ahead into static buffers
+  (:class:`AheadRandoms`) so that the rest of the pass can be captured as a CUDA graph
+  with no generator inside. ``torch.multinomial`` of one sample is the exponential race
+  ``argmax(p / E)``, ``E`` exponentials drawn by ``exponential_`` from the generator; drawn
+  ahead in the same sequence they give the same tokens, bit for bit (tested).
 * Temperature, top-k and top-p filter both ``p`` and ``q`` (:func:`probabilities`), so the
   output is exact with respect to the filtered sequential sampler.
 * Rows of a batch are independent: each row accepts its own number of drafts; rows without
@@ -61,12 +67,98 @@ def uniform(shape: tuple[int, ...], like: Tensor, generator: torch.Generator | N
     )
 
 
+class Randoms:
+    """Where the randoms of a pass come from: the uniforms of the ratio tests, then one
+    categorical draw per row of each :meth:`pick`, in that sequence."""
+
+    def begin(self) -> None:
+        """A pass starts (its picks come in their sequence again)."""
+
+    def uniform(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def pick(self, probs: Tensor) -> Tensor:
+        """One token per row of ``probs`` (..., V) (unnormalised rows are weighed as they
+        are); every row is drawn."""
+        raise NotImplementedError
+
+
+class LiveRandoms(Randoms):
+    """Drawn from the generator as they are needed (the eager path)."""
+
+    def __init__(self, generator: torch.Generator | None) -> None:
+        self.generator = generator
+
+    def uniform(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        return uniform(shape, like, self.generator)
+
+    def pick(self, probs: Tensor) -> Tensor:
+        return draw(probs, None, self.generator)
+
+
+class AheadRandoms(Randoms):
+    """Drawn ahead of a pass into static buffers (:meth:`fill`, eagerly), in the sequence
+    :class:`LiveRandoms` draws them: the ratio tests' uniforms (B, Kd), then the exponentials
+    of each pick, of the shapes ``picks`` (rows x V). The pass itself then holds no
+    generator (it can be captured), and its tokens are those of the live draws.
+
+    Args:
+        uniforms: the shape of the uniforms.
+        picks: the shapes of the picks' probabilities, in the order the pass picks.
+        device: where the pass runs.
+        generator: the generator (on any device).
+    """
+
+    def __init__(
+        self,
+        uniforms: tuple[int, ...],
+        picks: list[tuple[int, ...]],
+        device: torch.device,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.generator = generator
+        f64 = dict(dtype=torch.float64, device=device)
+        self.u = torch.zeros(uniforms, **f64)
+        self.exp = [torch.ones(shape, **f64) for shape in picks]
+        self.next = 0
+
+    def fill(self) -> None:
+        """Draw the next pass's randoms (eagerly, outside any graph)."""
+        g = self.generator
+        gdev = g.device if g is not None else self.u.device
+        same = gdev == self.u.device
+        if same:
+            torch.rand(self.u.shape, generator=g, dtype=torch.float64, device=gdev, out=self.u)
+        else:
+            self.u.copy_(torch.rand(self.u.shape, generator=g, dtype=torch.float64, device=gdev))
+        for e in self.exp:
+            if same:
+                e.exponential_(generator=g)
+            else:
+                e.copy_(torch.empty(e.shape, dtype=e.dtype, device=gdev).exponential_(generator=g))
+
+    def begin(self) -> None:
+        self.next = 0
+
+    def uniform(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
+        if tuple(shape) != tuple(self.u.shape):
+            raise RuntimeError(f"uniforms of shape {shape} asked, {tuple(self.u.shape)} drawn")
+        return self.u
+
+    def pick(self, probs: Tensor) -> Tensor:
+        e = self.exp[self.next]
+        self.next += 1
+        if e.numel() != probs.numel():
+            raise RuntimeError(f"a pick of {tuple(probs.shape)} asked, {tuple(e.shape)} drawn")
+        return (probs / e.view(probs.shape)).argmax(dim=-1)  # the exponential race
+
+
 def accept(
     q: Tensor,
     p: Tensor,
     drafts: Tensor,
     num_drafts: Tensor,
-    generator: torch.Generator | None,
+    randoms: Randoms | torch.Generator | None,
 ) -> tuple[Tensor, Tensor]:
     """The ratio tests of a round and the token that closes it.
 
@@ -77,20 +169,22 @@ def accept(
             ``num_drafts``).
         drafts: (B, Kd) the drafted tokens.
         num_drafts: (B,) how many drafts each row verifies (0 for none).
+        randoms: a :class:`Randoms`, or a generator (drawn live).
 
     Returns:
         ``(m, token)``: (B,) the accepted drafts per row (a leading run), and (B,) the token
         of slot ``m``: from the normalised ``(q_m - p_m)+`` after a rejection, from ``q_m``
         when every draft was accepted (the bonus).
     """
+    rnd = randoms if isinstance(randoms, Randoms) else LiveRandoms(randoms)
     B, Kd = drafts.shape
     if q.shape[1] <= Kd:  # near the end a pass has fewer columns than drafts (padding)
         q = torch.cat([q, q[:, -1:].expand(B, Kd + 1 - q.shape[1], -1)], dim=1)
-    u = uniform((B, Kd), q, generator)
+    u = rnd.uniform((B, Kd), q)
     V = q.shape[-1]
     if not Kd:
         m = torch.zeros(B, dtype=torch.long, device=q.device)
-        return m, draw(q[:, 0], None, generator)
+        return m, rnd.pick(q[:, 0])
     py = p.gather(2, drafts[..., None])[..., 0]
     qy = q[:, :Kd].gather(2, drafts[..., None])[..., 0]
     # accept with probability min(1, q/p); a row's drafts past num_drafts are padding, and
@@ -100,6 +194,6 @@ def accept(
     p_m = p.gather(1, m.clamp(max=Kd - 1)[:, None, None].expand(B, 1, V))[:, 0]
     residual = (q_m - p_m * (m < num_drafts)[:, None]).clamp(min=0)  # (q - p)+, or q: bonus
     # a rejection has probability 0 where q <= p nowhere; rounding may still leave no mass.
-    # Not normalised: a multinomial draw weighs its row as it is
+    # Not normalised: a draw weighs its row as it is
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, q_m)
-    return m, draw(residual, None, generator)
+    return m, rnd.pick(residual)

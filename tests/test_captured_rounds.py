@@ -1,0 +1,175 @@
+"""Issue 41, item 2: speculative rounds captured as CUDA graphs. The randoms drawn ahead give
+the live draws' tokens bit for bit, and the captured decode (``graphs="emulate"``: the
+replay's bookkeeping without a graph) equals the eager decode of the same widths bit for bit:
+tokens, steps, logits, counts and every hook's stream, at random sizes, batches, orders,
+prompts, controls and K. (Its law and its logits against the uncached forward:
+tests/test_speculative.py, whose exact-law and oracle tests draw the captured path too.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from anyorder.sampling import rounds
+from anyorder.sampling.graphs import RoundRunner
+from anyorder.sampling.speculative import speculative_sample
+from anyorder.sampling.verify import AheadRandoms, LiveRandoms, accept
+
+from conftest import tiny_model
+
+
+def _moved(model, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    B=st.integers(1, 5), Kd=st.integers(0, 6), V=st.integers(2, 300),
+    seed=st.integers(0, 2**16), zeros=st.booleans(),
+)  # fmt: skip
+def test_randoms_drawn_ahead_are_the_live_draws(B, Kd, V, seed, zeros) -> None:
+    """A pass's uniforms and picks drawn ahead (``AheadRandoms``) equal those drawn as
+    needed (``torch.rand``, then ``torch.multinomial``: the exponential race), bit for bit,
+    unnormalised rows and zero probabilities included."""
+    g = torch.Generator().manual_seed(seed)
+    close = torch.rand(B, V, generator=g, dtype=torch.float64) * 3
+    drafts = torch.rand(B, Kd, V, generator=g, dtype=torch.float64).softmax(-1)
+    if zeros:  # whole stretches of a row impossible (top-k, top-p, a residual)
+        close[:, : V // 2] = 0
+    live = LiveRandoms(torch.Generator().manual_seed(seed))
+    picks = [(B, V)] + ([(B, Kd, V)] if Kd else [])
+    ahead = AheadRandoms((B, Kd), picks, torch.device("cpu"), torch.Generator().manual_seed(seed))
+    ahead.fill()
+    ahead.begin()
+    like = close
+    assert torch.equal(live.uniform((B, Kd), like), ahead.uniform((B, Kd), like))
+    picked = ahead.pick(close)
+    assert torch.equal(live.pick(close), picked)
+    if Kd:
+        assert torch.equal(live.pick(drafts), ahead.pick(drafts))
+    if zeros:  # an impossible token is never picked
+        assert bool((picked >= V // 2).all())
+
+
+def test_accept_takes_a_generator_or_randoms_alike() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.rand(3, 4, 7, generator=g, dtype=torch.float64).softmax(-1)
+    p = torch.rand(3, 3, 7, generator=g, dtype=torch.float64).softmax(-1)
+    drafts = torch.randint(0, 7, (3, 3), generator=g)
+    D = torch.tensor([3, 1, 0])
+    a = accept(q, p, drafts, D, torch.Generator().manual_seed(9))
+    ahead = AheadRandoms((3, 3), [(3, 7)], torch.device("cpu"), torch.Generator().manual_seed(9))
+    ahead.fill()
+    b = accept(q, p, drafts, D, ahead)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def _request(kind, n, batch, K, prompt, seed):
+    model = _moved(tiny_model(kind, vocab_size=6, seq_len=64), seed % 7)
+    g = torch.Generator().manual_seed(seed)
+    known = torch.zeros(batch, n, dtype=torch.bool)
+    if prompt == "prefix":
+        known[:, : n // 2] = True
+    elif prompt == "per-row":
+        for b in range(batch):
+            known[b, torch.randperm(n, generator=g)[: (n - 1) // 2]] = True
+    tokens = torch.randint(0, 6, (batch, n), generator=g)
+    return model, dict(batch=batch, prompt=tokens, known=known)
+
+
+def _decode(model, n, K, kw, seed, graphs, controls):
+    seen = {"rounds": [], "steps": []}
+    out = speculative_sample(
+        model, n, K, generator=torch.Generator().manual_seed(seed), keep_logits=True,
+        graphs=graphs, on_round=seen["rounds"].append,
+        on_step=lambda pos, tok, step: seen["steps"].append((pos, tok, step)), **controls, **kw,
+    )  # fmt: skip
+    return out, seen
+
+
+@settings(max_examples=40, derandomize=True, deadline=None,
+          suppress_health_check=list(HealthCheck))  # fmt: skip
+@given(
+    kind=st.sampled_from(["aogpt", "armd"]), n=st.integers(2, 40), batch=st.integers(1, 4),
+    K=st.integers(1, 8), prompt=st.sampled_from(["none", "prefix", "per-row"]),
+    order=st.sampled_from(["random", "l2r"]), seed=st.integers(0, 2**16),
+    controls=st.sampled_from([{}, {"temperature": 0.7}, {"top_k": 3}, {"top_p": 0.8}]),
+)  # fmt: skip
+def test_captured_rounds_equal_the_eager_rounds_bit_for_bit(
+    kind, n, batch, K, prompt, order, seed, controls, monkeypatch
+) -> None:
+    """The captured decode (every round after the first replayed through its key level's
+    runner) against the eager decode of the same fixed widths, same seed: identical."""
+    model, kw = _request(kind, n, batch, K, prompt, seed)
+    kw["order"] = order
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", True)  # the eager GPU path
+    eager, seen_e = _decode(model, n, K, kw, seed, False, controls)
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", False)  # graphs= asks for it alone
+    captured, seen_c = _decode(model, n, K, kw, seed, "emulate", controls)
+    for name in ("tokens", "order", "step_of", "logits"):
+        assert torch.equal(getattr(eager, name), getattr(captured, name)), name
+    assert eager.forward_passes == captured.forward_passes
+    a, b = eager.extra["speculative"], captured.extra["speculative"]
+    assert all((x == y).all() for x, y in zip(vars(a).values(), vars(b).values()))
+    assert eager.extra["attention_shapes"] == captured.extra["attention_shapes"]
+    assert len(seen_e["rounds"]) == len(seen_c["rounds"]) == eager.forward_passes
+    for r, s in zip(seen_e["rounds"], seen_c["rounds"]):
+        assert r.keys() == s.keys() and all(torch.equal(r[f], s[f]) for f in r)
+    for (p, t, i), (q, u, j) in zip(seen_e["steps"], seen_c["steps"]):
+        assert torch.equal(p, q) and torch.equal(t, u) and i == j
+    graphs = captured.extra.get("graphs")
+    if captured.forward_passes > 1:  # a runner per key level, each a few passes or more
+        assert 1 <= graphs["shapes"] <= (2 if kind == "armd" else 7)
+        assert graphs["mode"] == "emulate"
+    else:
+        assert graphs is None
+
+
+def test_the_hooks_keep_what_they_were_given() -> None:
+    """A replay rewrites the round's outputs in place: each hook gets its own copies, so a
+    hook that keeps them sees each pass's values, not the last pass's."""
+    model, kw = _request("aogpt", 20, 2, 4, "none", 3)
+    out, seen = _decode(model, 20, 4, kw, 3, "emulate", {})
+    closing = torch.stack([r["position"] for r in seen["rounds"]])  # (passes, B)
+    assert len({tuple(x.tolist()) for x in closing}) > 1  # not the same tensor each time
+    # every generated position closed a round once, or was an accepted draft
+    pos = torch.cat([p for p, _, _ in seen["steps"]], dim=1)
+    for b in range(2):
+        assert sorted(x for x in pos[b].tolist() if x < 20) == list(range(20))
+    assert out.forward_passes == len(seen["rounds"])
+
+
+def test_a_round_that_rebinds_its_state_is_refused() -> None:
+    """A captured graph keeps reading the storage it recorded: the emulation refuses a round
+    that rebinds a static tensor instead of writing it in place."""
+    state = {"c": torch.zeros(3)}
+
+    def good():
+        state["c"].add_(1)
+
+    def bad():
+        state["c"] = state["c"] + 1
+
+    runner = RoundRunner(good, "emulate", lambda: [state["c"]])
+    for _ in range(3):
+        runner()
+    assert state["c"].tolist() == [3.0, 3.0, 3.0]
+    runner = RoundRunner(bad, "emulate", lambda: [state["c"]])
+    with pytest.raises(RuntimeError, match="a captured round rebound a static tensor"):
+        runner()
+
+
+def test_graphs_on_a_cpu_are_refused_and_off_by_default() -> None:
+    from anyorder.errors import SamplingError
+
+    model = tiny_model("aogpt")
+    with pytest.raises(SamplingError, match="CUDA graphs need a CUDA device"):
+        speculative_sample(model, 8, 2, graphs=True)
+    out = speculative_sample(model, 8, 2, generator=torch.Generator().manual_seed(0))
+    assert "graphs" not in out.extra  # auto on a CPU: eager
