@@ -355,7 +355,7 @@ def main() -> None:
         with gpu_path():
             gpu = measure(run)
             captured = None
-            if fn is sample or "speculative" in fn.__name__:  # the samplers that capture
+            if fn is sample or fn.__name__ in ("speculative", "confidence_sample"):  # capture
                 captured = measure(partial(run, graphs="emulate"))
         if captured is not None:  # a replay is one launch; the rest are eager
             rows[name].update(

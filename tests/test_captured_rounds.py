@@ -43,8 +43,8 @@ def test_randoms_drawn_ahead_are_the_live_draws(B, Kd, V, seed, zeros) -> None:
     if zeros:  # whole stretches of a row impossible (top-k, top-p, a residual)
         close[:, : V // 2] = 0
     live = LiveRandoms(torch.Generator().manual_seed(seed))
-    picks = [(B, V)] + ([(B, Kd, V)] if Kd else [])
-    ahead = AheadRandoms((B, Kd), picks, torch.device("cpu"), torch.Generator().manual_seed(seed))
+    draws = [("uniform", (B, Kd)), ("pick", (B, V))] + ([("pick", (B, Kd, V))] if Kd else [])
+    ahead = AheadRandoms(draws, torch.device("cpu"), torch.Generator().manual_seed(seed))
     ahead.fill()
     ahead.begin()
     like = close
@@ -64,7 +64,8 @@ def test_accept_takes_a_generator_or_randoms_alike() -> None:
     drafts = torch.randint(0, 7, (3, 3), generator=g)
     D = torch.tensor([3, 1, 0])
     a = accept(q, p, drafts, D, torch.Generator().manual_seed(9))
-    ahead = AheadRandoms((3, 3), [(3, 7)], torch.device("cpu"), torch.Generator().manual_seed(9))
+    draws = [("uniform", (3, 3)), ("pick", (3, 7))]
+    ahead = AheadRandoms(draws, torch.device("cpu"), torch.Generator().manual_seed(9))
     ahead.fill()
     b = accept(q, p, drafts, D, ahead)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -129,6 +130,52 @@ def test_captured_rounds_equal_the_eager_rounds_bit_for_bit(
         assert graphs["mode"] == "emulate"
     else:
         assert graphs is None
+
+
+@settings(max_examples=40, derandomize=True, deadline=None,
+          suppress_health_check=list(HealthCheck))  # fmt: skip
+@given(
+    kind=st.sampled_from(["aogpt", "armd"]), n=st.integers(2, 36), batch=st.integers(1, 4),
+    per_pass=st.integers(1, 5), K=st.one_of(st.none(), st.integers(1, 6)),
+    subset=st.one_of(st.none(), st.integers(1, 8)),
+    prompt=st.sampled_from(["none", "prefix", "per-row"]), seed=st.integers(0, 2**16),
+    controls=st.sampled_from([{}, {"temperature": 0.7}, {"top_k": 3}, {"top_p": 0.8}]),
+)  # fmt: skip
+def test_captured_confidence_passes_equal_the_eager_passes_bit_for_bit(
+    kind, n, batch, per_pass, K, subset, prompt, seed, controls, monkeypatch
+) -> None:
+    """Confidence-ordered decoding, parallel or verified, all positions scored or a random
+    subset: the captured decode (its steady passes replayed per key level) against the eager
+    decode of the same fixed widths, same seed: identical tokens, order, steps, logits,
+    counts and hook stream."""
+    from anyorder.sampling.confidence import confidence_sample
+
+    model, kw = _request(kind, n, batch, K, prompt, seed)
+    runs = []
+    for graphs, static in ((False, True), ("emulate", False)):
+        monkeypatch.setattr(rounds, "STATIC_ON_CPU", static)
+        steps = []
+        out = confidence_sample(
+            model, n, per_pass, speculative=K, subset=subset, keep_logits=True,
+            generator=torch.Generator().manual_seed(seed), graphs=graphs,
+            on_step=lambda pos, tok, i, steps=steps: steps.append((pos, tok, i)),
+            **controls, **kw,
+        )  # fmt: skip
+        runs.append((out, steps))
+    (eager, s_e), (captured, s_c) = runs
+    for name in ("tokens", "order", "step_of", "logits"):
+        assert torch.equal(getattr(eager, name), getattr(captured, name)), name
+    assert eager.forward_passes == captured.forward_passes == len(s_e) == len(s_c)
+    if K:
+        a, b = eager.extra["speculative"], captured.extra["speculative"]
+        assert all((x == y).all() for x, y in zip(vars(a).values(), vars(b).values()))
+    for (p, t, i), (q, u, j) in zip(s_e, s_c):
+        assert torch.equal(p, q) and torch.equal(t, u) and i == j
+    graphs = captured.extra.get("graphs")
+    if captured.forward_passes >= 4:  # steady passes after the first two and before the last
+        assert 1 <= graphs["shapes"] <= (2 if kind == "armd" else 7)
+    else:
+        assert graphs is None or graphs["shapes"] <= 2
 
 
 def test_the_hooks_keep_what_they_were_given() -> None:

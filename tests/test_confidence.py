@@ -156,42 +156,43 @@ def _requests(n_max: int):
         K=st.one_of(st.none(), st.integers(1, 6)),
         prompt=st.sampled_from(["none", "scattered", "per-row"]),
         seed=st.integers(0, 2**16),
-        static=st.booleans(),
+        path=st.sampled_from(["cpu", "static", "captured"]),
     )
 
 
 @settings(max_examples=30, derandomize=True, **_DIFF)
 @given(**_requests(24))
 def test_confidence_logits_equal_the_uncached_oracle(
-    kind, n, batch, per_pass, subset, K, prompt, seed, static
+    kind, n, batch, per_pass, subset, K, prompt, seed, path
 ):
     """Drawn at random (sizes, batch, per-pass counts, scored subsets, verification, prompts,
-    the CPU's and the GPU's path): every committed token's logits are the uncached forward's
+    the CPU's path, the GPU's, and the GPU's with its steady passes captured): every
+    committed token's logits are the uncached forward's
     for the tokens of earlier passes (parallel commits) or for the final order (verified)."""
-    _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, static)
+    _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, path)
 
 
 @pytest.mark.slow
 @settings(max_examples=_SLOW, **_DIFF)
 @given(**_requests(60))
 def test_confidence_logits_equal_the_uncached_oracle_many(
-    kind, n, batch, per_pass, subset, K, prompt, seed, static
+    kind, n, batch, per_pass, subset, K, prompt, seed, path
 ):
-    _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, static)
+    _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, path)
 
 
 @settings(max_examples=int(os.environ.get("ANYORDER_SPEC_EXAMPLES", "12")), derandomize=True,
           **_DIFF)  # fmt: skip
 @given(**_requests(24), trunk=st.sampled_from(sorted(FAMILY_TRUNKS)))
 def test_confidence_logits_equal_the_uncached_oracle_on_family_trunks(
-    kind, n, batch, per_pass, subset, K, prompt, seed, static, trunk
+    kind, n, batch, per_pass, subset, K, prompt, seed, path, trunk
 ):
     """The same on the trunks of Llama 3, Qwen2, Qwen3 and Mistral (issue 33)."""
-    _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, static,
+    _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, path,
                       FAMILY_TRUNKS[trunk])  # fmt: skip
 
 
-def _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, static, trunk=None):
+def _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, path, trunk=None):
     from anyorder.sampling import rounds
 
     shape = dict(vocab_size=5, seq_len=64, d_model=32, **(trunk or {}))
@@ -204,11 +205,12 @@ def _check_confidence(kind, n, batch, per_pass, subset, K, prompt, seed, static,
         known[:] = known[0]
     tokens = torch.randint(0, 5, (batch, n), generator=g)
     k = int(known[0].sum())
-    saved, rounds.STATIC_ON_CPU = rounds.STATIC_ON_CPU, static
+    saved, rounds.STATIC_ON_CPU = rounds.STATIC_ON_CPU, path == "static"
     try:
         out = confidence_sample(
             model, n, per_pass, speculative=K, subset=subset, batch=batch, prompt=tokens,
             known=known, keep_logits=True, generator=g,
+            graphs="emulate" if path == "captured" else False,
         )  # fmt: skip
     finally:
         rounds.STATIC_ON_CPU = saved

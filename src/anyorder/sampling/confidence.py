@@ -31,6 +31,8 @@ remaining positions.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -44,10 +46,11 @@ from anyorder.sampling.draws import (
     SampleResult,
     check_controls,
 )
+from anyorder.sampling.graphs import RoundRunner, resolve_mode
 from anyorder.sampling.rounds import Engine, HostCounts, Round, arange, const, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.speculative import SpeculativeStats
-from anyorder.sampling.verify import accept, draw, probabilities, uniform
+from anyorder.sampling.verify import AheadRandoms, LiveRandoms, Randoms, accept, probabilities
 
 
 def _confidence(logits: Tensor, temperature: float, candidate: Tensor) -> Tensor:
@@ -85,7 +88,7 @@ def _reorder(order: Tensor, start: Tensor, chosen: Tensor) -> Tensor:
     return order.gather(1, key.argsort(dim=1))
 
 
-def _targets(order: Tensor, first: Tensor, subset: int | None, generator, trim: bool) -> Tensor:
+def _targets(order: Tensor, first: Tensor, subset: int | None, rnd: Randoms, trim: bool) -> Tensor:
     """(B, Q) the positions at slots ``first..n-1`` (B,) of each row (or a random ``subset``
     of them, in position order), padded with -1; ``trim``: as wide as the widest row (a
     read), else ``n`` (or ``subset``) columns."""
@@ -94,7 +97,7 @@ def _targets(order: Tensor, first: Tensor, subset: int | None, generator, trim: 
     valid = idx < n
     pool = torch.where(valid, order.gather(1, idx.clamp(max=n - 1)), const(-1, order.device))
     if subset is not None and subset < n:
-        key = torch.where(valid, uniform((B, n), order, generator), 2.0)
+        key = torch.where(valid, rnd.uniform((B, n), order), 2.0)
         pick = pool.gather(1, key.topk(subset, dim=1, largest=False).indices)
         pool = torch.where(pick < 0, n, pick).sort(dim=1).values
         pool = torch.where(pool >= n, -1, pool)
@@ -132,6 +135,7 @@ def confidence_sample(
     generator: torch.Generator | None = None,
     keep_logits: bool = False,
     on_step=None,
+    graphs: bool | str = "auto",
 ) -> SampleResult:
     """Confidence-ordered decoding (a heuristic; see the module notes).
 
@@ -146,6 +150,9 @@ def confidence_sample(
         batch, prompt, known, temperature, top_k, top_p, generator, keep_logits, on_step:
             as :func:`~anyorder.sampling.samplers.sequential_sample` (``keep_logits``: the
             logits each committed token was drawn from or verified against, slot-aligned).
+        graphs: capture the passes of the steady rounds as CUDA graphs (one per key level;
+            ``"auto"``: on CUDA), as :func:`~anyorder.sampling.speculative.
+            speculative_sample` does; the tokens do not depend on it.
 
     Returns:
         A :class:`SampleResult` whose ``order`` is the order chosen; with ``speculative``,
@@ -168,38 +175,88 @@ def confidence_sample(
     per_pass, subset = min(per_pass, left), None if subset is None else min(subset, left)
     speculative = None if speculative is None else min(speculative, left)
     ctl = (temperature, top_k, top_p)
-    run = _Decode(model, tokens, order, k, ctl, generator, subset, keep_logits, on_step)
-    return run.speculative(speculative) if speculative else run.parallel(per_pass)
+    mode = resolve_mode(graphs, tokens.device)
+    run = _Decode(model, tokens, order, k, ctl, generator, subset, keep_logits, on_step, mode)
+    out = run.speculative(speculative) if speculative else run.parallel(per_pass)
+    if run.runners:  # what capturing cost, for the callers to report
+        out.extra["graphs"] = {
+            "mode": mode,
+            "shapes": len(run.runners),
+            "capture_s": sum(r.capture_s for r in run.runners.values()),
+        }
+    return out
 
 
 class _Decode:
-    """The state of one confidence-ordered decode (on the device)."""
+    """The state of one confidence-ordered decode, in device tensors updated in place by
+    each pass, so that the steady passes can be captured as CUDA graphs and replayed
+    (:class:`~anyorder.sampling.graphs.RoundRunner`, one per key level); the first passes
+    and a short last one run eagerly. The randoms of a captured pass are drawn ahead in the
+    live sequence (:class:`~anyorder.sampling.verify.AheadRandoms`)."""
 
     def __init__(
-        self, model, tokens, order, k, ctl, generator, subset, keep_logits, on_step
+        self, model, tokens, order, k, ctl, generator, subset, keep_logits, on_step, mode
     ) -> None:
         B, n = tokens.shape
         self.model, self.n, self.k, self.ctl, self.generator = model, n, k, ctl, generator
         self.subset = subset
-        self.device = tokens.device
+        self.device = device = tokens.device
         self.order = order.clone()
         self.tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], 1)
-        self.step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=self.device)
+        self.step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=device)
         V = model.cfg.vocab_size
-        self.logits = torch.zeros(B, n + 1, V, device=self.device) if keep_logits else None
+        self.logits = torch.zeros(B, n + 1, V, device=device) if keep_logits else None
         self.armd = isinstance(model, ARMD)
         self.on_step = on_step
+        self.mode = mode
+        self.live = LiveRandoms(generator)
+        self.rnd: Randoms = self.live
+        self.step = torch.zeros((), dtype=torch.long, device=device)  # the pass, on the device
+        self.c = torch.full((B,), k, dtype=torch.long, device=device)
+        self.e, self.cc, self.D = (torch.zeros_like(self.c) for _ in range(3))
+        self.p = torch.zeros(0, device=device)  # the drafts' laws (speculative)
+        self.counts = torch.zeros(4, B, dtype=torch.long, device=device)
+        self.runners: dict[tuple, RoundRunner] = {}
 
-    def _record(self, ext: Tensor, slots: Tensor, logits: Tensor, step: int) -> None:
+    def static(self) -> list[Tensor]:
+        """The tensors a pass updates in place (a captured pass keeps their storage)."""
+        kept = [self.c, self.e, self.cc, self.D, self.p, self.counts, self.step, self.tok]
+        return kept + [self.order, self.step_of] + ([] if self.logits is None else [self.logits])
+
+    def _draws(self, tail: list[tuple[str, tuple[int, ...]]]) -> AheadRandoms:
+        """The randoms of a steady pass drawn ahead: the scored subset's, then ``tail``."""
+        B, n = self.order.shape
+        head = [("uniform", (B, n))] if self.subset is not None and self.subset < n else []
+        return AheadRandoms(head + tail, self.device, self.generator)
+
+    def _run(self, fn, key: tuple | None, passes: int) -> None:
+        """A pass: eagerly (no graphs, or ``key`` None: an irregular pass), else through the
+        runner of ``key`` (its randoms drawn ahead first); the hook called after it."""
+        if self.mode == "off" or key is None:
+            self.rnd = self.live
+            info = fn()
+        else:
+            self.rnd = self.ahead
+            self.ahead.fill()
+            runner = self.runners.get(key)
+            if runner is None:
+                runner = self.runners[key] = RoundRunner(fn, self.mode, self.static)
+            info = runner()
+        if info is not None:  # the hook gets its own copies (a replay rewrites these)
+            self.on_step(info["pos"].clone(), info["tok"].clone(), passes)
+
+    def _record(self, ext: Tensor, slots: Tensor, logits: Tensor) -> dict | None:
         """Note the step and logits of the committed ``slots`` (B, J; padding n) of the
-        order ``ext`` (:func:`~anyorder.sampling.rounds.extend`'s); call the step hook."""
+        order ``ext`` (:func:`~anyorder.sampling.rounds.extend`'s); the hook's tensors."""
         pos = ext.gather(1, slots)
-        self.step_of.scatter_(1, pos, step)
+        self.step_of.scatter_(1, pos, self.step.expand(pos.shape))
         if self.logits is not None:
             V = logits.shape[-1]
             self.logits.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
-        if self.on_step is not None:
-            self.on_step(pos, self.tok.gather(1, pos), step)
+        self.step.add_(1)
+        if self.on_step is None:
+            return None
+        return dict(pos=pos, tok=self.tok.gather(1, pos))
 
     def _result(self, passes: int) -> SampleResult:
         n = self.n
@@ -210,93 +267,124 @@ class _Decode:
     def parallel(self, per_pass: int) -> SampleResult:
         """``per_pass`` most confident positions per pass, drawn at once (every row commits
         as many per pass: the counts are known before decoding)."""
-        B, n, k, device = self.order.shape[0], self.n, self.k, self.device
+        B, n, k = self.order.shape[0], self.n, self.k
         width = n + per_pass
-        eng = Engine(self.model, B, n, n + k + per_pass, (per_pass, width) if self.armd else width)
-        c, e = k, 0
-        passes = 0
-        full = lambda v: torch.full((B,), v, dtype=torch.long, device=device)  # noqa: E731
+        static = True if self.mode != "off" else None
+        eng = Engine(self.model, B, n, n + k + per_pass, (per_pass, width) if self.armd else width,
+                     static=static)  # fmt: skip
+        V = self.model.cfg.vocab_size
+        most = min(per_pass, self.subset or n)  # a steady pass's count (fewer: the last)
+        self.ahead = self._draws([("pick", (B, most, V))])
+        c, e, passes = k, 0, 0  # the host's copies (every row alike)
         while c < n:
-            trim = not eng.static or passes == 0  # the first pass has its own widths
-            targets = _targets(self.order, full(c), self.subset, self.generator, trim)
-            r = Round(full(e), full(e), full(c - 1), full(c), targets)
-            logits = eng.run(extend(self.order), r, self.tok, c - e, passes == 0, reach=e)
-            logits = logits[:, : targets.shape[1]]  # (B, Q, V) the queries (GPU: padded)
-            score = _confidence(logits, self.ctl[0], targets >= 0)
             kk = min(per_pass, n - c, self.subset or n)
-            cols = _most(score, kk)[1]  # (B, kk)
-            chosen = targets.gather(1, cols)
-            self.order = _reorder(self.order, full(c), chosen)
-            picked = logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
-            new = draw(probabilities(picked, *self.ctl), cols >= 0, self.generator)
-            self.tok.scatter_(1, chosen, new)
-            slots = c + torch.arange(kk, device=device).expand(B, kk)
-            self._record(extend(self.order), slots, picked, passes)
-            eng.forget(full(c), full(c))
+            steady = passes > 0 and eng.static and kk == most == c - e
+            fn = partial(self._parallel, eng, kk, passes == 0, c - e, e)
+            key = (eng.fixed_keys(e),) if steady else None
+            self._run(fn, key, passes)
             e, c, passes = c, c + kk, passes + 1
         out = self._result(passes)
         out.extra["attention_shapes"] = sorted(eng.shapes)
         return out
 
+    def _parallel(self, eng: Engine, kk: int, first: bool, start: int, reach: int) -> dict | None:
+        """One pass of :meth:`parallel`: score, choose ``kk`` positions, draw them."""
+        c, e = self.c, self.e
+        self.rnd.begin()
+        trim = not eng.static or first  # the first pass has its own widths
+        targets = _targets(self.order, c, self.subset, self.rnd, trim)
+        r = Round(e, e, c - 1, c, targets)
+        logits = eng.run(extend(self.order), r, self.tok, start, first, reach=reach)
+        logits = logits[:, : targets.shape[1]]  # (B, Q, V) the queries (GPU: padded)
+        score = _confidence(logits, self.ctl[0], targets >= 0)
+        cols = _most(score, kk)[1]  # (B, kk): fewer candidates than kk never happens
+        chosen = targets.gather(1, cols)
+        self.order.copy_(_reorder(self.order, c, chosen))
+        picked = logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
+        new = self.rnd.pick(probabilities(picked, *self.ctl))
+        self.tok.scatter_(1, chosen, new)
+        slots = c[:, None] + arange(kk, self.device)
+        info = self._record(extend(self.order), slots, picked)
+        eng.forget(c, c)
+        e.copy_(c)
+        c.add_(kk)
+        return info
+
     def speculative(self, K: int) -> SampleResult:
         """The ``K`` most confident positions drafted, verified by the next pass."""
         B, n, k, device = self.order.shape[0], self.n, self.k, self.device
-        eng = Engine(self.model, B, n, 2 * n + k, (K, 2 * n) if self.armd else 2 * n)
+        static = True if self.mode != "off" else None
+        eng = Engine(self.model, B, n, 2 * n + k, (K, 2 * n) if self.armd else 2 * n, static)
         host = HostCounts(np.full(B, k), K, n, eng.static, device)
-        c = torch.full((B,), k, dtype=torch.long, device=device)
-        e, cc, D = torch.zeros_like(c), torch.zeros_like(c), torch.zeros_like(c)
-        head = False  # whether the closing slot c + D is chosen yet (not before the first pass)
-        V = self.model.cfg.vocab_size
-        p = torch.zeros(B, max(K - 1, 0), V, dtype=torch.float64, device=device)
-        counts = torch.zeros(4, B, dtype=torch.long, device=device)
+        V, Kd = self.model.cfg.vocab_size, max(K - 1, 0)
+        self.p = torch.zeros(B, Kd, V, dtype=torch.float64, device=device)
+        tail = [("uniform", (B, Kd)), ("pick", (B, V))] + ([("pick", (B, Kd, V))] if Kd else [])
+        self.ahead = self._draws(tail)
         passes = 0
         while not host.finished():
-            live = c < n
-            top = torch.where(live, c + D, e - 1) if head else c - 1
-            qtop = torch.where(live, top, cc) if head else c
-            first = torch.where(live, top + 1, const(n, device))
-            trim = not eng.static or passes == 0  # the first pass has its own widths
-            targets = _targets(self.order, first, self.subset, self.generator, trim)
-            start = k if passes == 0 else 1 if passes == 1 else 0  # the columns of c - e
-            r = Round(e, cc, top, qtop, targets)
-            ext = extend(self.order)  # this pass's order (the first pass reorders it)
-            raw = eng.run(ext, r, self.tok, start, not passes, host.reach())
-            chain = torch.where(live, D + 1, 0) if head else torch.zeros_like(c)
-            colpos = _columns(self.order, c, chain, targets, raw.shape[1])
-            if head:
-                m, used = self._verify(ext, raw, p, c, D, live), raw
-            else:  # the first pass: the most confident position is committed at once
-                used, best = self._first(raw, colpos, c, live)
-                m = torch.zeros_like(c)
-                ext = extend(self.order)
-            jj = torch.arange(used.shape[1], device=device)
-            done = (jj[None] <= m[:, None]) & live[:, None]
-            self._record(ext, torch.where(done, c[:, None] + jj, n), used, passes)
-            jr = torch.arange(raw.shape[1], device=device)[None]
-            decided = (jr <= m[:, None]) & (jr < chain[:, None]) if head else jr == best[:, None]
-            p, D_next = self._choose(raw, colpos, (colpos >= 0) & ~decided, c, m, K, live)
-            c_next = c + torch.where(live, m + 1, 0)
-            host.note(c_next)
-            e_next = c_next if head else c
-            cc_next = ((c_next - 1).clamp(min=0) if self.armd else c_next) if head else c
-            eng.forget(e_next, cc_next)
-            drafted = torch.where(live, D, 0) if head else torch.zeros_like(c)
-            counts += torch.stack([live.long(), drafted, m, torch.where(live, m + 1, 0)])
-            c, e, cc, D, head, passes = c_next, e_next, cc_next, D_next, True, passes + 1
+            # the first pass chooses slot k; the second catches its entry up (column 1 on)
+            start = k if passes == 0 else 1 if passes == 1 else 0
+            reach = host.reach()
+            fn = partial(self._speculative, eng, K, passes, start, reach)
+            key = (eng.fixed_keys(reach),) if passes > 1 else None
+            self._run(fn, key, passes)
+            host.note(self.c)
+            passes += 1
         out = self._result(passes)
-        out.extra["speculative"] = SpeculativeStats(*counts.cpu().numpy())
+        out.extra["speculative"] = SpeculativeStats(*self.counts.cpu().numpy())
         out.extra["attention_shapes"] = sorted(eng.shapes)
         return out
 
-    def _verify(
-        self, ext: Tensor, raw: Tensor, p: Tensor, c: Tensor, D: Tensor, live: Tensor
-    ) -> Tensor:
+    def _speculative(self, eng: Engine, K: int, passes: int, start: int, reach: int) -> dict | None:
+        """One pass of :meth:`speculative`: verify the drafts, score, choose, draft."""
+        n, c, e, cc, D = self.n, self.c, self.e, self.cc, self.D
+        self.rnd.begin()
+        head = passes > 0  # whether the closing slot c + D is chosen yet (not on the first)
+        live = c < n
+        top = torch.where(live, c + D, e - 1) if head else c - 1
+        qtop = torch.where(live, top, cc) if head else c
+        first = torch.where(live, top + 1, const(n, self.device))
+        trim = not eng.static or passes == 0  # the first pass has its own widths
+        targets = _targets(self.order, first, self.subset, self.rnd, trim)
+        r = Round(e, cc, top, qtop, targets)
+        ext = extend(self.order)  # this pass's order (the first pass reorders it)
+        raw = eng.run(ext, r, self.tok, start, not passes, reach)
+        chain = torch.where(live, D + 1, 0) if head else torch.zeros_like(c)
+        colpos = _columns(self.order, c, chain, targets, raw.shape[1])
+        if head:
+            m, used = self._verify(ext, raw, c, D, live), raw
+        else:  # the first pass: the most confident position is committed at once
+            used, best = self._first(raw, colpos, c, live)
+            m = torch.zeros_like(c)
+            ext = extend(self.order)
+        jj = arange(used.shape[1], self.device)
+        done = (jj[None] <= m[:, None]) & live[:, None]
+        info = self._record(ext, torch.where(done, c[:, None] + jj, n), used)
+        jr = arange(raw.shape[1], self.device)[None]
+        decided = (jr <= m[:, None]) & (jr < chain[:, None]) if head else jr == best[:, None]
+        D_next = self._choose(raw, colpos, (colpos >= 0) & ~decided, c, m, K, live)
+        c_next = c + torch.where(live, m + 1, 0)
+        if head:
+            e_next = c_next
+            cc_next = (c_next - 1).clamp(min=0) if self.armd else c_next
+        else:
+            e_next = cc_next = c
+        eng.forget(e_next, cc_next)
+        drafted = torch.where(live, D, 0) if head else torch.zeros_like(c)
+        self.counts += torch.stack([live.long(), drafted, m, torch.where(live, m + 1, 0)])
+        e.copy_(e_next)
+        cc.copy_(cc_next)
+        c.copy_(c_next)
+        D.copy_(D_next)
+        return info
+
+    def _verify(self, ext: Tensor, raw: Tensor, c: Tensor, D: Tensor, live: Tensor) -> Tensor:
         """The ratio tests of the drafts at slots c..c+D-1; the closing token written."""
         n = self.n
-        cols = torch.arange(p.shape[1], device=self.device)
+        cols = arange(self.p.shape[1], self.device)
         drafts = self.tok.gather(1, ext.gather(1, (c[:, None] + cols).clamp(max=n)))
-        chain = raw[:, : p.shape[1] + 1]  # the verified slots and the closing one
-        m, closing = accept(probabilities(chain, *self.ctl), p, drafts, D, self.generator)
+        chain = raw[:, : self.p.shape[1] + 1]  # the verified slots and the closing one
+        m, closing = accept(probabilities(chain, *self.ctl), self.p, drafts, D, self.rnd)
         m = torch.where(live, m, 0)
         close_pos = ext.gather(1, torch.where(live, c + m, n)[:, None])
         self.tok.scatter_(1, close_pos, closing[:, None])
@@ -307,37 +395,40 @@ class _Decode:
         exact conditional. Returns its logits (B, 1, V) and its column (B,)."""
         best = _confidence(raw, self.ctl[0], colpos >= 0).argmax(dim=1)
         pick = colpos.gather(1, best[:, None])
-        self.order = _reorder(self.order, c, torch.where(live[:, None], pick, -1))
+        self.order.copy_(_reorder(self.order, c, torch.where(live[:, None], pick, -1)))
         used = raw.gather(1, best[:, None, None].expand(-1, 1, raw.shape[-1]))
-        token = draw(probabilities(used[:, 0], *self.ctl), live, self.generator)
+        token = self.rnd.pick(probabilities(used[:, 0], *self.ctl)) * live
         self.tok.scatter_(1, torch.where(live[:, None], pick, self.n), token[:, None])
         return used, best
 
-    def _choose(self, raw, colpos, candidate, c, m, K: int, live):
+    def _choose(self, raw, colpos, candidate, c, m, K: int, live) -> Tensor:
         """The next slots: the ``K`` most confident candidates (fewer near the end) go to
-        slots ``c'..`` (``c' = c + m + 1``); all but the last are drafted. Returns the
-        drafts' laws and their counts."""
+        slots ``c'..`` (``c' = c + m + 1``); all but the last are drafted (their laws into
+        ``p``). Returns the drafts' counts."""
         B, device, n = len(c), self.device, self.n
         Kmax = min(K, raw.shape[1])
         vals, cols = _most(_confidence(raw, self.ctl[0], candidate), Kmax)
         c_next = c + torch.where(live, m + 1, 0)
         room = (n - c_next).clamp(0, K)
-        valid = (torch.arange(Kmax, device=device)[None] < room[:, None]) & torch.isfinite(vals)
+        valid = (arange(Kmax, device)[None] < room[:, None]) & torch.isfinite(vals)
         chosen = torch.where(valid & live[:, None], colpos.gather(1, cols), -1)  # (B, Kmax)
-        self.order = _reorder(self.order, c_next, chosen)
+        self.order.copy_(_reorder(self.order, c_next, chosen))
         many = (chosen >= 0).sum(dim=1)
         Kd = max(K - 1, 0)
+        if Kd == 0:
+            return (many - 1).clamp(min=0)
         V = raw.shape[-1]
         picked = raw.gather(1, cols[:, :Kd, None].expand(-1, -1, V))
         law = probabilities(picked, *self.ctl)  # the drafts' laws: K - 1 columns, not all
         pos = chosen[:, :Kd]
-        if Kd > law.shape[1]:  # fewer columns than drafts: padding (never drafted; draw()
-            stand_in = law.new_zeros(B, Kd - law.shape[1], V)  # wants distributions)
+        if Kd > law.shape[1]:  # fewer columns than drafts: padding (never drafted)
+            stand_in = law.new_zeros(B, Kd - law.shape[1], V)  # a point mass at token 0
             stand_in[..., 0] = 1.0
             law = torch.cat([law, stand_in], dim=1)
             pos = torch.cat([pos, pos.new_full((B, Kd - pos.shape[1]), -1)], dim=1)
-        real = (pos >= 0) & (torch.arange(Kd, device=device)[None] < many[:, None] - 1)
-        y = draw(law, real, self.generator)
+        real = (pos >= 0) & (arange(Kd, device)[None] < many[:, None] - 1)
+        y = self.rnd.pick(law) * real
         pos = torch.where(real, pos, n)
         self.tok.scatter_(1, pos, torch.where(real, y, self.tok.gather(1, pos)))
-        return law, (many - 1).clamp(min=0)
+        self.p.copy_(law)
+        return (many - 1).clamp(min=0)

@@ -201,8 +201,10 @@ class _Loop:
         if mode == "off":
             self.rnd = LiveRandoms(generator)
         else:  # drawn ahead, in the live sequence: uniforms, the closing pick, the drafts
-            self.rnd = AheadRandoms((B, Kd), [(B, V)] + ([(B, Kd, V)] if Kd else []), device,
-                                    generator)  # fmt: skip
+            draws = [("uniform", (B, Kd)), ("pick", (B, V))] + (
+                [("pick", (B, Kd, V))] if Kd else []
+            )
+            self.rnd = AheadRandoms(draws, device, generator)
         self.runners: dict[int, RoundRunner] = {}
         self.hooks = False
 

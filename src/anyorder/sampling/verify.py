@@ -28,6 +28,8 @@ Design choices:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -98,58 +100,63 @@ class LiveRandoms(Randoms):
 
 class AheadRandoms(Randoms):
     """Drawn ahead of a pass into static buffers (:meth:`fill`, eagerly), in the sequence
-    :class:`LiveRandoms` draws them: the ratio tests' uniforms (B, Kd), then the exponentials
-    of each pick, of the shapes ``picks`` (rows x V). The pass itself then holds no
-    generator (it can be captured), and its tokens are those of the live draws.
+    :class:`LiveRandoms` draws them (uniforms by ``torch.rand``, each pick's exponentials by
+    ``exponential_``). The pass itself then holds no generator (it can be captured), and
+    its tokens are those of the live draws.
 
     Args:
-        uniforms: the shape of the uniforms.
-        picks: the shapes of the picks' probabilities, in the order the pass picks.
+        draws: ``("uniform", shape)`` or ``("pick", shape)`` (the probabilities' shape), in
+            the order the pass asks for them.
         device: where the pass runs.
         generator: the generator (on any device).
     """
 
     def __init__(
         self,
-        uniforms: tuple[int, ...],
-        picks: list[tuple[int, ...]],
+        draws: list[tuple[str, tuple[int, ...]]],
         device: torch.device,
         generator: torch.Generator | None,
     ) -> None:
         self.generator = generator
-        f64 = dict(dtype=torch.float64, device=device)
-        self.u = torch.zeros(uniforms, **f64)
-        self.exp = [torch.ones(shape, **f64) for shape in picks]
+        self.kinds = [kind for kind, _ in draws]
+        self.buffers = [torch.ones(shape, dtype=torch.float64, device=device) for _, shape in draws]
         self.next = 0
 
     def fill(self) -> None:
         """Draw the next pass's randoms (eagerly, outside any graph)."""
         g = self.generator
-        gdev = g.device if g is not None else self.u.device
-        same = gdev == self.u.device
-        if same:
-            torch.rand(self.u.shape, generator=g, dtype=torch.float64, device=gdev, out=self.u)
-        else:
-            self.u.copy_(torch.rand(self.u.shape, generator=g, dtype=torch.float64, device=gdev))
-        for e in self.exp:
-            if same:
-                e.exponential_(generator=g)
+        for kind, buf in zip(self.kinds, self.buffers):
+            if not buf.numel():  # (an empty draw takes nothing from the generator)
+                continue
+            gdev = g.device if g is not None else buf.device
+            if gdev == buf.device:
+                target = buf
             else:
-                e.copy_(torch.empty(e.shape, dtype=e.dtype, device=gdev).exponential_(generator=g))
+                target = torch.empty(buf.shape, dtype=buf.dtype, device=gdev)
+            if kind == "uniform":
+                torch.rand(buf.shape, generator=g, dtype=buf.dtype, device=gdev, out=target)
+            else:
+                target.exponential_(generator=g)
+            if target is not buf:
+                buf.copy_(target)
 
     def begin(self) -> None:
         self.next = 0
 
+    def _take(self, kind: str, shape: tuple[int, ...]) -> Tensor:
+        i = self.next
+        ok = i < len(self.kinds) and self.kinds[i] == kind
+        if not ok or self.buffers[i].numel() != math.prod(shape):
+            drawn = list(zip(self.kinds, (tuple(b.shape) for b in self.buffers)))
+            raise RuntimeError(f"draw {i} asked as {kind} {tuple(shape)}; drawn ahead: {drawn}")
+        self.next += 1
+        return self.buffers[i]
+
     def uniform(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
-        if tuple(shape) != tuple(self.u.shape):
-            raise RuntimeError(f"uniforms of shape {shape} asked, {tuple(self.u.shape)} drawn")
-        return self.u
+        return self._take("uniform", shape).view(shape)
 
     def pick(self, probs: Tensor) -> Tensor:
-        e = self.exp[self.next]
-        self.next += 1
-        if e.numel() != probs.numel():
-            raise RuntimeError(f"a pick of {tuple(probs.shape)} asked, {tuple(e.shape)} drawn")
+        e = self._take("pick", tuple(probs.shape))
         return (probs / e.view(probs.shape)).argmax(dim=-1)  # the exponential race
 
 
