@@ -125,10 +125,10 @@ def call(
         return fn(model, n, spec["streams"], **kw)
     if fn is lemma1_sample:
         return fn(model, n, spec["steps"], **kw)
-    if fn is speculative_sample:  # no CUDA graphs: passes decided one at a time
-        return fn(model, n, spec["K"], batch=batch, generator=gen)
+    if fn is speculative_sample:  # captured rounds, one graph per key level
+        return fn(model, n, spec["K"], **kw)
     if fn is confidence_sample:
-        return fn(model, n, speculative=spec["K"], batch=batch, generator=gen)
+        return fn(model, n, speculative=spec["K"], **kw)
     return fn(model, n, **kw)
 
 

@@ -86,6 +86,8 @@ def find_decode(rows: list[dict], batch: int, kind: str, what: str, value: int) 
             return r
         if what == "strided" and re.search(rf"\bs={value}\b", label):
             return r
+        if what == "spec" and re.search(rf"^{kind} spec k={value}\b", label):
+            return r
     return None
 
 
@@ -113,7 +115,22 @@ def decode_rows(dec: dict | None, why: str, dve: dict | None) -> list[dict]:
         paper = n == PAPER_N
         note = "" if paper else f"measured at n={n}, not the target's size"
         out.append(row(target, f"<= {bound}", sec, sec <= bound if paper else None, note))
+    out.append(_speculative_row(rows_in, why))
     return out
+
+
+def _speculative_row(rows_in: list[dict], why: str) -> dict:
+    """Speculative K = 4 over sequential decoding of the same model (aogpt, batch 1), both
+    from the same run of decode.py (captured rounds where it ran with ``--graphs``)."""
+    target = "aogpt speculative K=4 / sequential, batch 1 (time ratio)"
+    spec = find_decode(rows_in, 1, "aogpt", "spec", 4)
+    seq = find_decode(rows_in, 1, "aogpt", "seq", 0)
+    a, b = (_seconds(r) if r else None for r in (spec, seq))
+    if a is None or not b:
+        return row(target, "<= 0.5", None, None, why or "no aogpt spec K=4 / seq row at batch 1")
+    paper = spec.get("n", PAPER_N) == PAPER_N
+    note = "" if paper else f"measured at n={spec.get('n')}, not the target's size"
+    return row(target, "<= 0.5", a / b, a / b <= 0.5 if paper else None, note)
 
 
 def _dve_point(dve: dict | None, batch: int, steps: int) -> tuple[float | None, int | None]:

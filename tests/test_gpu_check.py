@@ -41,6 +41,9 @@ def test_targets_table_judges_paper_size_figures(tmp_path) -> None:
         dict(sampler="aogpt lemma1 T=256", batch=8, n=1024, ms_per_token=1.0),  # 1.024 s
         dict(sampler="armd S=4", batch=1, n=1024, ms_per_token=0.25),  # 0.256 s
         dict(sampler="armd S=4", batch=8, n=1024, ms_per_token=9.0),  # another batch
+        dict(sampler="aogpt seq", batch=1, n=1024, ms_per_token=1.2),
+        dict(sampler="aogpt spec K=4", batch=1, n=1024, ms_per_token=0.66),  # 0.55 x seq
+        dict(sampler="armd spec K=4", batch=1, n=1024, ms_per_token=0.1),  # another model
     ]
     _write(tmp_path, "decode.json", {"rows": decode})
     _write(tmp_path, "gpu_tests.txt", "....\n17 passed, 1 failed in 30.1s\n")
@@ -51,6 +54,8 @@ def test_targets_table_judges_paper_size_figures(tmp_path) -> None:
     assert rows["decoding aogpt Lemma 1 T=256, batch 8 (s/batch)"]["verdict"] == "NOT met"
     assert rows["ARMD strided S=4, batch 1 (s/sample)"]["verdict"] == "met"
     assert rows["ARMD strided S=2, batch 1 (s/sample)"]["verdict"] == "not measured"
+    spec = rows["aogpt speculative K=4 / sequential, batch 1 (time ratio)"]
+    assert spec["measured"] == pytest.approx(0.55) and spec["verdict"] == "NOT met"
     assert rows["training gpt TFLOP/s (eager)"]["verdict"] == "met"  # 330 >= 0.4 x 790
     assert rows["training aogpt/gpt time over FLOP ratio (eager)"]["verdict"] == "NOT met"
     assert rows["training armd L2s=6/gpt time over FLOP ratio (eager)"]["verdict"] == "met"
