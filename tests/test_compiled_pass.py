@@ -1,20 +1,28 @@
-"""A decoding pass compiles whole: ``torch.compile(fullgraph=True)`` of the pass every
-fast decoder sampler runs (``sampling/passes.py``: the table row read, the static caches
-written, the model's ``decode``) takes it as one graph for gpt, aogpt and armd, and the
-decode through compiled passes gives the eager decode's tokens and logits (within 1e-5).
+"""A decoding pass compiles whole: under :func:`~anyorder.sampling.graphs.compiled_passes`
+every runner's pass is ``torch.compile(fullgraph=True)``-ed (a graph break raises): the
+planned samplers' passes (``sampling/passes.py``: the table row read, the static caches
+written, the model's ``decode``) for gpt, aogpt and armd, and the speculative and
+confidence-ordered rounds (their tables, ratio tests and drafts included). The decode
+through compiled passes gives the eager decode's tokens and logits (within 1e-5).
 
-The passes are compiled where the CUDA-graph runner calls them (``PassRunner``, in its CPU
-emulation): the same callable, the same order, each group's static buffers. The reference
-is the eager decode with graphs off, computed independently of the runner.
+The passes are compiled where the CUDA-graph runners call them (in their CPU emulation:
+``compiled_passes`` turns a CPU decode's runners on): the same callable, the same order,
+each group's static buffers. The reference is the eager decode with graphs off, computed
+independently of the runners.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from anyorder.sampling import graphs as graphs_mod
-from anyorder.sampling import samplers
+from anyorder.sampling import rounds, samplers
+from anyorder.sampling.graphs import compiled_passes
 
 from conftest import tiny_model
 
@@ -22,22 +30,19 @@ N = 16
 
 
 @pytest.fixture
-def compiled_passes(monkeypatch):
-    """Every PassRunner's pass compiled with ``fullgraph=True`` (a graph break raises);
-    returns how many runners compiled one."""
+def compiled(monkeypatch):
+    """Count the runners made (each compiles its pass) under ``compiled_passes``."""
     made = []
-    real = graphs_mod.PassRunner.__init__
+    for cls in (graphs_mod.PassRunner, graphs_mod.RoundRunner):
+        real = cls.__init__
 
-    def init(self, fn, table, mode):
-        backend = compiled_passes.backend
-        made.append(table.shape)
-        real(self, torch.compile(fn, fullgraph=True, dynamic=False, backend=backend), table, mode)
+        def init(self, *a, _real=real, **k):
+            _real(self, *a, **k)
+            made.append(type(self).__name__)
 
-    compiled_passes.backend = "aot_eager"
-    monkeypatch.setattr(graphs_mod.PassRunner, "__init__", init)
+        monkeypatch.setattr(cls, "__init__", init)
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(recompile_limit=64):  # a group's shapes: one graph each
-        yield made, compiled_passes
+    yield made
     torch._dynamo.reset()
 
 
@@ -61,18 +66,85 @@ def _decode(kind: str, how: dict, mode: str, seed: int = 1):
         pytest.param("armd", {"streams": 4}, "inductor", marks=pytest.mark.slow),
     ],
 )
-def test_decoding_through_compiled_passes_equals_eager(compiled_passes, kind, how, backend):
-    made, opts = compiled_passes
-    opts.backend = backend
+def test_decoding_through_compiled_passes_equals_eager(compiled, kind, how, backend):
     how = dict(how)
     if how.pop("prompt", None):  # the first half known, the same prompt for both rows
         prompt = torch.randint(0, 11, (N,), generator=torch.Generator().manual_seed(3))
         known = torch.arange(N) < N // 2
         how.update(prompt=prompt, known=known)
     eager = _decode(kind, how, "off")
-    assert not made
-    compiled = _decode(kind, how, "emulate")
-    assert made  # the passes went through the compiled runners
-    assert torch.equal(compiled.tokens, eager.tokens)
-    assert torch.equal(compiled.step_of, eager.step_of)
-    torch.testing.assert_close(compiled.logits, eager.logits, atol=1e-5, rtol=0)
+    assert not compiled
+    with compiled_passes(backend):
+        out = _decode(kind, how, "auto")  # a CPU: the runners without a graph
+    assert compiled  # the passes went through the compiled runners
+    assert out.extra["graphs"]["mode"] == "emulate"
+    assert torch.equal(out.tokens, eager.tokens)
+    assert torch.equal(out.step_of, eager.step_of)
+    torch.testing.assert_close(out.logits, eager.logits, atol=1e-5, rtol=0)
+
+
+_ROUNDS = int(os.environ.get("ANYORDER_COMPILE_EXAMPLES", "5"))
+
+
+@settings(max_examples=_ROUNDS, derandomize=True, deadline=None,
+          suppress_health_check=list(HealthCheck))  # fmt: skip
+@given(
+    kind=st.sampled_from(["aogpt", "armd"]), n=st.integers(6, 24), batch=st.integers(1, 3),
+    sampler=st.sampled_from(["speculative", "confidence", "confidence-spec"]),
+    K=st.integers(2, 5), seed=st.integers(0, 2**16), prompt=st.booleans(),
+)  # fmt: skip
+def test_compiled_rounds_equal_the_eager_rounds(
+    compiled, kind, n, batch, sampler, K, seed, prompt, monkeypatch
+):
+    """Speculative and confidence-ordered rounds compiled whole (aot_eager: dynamo's graph,
+    functionalised, no break) at random sizes: the eager decode of the same fixed widths'
+    tokens bit for bit, its logits within 1e-5."""
+    from anyorder.sampling.confidence import confidence_sample
+    from anyorder.sampling.speculative import speculative_sample
+
+    model = tiny_model(kind, vocab_size=7, seq_len=32)
+    kw = dict(batch=batch, keep_logits=True)
+    if prompt:
+        kw.update(prompt=torch.randint(0, 7, (n,)), known=torch.arange(n) < n // 3)
+
+    def decode():
+        g = torch.Generator().manual_seed(seed)
+        if sampler == "speculative":
+            return speculative_sample(model, n, K, generator=g, **kw)
+        return confidence_sample(
+            model, n, 2, speculative=K if sampler == "confidence-spec" else None, generator=g,
+            **kw,
+        )  # fmt: skip
+
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", True)
+    eager = decode()
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", False)
+    with compiled_passes("aot_eager"):
+        out = decode()
+    assert torch.equal(out.tokens, eager.tokens) and torch.equal(out.order, eager.order)
+    assert torch.equal(out.step_of, eager.step_of)
+    torch.testing.assert_close(out.logits, eager.logits, atol=1e-5, rtol=0)
+    if out.forward_passes >= 4:
+        assert "RoundRunner" in compiled
+
+
+@pytest.mark.slow
+def test_speculative_rounds_through_inductor_equal_eager(compiled, monkeypatch) -> None:
+    """The rounds compiled into inductor's CPU kernels (about a minute): the same tokens as
+    the eager rounds, logits within 1e-5."""
+    from anyorder.sampling.speculative import speculative_sample
+
+    model = tiny_model("aogpt", vocab_size=7, seq_len=32)
+
+    def decode():
+        g = torch.Generator().manual_seed(1)
+        return speculative_sample(model, 20, 3, batch=2, generator=g, keep_logits=True)
+
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", True)
+    eager = decode()
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", False)
+    with compiled_passes("inductor"):
+        out = decode()
+    assert "RoundRunner" in compiled
+    assert torch.equal(out.tokens, eager.tokens)
+    torch.testing.assert_close(out.logits, eager.logits, atol=1e-5, rtol=0)

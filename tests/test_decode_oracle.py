@@ -46,6 +46,7 @@ from anyorder.data import ByteTokenizer
 from anyorder.layers.linear import use_prepacked
 from anyorder.orders import strided
 from anyorder.sample import naive_sample, parse_template, sample, strided_sample
+from anyorder.sampling.graphs import compiled_passes
 from test_sample import slot_oracle
 
 KINDS = ["gpt", "aogpt", "aogpt", "armd", "armd", "armd", "aogpt-ref", "sigmagpt-ref"]
@@ -145,8 +146,10 @@ def _path(path: str):
     plan_mod.BUCKET_ON_CPU = path in ("gpu-plan", "bucketed")
     if path == "gpu-plan":
         plan_mod._PACK_BELOW = -1.0
+    compiling = compiled_passes("aot_eager") if path == "compiled" else contextlib.nullcontext()
     try:
-        yield "emulate" if path == "emulate" else "off"
+        with compiling:
+            yield "emulate" if path in ("emulate", "compiled") else "off"
     finally:
         plan_mod.BUCKET_ON_CPU, plan_mod._PACK_BELOW = saved
 
@@ -322,6 +325,22 @@ def test_every_decoding_path_equals_the_uncached_oracle(req: dict) -> None:
 @given(req=requests(n_max=SEQ))
 def test_every_decoding_path_equals_the_uncached_oracle_many(req: dict) -> None:
     _check(req)
+
+
+COMPILED = int(os.environ.get("ANYORDER_COMPILE_EXAMPLES", "4"))
+
+
+@settings(max_examples=COMPILED, derandomize=True, **_common)
+@given(req=requests(n_max=40))
+def test_compiled_passes_equal_the_uncached_oracle(req: dict) -> None:
+    """The passes compiled whole (``compiled_passes``, aot_eager: dynamo's graph with no
+    break, functionalised) and replayed by the runners: the oracle's logits, every sampler
+    the plan runs (a few requests: each pass shape compiles)."""
+    torch._dynamo.reset()
+    try:
+        _check_path(req, "compiled")
+    finally:
+        torch._dynamo.reset()
 
 
 TRUNK_FAST = int(os.environ.get("ANYORDER_ORACLE_EXAMPLES", "25"))

@@ -73,3 +73,41 @@ def test_what_capturing_cost_is_reported():
         f"CUDA graphs: {captured['shapes']} pass shapes captured in 0.25 s, in the time above "
         "(--no-cuda-graphs: eager)"
     )
+
+
+def test_compiled_passes_are_reported_and_the_cli_compiles_them(tmp_path, capsys):
+    """``--compile-passes BACKEND``: the decode goes through compiled runners (on a CPU
+    without a graph), prints what compiling cost, and samples what the eager decode does."""
+    import json
+
+    from anyorder.checkpoint import save_checkpoint
+    from anyorder.cli import main
+    from anyorder.config import RunConfig
+    from anyorder.data import ByteTokenizer
+
+    line = graphs_line({"mode": "emulate", "shapes": 3, "capture_s": 1.5, "compiled": "inductor"})
+    assert line == "compiled passes: 3 pass shapes compiled (inductor) in 1.50 s, in the time above"
+    line = graphs_line({"mode": "cuda", "shapes": 2, "capture_s": 9.0, "compiled": "inductor"})
+    assert line == (
+        "CUDA graphs: 2 pass shapes compiled (inductor) and captured in 9.00 s, in the time "
+        "above (--no-cuda-graphs: eager)"
+    )
+    model = tiny_model("aogpt", vocab_size=257, seq_len=16)
+    save_checkpoint(tmp_path / "m", 1, model=model, config=RunConfig(model=model.cfg),
+                    tokenizer=ByteTokenizer())  # fmt: skip
+    argv = ["sample", str(tmp_path / "m"), "--length", "12", "--seed", "2", "--json",
+            "--no-stop-at-eos", "--speculative", "3"]  # fmt: skip
+    torch._dynamo.reset()
+    try:
+        assert main(argv) == 0
+        eager = json.loads(capsys.readouterr().out)
+        assert main([*argv[:-1], "3", "--compile-passes", "aot_eager"]) == 0
+        out = capsys.readouterr()
+        argv_text = [a for a in argv if a != "--json"]
+        assert main([*argv_text, "--compile-passes", "aot_eager"]) == 0
+        err = capsys.readouterr().err
+    finally:
+        torch._dynamo.reset()
+    compiled = json.loads(out.out)
+    assert compiled["samples"] == eager["samples"]
+    assert "compiled passes: " in err and "pass shapes compiled (aot_eager) in" in err

@@ -11,6 +11,8 @@ import argparse
 import sys
 from typing import Any
 
+from anyorder.cli.decoding import graphs_line, run_sampler
+
 # ----------------------------------------------------------------------------- sample
 
 
@@ -78,6 +80,16 @@ def add_sample(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="capture each forward-pass shape once as a CUDA graph and replay it (default: on "
         "with a CUDA device, off on a CPU; --no-cuda-graphs decodes eagerly)",
+    )
+    p.add_argument(
+        "--compile-passes",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="compile every decoding pass whole with torch.compile (fullgraph) before it is "
+        "captured or replayed (default backend inductor; the first pass of each shape pays the "
+        "compilation: seconds to minutes)",
     )
     p.add_argument(
         "--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on CUDA"
@@ -397,7 +409,7 @@ def run_sample(args: argparse.Namespace) -> int:
     gen = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
     with ctx, bounds.out_of_memory_as_error(f"--num-samples {args.num_samples} x {n} tokens"):
-        result = _run_sampler(args, model, n, order, streams, prompt, known, gen, stop, stream)
+        result = run_sampler(args, model, n, order, streams, prompt, known, gen, stop, stream)
     seconds = time.perf_counter() - start
     tokens = result.tokens.cpu()
     given = result.step_of.cpu() == -1  # a prompt's EOS ends no text
@@ -442,45 +454,6 @@ def run_sample(args: argparse.Namespace) -> int:
             print("  sample {}: {} passes, {} drafted, {} accepted, {} tokens".format(i + 1, *row),
                   file=sys.stderr)  # fmt: skip
     return 0
-
-
-def graphs_line(captured: dict | None) -> str | None:
-    """The line that reports what capturing CUDA graphs cost (None: nothing captured)."""
-    if not captured or captured["mode"] != "cuda":
-        return None
-    return (
-        f"CUDA graphs: {captured['shapes']} pass shapes captured in {captured['capture_s']:.2f} "
-        "s, in the time above (--no-cuda-graphs: eager)"
-    )
-
-
-def _run_sampler(args, model, n, order, streams, prompt, known, gen, stop, stream):
-    """The sampler the flags ask for: confidence order, speculative, or :func:`sample`."""
-    from anyorder.sample import sample
-    from anyorder.sampling.confidence import confidence_sample
-    from anyorder.sampling.speculative import speculative_sample
-
-    controls = dict(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen,
-        batch=args.num_samples, prompt=prompt, known=known,
-    )  # fmt: skip
-    if order == "confidence":
-        return confidence_sample(
-            model, n, 1 if args.per_pass is None else args.per_pass,
-            speculative=args.speculative, subset=args.score_subset,
-            **controls,
-        )  # fmt: skip
-    if args.speculative is not None:
-        return speculative_sample(
-            model, n, args.speculative, order=order, graphs=args.cuda_graphs, **controls
-        )
-    return sample(
-        model, n, order=None if order == "strided" else order, streams=streams,
-        steps=args.steps, schedule=args.schedule or "linear", shared_counts=args.shared_counts,
-        reveal=args.reveal or "binomial", graphs=args.cuda_graphs, stop_at_eos=stop,
-        on_step=stream,
-        **controls,
-    )  # fmt: skip
 
 
 def _spec_counts(spec) -> dict[str, list[int]]:

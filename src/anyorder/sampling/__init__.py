@@ -20,6 +20,7 @@ from anyorder.sampling.draws import (
     prompt_order,
     sample_logits,
 )
+from anyorder.sampling.graphs import compiled_passes
 from anyorder.sampling.naive import naive_sample, slot_logits
 from anyorder.sampling.samplers import (
     encoder_sample,
@@ -49,6 +50,7 @@ __all__ = [
     "SpeculativeStats",
     "StepHook",
     "check_controls",
+    "compiled_passes",
     "decode_text",
     "draw_reveals",
     "encoder_sample",

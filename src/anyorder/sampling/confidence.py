@@ -46,7 +46,7 @@ from anyorder.sampling.draws import (
     SampleResult,
     check_controls,
 )
-from anyorder.sampling.graphs import RoundRunner, resolve_mode
+from anyorder.sampling.graphs import RoundRunner, compiling, resolve_mode
 from anyorder.sampling.rounds import Engine, HostCounts, Round, arange, const, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.speculative import SpeculativeStats
@@ -183,6 +183,7 @@ def confidence_sample(
             "mode": mode,
             "shapes": len(run.runners),
             "capture_s": sum(r.capture_s for r in run.runners.values()),
+            "compiled": compiling(),
         }
     return out
 

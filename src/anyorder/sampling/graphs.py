@@ -36,10 +36,46 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
+
+_COMPILE: ContextVar[str | None] = ContextVar("anyorder_compile_passes", default=None)
+RECOMPILE_LIMIT = 256
+"""Compiled variants of one pass function kept while :func:`compiled_passes` is on (one per
+pass shape and key level, per request shape): past it, dynamo runs the pass eagerly."""
+
+
+@contextlib.contextmanager
+def compiled_passes(backend: str = "inductor") -> Iterator[None]:
+    """Compile every decoding pass of the block with ``torch.compile(fullgraph=True)``
+    before it is captured (on CUDA) or replayed (elsewhere): the planned samplers' passes,
+    and the speculative and confidence-ordered rounds (their ratio tests and drafts
+    included). The first pass of each shape pays the compilation (seconds to minutes at
+    paper size, again for each new request shape); the tokens are those of the eager decode
+    (tested at random sizes). ``backend``: :func:`torch.compile`'s (``aot_eager`` traces
+    without generating kernels: the tests' quick check)."""
+    token = _COMPILE.set(backend)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            yield
+    finally:
+        _COMPILE.reset(token)
+
+
+def compiling() -> str | None:
+    """The backend :func:`compiled_passes` set (None: passes run as they are)."""
+    return _COMPILE.get()
+
+
+def _compiled(fn: Callable) -> Callable:
+    backend = _COMPILE.get()
+    if backend is None:
+        return fn
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+
 
 GRAPH_MODES = ("off", "cuda", "emulate", "auto")
 """``auto`` (every sampler's default): ``cuda`` on a CUDA device, ``off`` elsewhere."""
@@ -55,7 +91,7 @@ class PassRunner:
     """
 
     def __init__(self, fn: Callable[[Tensor], Tensor], table: Tensor, mode: str) -> None:
-        self.fn, self.table, self.mode = fn, table, mode
+        self.fn, self.table, self.mode = _compiled(fn), table, mode
         self.counter = torch.zeros(1, dtype=torch.long, device=table.device)
         self.graph = None
         self.out: Tensor | None = None
@@ -131,7 +167,7 @@ class RoundRunner:
     def __init__(
         self, fn: Callable[[], dict | None], mode: str, static: Callable[[], list[Tensor]]
     ) -> None:
-        self.fn, self.mode, self.static = fn, mode, static
+        self.fn, self.mode, self.static = _compiled(fn), mode, static
         self.graph = None
         self.out: dict | None = None
         self.capture_s = 0.0
@@ -182,7 +218,9 @@ def resolve_mode(graphs: bool | str, device: torch.device) -> str:
     if mode not in GRAPH_MODES:
         raise SamplingError(f"graphs={graphs!r}: use True, False, or one of {GRAPH_MODES}")
     if mode == "auto":
-        return "cuda" if device.type == "cuda" else "off"
+        mode = "cuda" if device.type == "cuda" else "off"
+    if mode == "off" and compiling() is not None:  # compiled passes go through the runners
+        return "emulate"
     if mode == "cuda" and device.type != "cuda":
         raise SamplingError(
             f"CUDA graphs need a CUDA device; the model is on {device.type} (leave graphs off)"

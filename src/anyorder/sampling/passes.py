@@ -21,6 +21,9 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from functools import partial
 
@@ -42,7 +45,7 @@ from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.models.gpt import BOS
 from anyorder.sampling.draws import SampleResult, StepHook, sample_logits
-from anyorder.sampling.graphs import PassRunner
+from anyorder.sampling.graphs import PassRunner, compiling
 from anyorder.sampling.plan import Group, Plan
 
 _EOS_EVERY = 8  # passes between two looks at the early-stop flag
@@ -103,6 +106,15 @@ def earned(model: AnyOrderLM, plan: Plan, batch: int) -> tuple[Prepacked | None,
     return packs, out + ((ONE_ROW,) if packs.one_row_passes >= EARN_ONE_ROW_PASSES else ())
 
 
+def _weights(packs: Prepacked | None, make: tuple[int, ...]) -> Callable[[], ContextManager]:
+    """The context a pass reads the weights in: the CPU's prepacked copies, or (under
+    :func:`~anyorder.sampling.graphs.compiled_passes`: the compiler makes its own kernels,
+    and traces no thread-local switch) the weights as they are."""
+    if compiling() is not None:
+        return contextlib.nullcontext
+    return partial(prepacked, packs, make=make)
+
+
 class GPTPasses:
     """Passes of the GPT/AO-GPT slot layout over one static cache."""
 
@@ -113,6 +125,7 @@ class GPTPasses:
         self.cache = StaticKV(cfg.n_layer, batch, plan.capacity, shape, dtype, model.device)
         self.masks = _Masks(dtype, model.device)
         self.packs, self.make = earned(model, plan, batch)  # the CPU's (layers/linear.py)
+        self._weights = _weights(self.packs, self.make)
 
     def run(
         self,
@@ -134,7 +147,7 @@ class GPTPasses:
         mask = None if dense else self.masks(cache.visible(rank, slot))
         pk = None if packing is None else Packing(packing[0], rows, T)
         x_in = tok[:rows].gather(1, x_col)
-        with prepacked(self.packs, make=self.make):
+        with self._weights():
             return self.model.decode(cache, x_in, pos, target, mask, queries=queries, packing=pk)
 
     def fork(self) -> None:
@@ -156,6 +169,7 @@ class ARMDPasses:
         )
         self.masks = _Masks(dtype, device)
         self.packs, self.make = earned(model, plan, batch)
+        self._weights = _weights(self.packs, self.make)
         self.batch, self.block = batch, plan.block_mode
         # the content embeddings of the decided tokens, at their content slots: a query
         # row's prefix aggregate is their mean under its mask (counts come with the plan)
@@ -196,7 +210,7 @@ class ARMDPasses:
                 emb[:, sc : sc + C] = h0  # a dense pass has its rows alike
                 return emb[:, :K].sum(dim=1, keepdim=True) / count[:, C:, None]
 
-            with prepacked(self.packs, make=self.make):
+            with self._weights():
                 return self.model.decode(
                     cache, tok[:rows].gather(1, col[:, :C]), pos[:, :C], pos[:, C:],
                     prefix=mean, queries=queries, row_pos=pos,
@@ -231,7 +245,7 @@ class ARMDPasses:
                 Packing(both, rows, C + G), Packing(cont, rows, C), Packing(query, rows, G),
                 n_content,
             )  # fmt: skip
-        with prepacked(self.packs, make=self.make):
+        with self._weights():
             return self.model.decode(
                 cache,
                 tok[:rows].gather(1, col[:, :C]),
@@ -356,6 +370,7 @@ def run_plan(
             "mode": graphs,
             "shapes": len(runners),
             "capture_s": sum(r.capture_s for r in runners),
+            "compiled": compiling(),
         }
     return SampleResult(
         out, order, forward_passes=passes, step_of=step_of, logits=logits, extra=extra

@@ -34,8 +34,7 @@ Design choices:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import numpy as np
@@ -63,14 +62,13 @@ class Round:
     chain_end: Tensor  # the chain is slots e..chain_end (none: e - 1)
     qtop: Tensor  # queries see slots < qtop
     targets: Tensor  # (B, Q) positions the queries predict, a prefix of each row (-1)
+    chain: Tensor = field(init=False)  # (B,) chain entries per row
+    queries: Tensor = field(init=False)  # (B,) queries per row
 
-    @cached_property
-    def chain(self) -> Tensor:
-        return (self.chain_end - self.e + 1).clamp(min=0)
-
-    @cached_property
-    def queries(self) -> Tensor:
-        return (self.targets >= 0).sum(dim=1)
+    def __post_init__(self) -> None:
+        # computed once, here (``cached_property`` takes a lock that torch.compile refuses)
+        self.chain = (self.chain_end - self.e + 1).clamp(min=0)
+        self.queries = (self.targets >= 0).sum(dim=1)
 
 
 _CONSTANTS: dict[tuple[int, int, str], Tensor] = {}
@@ -115,6 +113,8 @@ def _queries(r: Round, j: Tensor, L: Tensor) -> tuple[Tensor, Tensor]:
 def _check_width(need: Tensor, width: int, what: str) -> None:
     """A sampler bug if a pass outgrows the widths it was given (checked where reading is
     free: on the CPU, unless it runs the GPU's path)."""
+    if torch.compiler.is_compiling():  # a compiled pass reads nothing back
+        return
     if need.device.type == "cpu" and not STATIC_ON_CPU and int(need.max()) > width:
         raise RuntimeError(f"a pass of {int(need.max())} {what} in width {width}")
 

@@ -64,7 +64,7 @@ from anyorder.errors import SamplingError
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.sampling.draws import SampleResult, check_controls
-from anyorder.sampling.graphs import RoundRunner, resolve_mode
+from anyorder.sampling.graphs import RoundRunner, compiling, resolve_mode
 from anyorder.sampling.rounds import Engine, HostCounts, Round, arange, const, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.verify import AheadRandoms, LiveRandoms, accept, probabilities
@@ -337,6 +337,7 @@ def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_ro
             "mode": mode,
             "shapes": len(loop.runners),
             "capture_s": sum(r.capture_s for r in loop.runners.values()),
+            "compiled": compiling(),
         }
     return out
 
