@@ -343,6 +343,19 @@ def test_compiled_passes_equal_the_uncached_oracle(req: dict) -> None:
         torch._dynamo.reset()
 
 
+@pytest.mark.slow
+@settings(max_examples=max(COMPILED, 8), derandomize=True, **_common)
+@given(req=trunk_requests(n_max=40))
+def test_compiled_passes_equal_the_oracle_on_modern_trunks(req: dict) -> None:
+    """The compiled passes on the converted models' trunks (grouped-query attention, widths,
+    biases, RoPE scaling)."""
+    torch._dynamo.reset()
+    try:
+        _check_path(req, "compiled")
+    finally:
+        torch._dynamo.reset()
+
+
 TRUNK_FAST = int(os.environ.get("ANYORDER_ORACLE_EXAMPLES", "25"))
 
 

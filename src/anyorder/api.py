@@ -405,7 +405,7 @@ class Model:
             if order == "confidence":
                 result = confidence_sample(
                     model, n, per_pass, speculative=speculative, batch=num_samples,
-                    prompt=prompt, known=known, **controls,
+                    prompt=prompt, known=known, graphs=graphs, **controls,
                 )  # fmt: skip
             elif speculative is not None:
                 result = speculative_sample(
