@@ -46,7 +46,7 @@ from anyorder.sampling.draws import (
     SampleResult,
     check_controls,
 )
-from anyorder.sampling.graphs import RoundRunner, compiling, resolve_mode
+from anyorder.sampling.graphs import RoundRunner, capture_report, resolve_mode
 from anyorder.sampling.rounds import Engine, HostCounts, Round, arange, const, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.speculative import SpeculativeStats
@@ -178,13 +178,9 @@ def confidence_sample(
     mode = resolve_mode(graphs, tokens.device)
     run = _Decode(model, tokens, order, k, ctl, generator, subset, keep_logits, on_step, mode)
     out = run.speculative(speculative) if speculative else run.parallel(per_pass)
-    if run.runners:  # what capturing cost, for the callers to report
-        out.extra["graphs"] = {
-            "mode": mode,
-            "shapes": len(run.runners),
-            "capture_s": sum(r.capture_s for r in run.runners.values()),
-            "compiled": compiling(),
-        }
+    captured = capture_report(mode, run.runners.values())
+    if captured is not None:
+        out.extra["graphs"] = captured
     return out
 
 

@@ -70,6 +70,20 @@ def compiling() -> str | None:
     return _COMPILE.get()
 
 
+def capture_report(mode: str, runners) -> dict | None:
+    """What capturing (and compiling) the runners' passes cost, for the callers to report
+    (``SampleResult.extra["graphs"]``; None: no runner)."""
+    runners = list(runners)
+    if not runners:
+        return None
+    return {
+        "mode": mode,
+        "shapes": len(runners),
+        "capture_s": sum(r.capture_s for r in runners),
+        "compiled": compiling(),
+    }
+
+
 def _compiled(fn: Callable) -> Callable:
     backend = _COMPILE.get()
     if backend is None:

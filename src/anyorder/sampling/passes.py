@@ -45,7 +45,7 @@ from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.models.gpt import BOS
 from anyorder.sampling.draws import SampleResult, StepHook, sample_logits
-from anyorder.sampling.graphs import PassRunner, compiling
+from anyorder.sampling.graphs import PassRunner, capture_report, compiling
 from anyorder.sampling.plan import Group, Plan
 
 _EOS_EVERY = 8  # passes between two looks at the early-stop flag
@@ -364,14 +364,8 @@ def run_plan(
     logits = None if logits_buf is None else logits_buf[:, :n]
     if stop_at_eos is not None:
         out, step_of, logits = _after_eos(out, step_of, logits, order, stop_at_eos)
-    extra = {}
-    if runners:  # what capturing cost, for the callers to report
-        extra["graphs"] = {
-            "mode": graphs,
-            "shapes": len(runners),
-            "capture_s": sum(r.capture_s for r in runners),
-            "compiled": compiling(),
-        }
+    captured = capture_report(graphs, runners)  # what capturing cost, for the callers
+    extra = {} if captured is None else {"graphs": captured}
     return SampleResult(
         out, order, forward_passes=passes, step_of=step_of, logits=logits, extra=extra
     )

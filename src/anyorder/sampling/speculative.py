@@ -64,7 +64,7 @@ from anyorder.errors import SamplingError
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.sampling.draws import SampleResult, check_controls
-from anyorder.sampling.graphs import RoundRunner, compiling, resolve_mode
+from anyorder.sampling.graphs import RoundRunner, capture_report, resolve_mode
 from anyorder.sampling.rounds import Engine, HostCounts, Round, arange, const, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.verify import AheadRandoms, LiveRandoms, accept, probabilities
@@ -332,13 +332,9 @@ def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_ro
     made = np.full(B, n - k)  # one closing token each and its accepted drafts
     out.extra["speculative"] = SpeculativeStats(made - accepted, drafted, accepted, made)
     out.extra["attention_shapes"] = sorted(loop.eng.shapes)
-    if loop.runners:  # what capturing cost, for the callers to report
-        out.extra["graphs"] = {
-            "mode": mode,
-            "shapes": len(loop.runners),
-            "capture_s": sum(r.capture_s for r in loop.runners.values()),
-            "compiled": compiling(),
-        }
+    captured = capture_report(mode, loop.runners.values())
+    if captured is not None:
+        out.extra["graphs"] = captured
     return out
 
 
