@@ -427,6 +427,15 @@ def main() -> None:
             verdict="met" if all(r["gpu_loop_syncs"] == 0 for r in decode.values()) else "NOT met",
         ),
     ]
+    captured = [r for r in decode.values() if "graph_loop_syncs" in r]
+    if captured:
+        checks.append(
+            dict(
+                target="no sync point inside the decode loop, captured path (every sampler)",
+                measured=sum(r["graph_loop_syncs"] for r in captured),
+                verdict="met" if all(r["graph_loop_syncs"] == 0 for r in captured) else "NOT met",
+            )
+        )
     if ref:
         worst = max(r["gpu_launches_per_pass"] / ref for r in decode.values())
         checks.append(

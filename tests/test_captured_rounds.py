@@ -220,3 +220,53 @@ def test_graphs_on_a_cpu_are_refused_and_off_by_default() -> None:
         speculative_sample(model, 8, 2, graphs=True)
     out = speculative_sample(model, 8, 2, generator=torch.Generator().manual_seed(0))
     assert "graphs" not in out.extra  # auto on a CPU: eager
+
+
+@pytest.mark.parametrize(
+    "kind, sampler, most",
+    [("aogpt", "speculative", 6), ("armd", "speculative", 6), ("aogpt", "confidence-spec", 6),
+     ("armd", "confidence", 2)],
+)  # fmt: skip
+def test_a_replayed_round_is_a_few_host_launches_and_reads_nothing(
+    kind, sampler, most, monkeypatch
+) -> None:
+    """Issue 41's CPU proxies on the captured path, counted as a GPU runs it (a replay is one
+    launch): between two replays the host launches at most ``most`` kernels (the randoms
+    drawn ahead, the counts' copy), reads nothing back from the device inside the loop, and
+    the decode has at most eight attention shapes."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from anyorder.sampling import graphs
+    from anyorder.sampling.confidence import confidence_sample
+    from launch_overhead import Counter, host_reads, replays_counted
+
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", True)  # the GPU's path: no width reads
+    model = tiny_model(kind, seq_len=64, vocab_size=11)
+    counter, marks = Counter(), []
+    real = graphs.RoundRunner.__call__
+
+    def call(self, *a, **k):
+        marks.append((self.graph is not None, counter.launches))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(graphs.RoundRunner, "__call__", call)
+    g = torch.Generator().manual_seed(1)
+    with counter, host_reads(counter), replays_counted(counter):
+        if sampler == "speculative":
+            out = speculative_sample(model, 64, 4, batch=4, generator=g, graphs="emulate")
+        else:
+            K = 4 if sampler == "confidence-spec" else None
+            out = confidence_sample(model, 64, 4, speculative=K, batch=4, generator=g,
+                                    graphs="emulate")  # fmt: skip
+    steady = [b[1] - a[1] for a, b in zip(marks, marks[1:]) if a[0] and b[0]]
+    assert len(steady) >= out.forward_passes // 2  # most passes are replays
+    assert max(steady) <= most, sorted(set(steady))
+    events = counter.events
+    attn = [i for i, (kind_, _) in enumerate(events) if kind_ == "attn"]
+    syncs = [
+        d for i, (kind_, d) in enumerate(events) if kind_ == "sync" and attn[0] <= i <= attn[-1]
+    ]
+    assert syncs == []
+    assert len({d for kind_, d in events if kind_ == "attn"}) <= 8
