@@ -114,7 +114,7 @@ def _columns(order: Tensor, c: Tensor, chain: Tensor, targets: Tensor, J: int) -
     in_chain = order.gather(1, (c[:, None] + j).clamp(max=n - 1))
     t = j - chain[:, None]
     query = targets.gather(1, t.clamp(0, max(Q - 1, 0))) if Q else torch.full_like(t, -1)
-    query = torch.where((t >= 0) & (t < Q), query, -1)
+    query = torch.where((t >= 0) & (t < Q), query, const(-1, order.device))
     return torch.where(j < chain[:, None], in_chain, query)
 
 
@@ -346,7 +346,7 @@ class _Decode:
         r = Round(e, cc, top, qtop, targets)
         ext = extend(self.order)  # this pass's order (the first pass reorders it)
         raw = eng.run(ext, r, self.tok, start, not passes, reach)
-        chain = torch.where(live, D + 1, 0) if head else torch.zeros_like(c)
+        chain = (D + 1) * live if head else torch.zeros_like(c)
         colpos = _columns(self.order, c, chain, targets, raw.shape[1])
         if head:
             m, used = self._verify(ext, raw, c, D, live), raw
@@ -356,19 +356,20 @@ class _Decode:
             ext = extend(self.order)
         jj = arange(used.shape[1], self.device)
         done = (jj[None] <= m[:, None]) & live[:, None]
-        info = self._record(ext, torch.where(done, c[:, None] + jj, n), used)
+        info = self._record(ext, torch.where(done, c[:, None] + jj, const(n, self.device)), used)
         jr = arange(raw.shape[1], self.device)[None]
         decided = (jr <= m[:, None]) & (jr < chain[:, None]) if head else jr == best[:, None]
         D_next = self._choose(raw, colpos, (colpos >= 0) & ~decided, c, m, K, live)
-        c_next = c + torch.where(live, m + 1, 0)
+        made = (m + 1) * live  # tokens committed by each row
+        c_next = c + made
         if head:
             e_next = c_next
             cc_next = (c_next - 1).clamp(min=0) if self.armd else c_next
         else:
             e_next = cc_next = c
         eng.forget(e_next, cc_next)
-        drafted = torch.where(live, D, 0) if head else torch.zeros_like(c)
-        self.counts += torch.stack([live.long(), drafted, m, torch.where(live, m + 1, 0)])
+        drafted = D * live if head else torch.zeros_like(c)
+        self.counts += torch.stack([live.long(), drafted, m, made])
         e.copy_(e_next)
         cc.copy_(cc_next)
         c.copy_(c_next)
@@ -382,8 +383,8 @@ class _Decode:
         drafts = self.tok.gather(1, ext.gather(1, (c[:, None] + cols).clamp(max=n)))
         chain = raw[:, : self.p.shape[1] + 1]  # the verified slots and the closing one
         m, closing = accept(probabilities(chain, *self.ctl), self.p, drafts, D, self.rnd)
-        m = torch.where(live, m, 0)
-        close_pos = ext.gather(1, torch.where(live, c + m, n)[:, None])
+        m = m * live
+        close_pos = ext.gather(1, torch.where(live, c + m, const(n, self.device))[:, None])
         self.tok.scatter_(1, close_pos, closing[:, None])
         return m
 
@@ -392,10 +393,12 @@ class _Decode:
         exact conditional. Returns its logits (B, 1, V) and its column (B,)."""
         best = _confidence(raw, self.ctl[0], colpos >= 0).argmax(dim=1)
         pick = colpos.gather(1, best[:, None])
-        self.order.copy_(_reorder(self.order, c, torch.where(live[:, None], pick, -1)))
+        pick = torch.where(live[:, None], pick, const(-1, c.device))
+        self.order.copy_(_reorder(self.order, c, pick))
         used = raw.gather(1, best[:, None, None].expand(-1, 1, raw.shape[-1]))
         token = self.rnd.pick(probabilities(used[:, 0], *self.ctl)) * live
-        self.tok.scatter_(1, torch.where(live[:, None], pick, self.n), token[:, None])
+        at = torch.where(live[:, None], pick, const(self.n, c.device))
+        self.tok.scatter_(1, at, token[:, None])
         return used, best
 
     def _choose(self, raw, colpos, candidate, c, m, K: int, live) -> Tensor:
@@ -405,10 +408,10 @@ class _Decode:
         B, device, n = len(c), self.device, self.n
         Kmax = min(K, raw.shape[1])
         vals, cols = _most(_confidence(raw, self.ctl[0], candidate), Kmax)
-        c_next = c + torch.where(live, m + 1, 0)
+        c_next = c + (m + 1) * live
         room = (n - c_next).clamp(0, K)
         valid = (arange(Kmax, device)[None] < room[:, None]) & torch.isfinite(vals)
-        chosen = torch.where(valid & live[:, None], colpos.gather(1, cols), -1)  # (B, Kmax)
+        chosen = torch.where(valid & live[:, None], colpos.gather(1, cols), const(-1, device))
         self.order.copy_(_reorder(self.order, c_next, chosen))
         many = (chosen >= 0).sum(dim=1)
         Kd = max(K - 1, 0)
@@ -425,7 +428,7 @@ class _Decode:
             pos = torch.cat([pos, pos.new_full((B, Kd - pos.shape[1]), -1)], dim=1)
         real = (pos >= 0) & (arange(Kd, device)[None] < many[:, None] - 1)
         y = self.rnd.pick(law) * real
-        pos = torch.where(real, pos, n)
+        pos = torch.where(real, pos, const(n, device))
         self.tok.scatter_(1, pos, torch.where(real, y, self.tok.gather(1, pos)))
         self.p.copy_(law)
         return (many - 1).clamp(min=0)

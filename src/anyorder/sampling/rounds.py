@@ -161,29 +161,30 @@ def armd_table(
         C, G = widths
         _check_width(Cn, C, "content rows")
         _check_width(L + r.queries, G, "query rows")
-    j = torch.arange(C, device=ext.device)[None]
+    device = ext.device
+    big = const(BIG, device)
+    j = arange(C, device)[None]
     s = r.cc[:, None] + j
     creal = j < Cn[:, None]
-    cpos = torch.where(creal, ext.gather(1, s.clamp(0, n)), n)
-    crank = torch.where(creal, s, BIG)
-    ones = torch.ones_like(s)
-    content = [cpos, torch.where(creal, cpos, 0), crank + 1, 0 * s, s, crank, BIG * ones, ones]
-    j = torch.arange(G, device=ext.device)[None]
+    cpos = torch.where(creal, ext.gather(1, s.clamp(0, n)), const(n, device))
+    crank = torch.where(creal, s, big)
+    fixed = [const(v, device).expand_as(s) for v in (0, BIG, 1)]  # constant rows: no kernel
+    content = [cpos, cpos * creal, crank + 1, fixed[0], s, crank, fixed[1], fixed[2]]
+    j = arange(G, device)[None]
     s = r.e[:, None] + j
     chain = j < L[:, None]
     query, qtarget = _queries(r, j, L)
     real = chain | query
-    lim = torch.where(chain, s, torch.where(query, r.qtop[:, None], BIG))
-    ones = torch.ones_like(s)
+    lim = torch.where(chain, s, torch.where(query, r.qtop[:, None], big))
     rows = [
-        n * ones,
+        const(n, device).expand_as(s),
         torch.where(chain, ext.gather(1, s.clamp(0, n)), qtarget),
         lim,
         (real & (lim <= 0)).long(),  # sees no content: ARMD's first slot
         s,
-        torch.where(chain, s, BIG),
+        torch.where(chain, s, big),
         lim,
-        torch.where(real, lim.clamp(min=1), 1),  # the content a query row averages
+        torch.where(real, lim.clamp(min=1), const(1, device)),  # the content a row averages
     ]
     return torch.cat([torch.stack(content, 1), torch.stack(rows, 1)], dim=2), (C, G)
 
