@@ -220,8 +220,11 @@ class _Decode:
         kept = [self.c, self.e, self.cc, self.D, self.p, self.counts, self.step, self.tok]
         return kept + [self.order, self.step_of] + ([] if self.logits is None else [self.logits])
 
-    def _draws(self, tail: list[tuple[str, tuple[int, ...]]]) -> AheadRandoms:
-        """The randoms of a steady pass drawn ahead: the scored subset's, then ``tail``."""
+    def _draws(self, tail: list[tuple[str, tuple[int, ...]]]) -> AheadRandoms | None:
+        """The randoms of a steady pass drawn ahead: the scored subset's, then ``tail``
+        (None when nothing is captured: the eager passes draw live)."""
+        if self.mode == "off":
+            return None
         B, n = self.order.shape
         head = [("uniform", (B, n))] if self.subset is not None and self.subset < n else []
         return AheadRandoms(head + tail, self.device, self.generator)
