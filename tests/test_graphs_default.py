@@ -111,3 +111,19 @@ def test_compiled_passes_are_reported_and_the_cli_compiles_them(tmp_path, capsys
     compiled = json.loads(out.out)
     assert compiled["samples"] == eager["samples"]
     assert "compiled passes: " in err and "pass shapes compiled (aot_eager) in" in err
+
+
+def test_an_unknown_compile_backend_is_one_line_and_exit_2(tmp_path, capsys):
+    from anyorder.checkpoint import save_checkpoint
+    from anyorder.cli import main
+    from anyorder.config import RunConfig
+    from anyorder.data import ByteTokenizer
+
+    model = tiny_model("aogpt", vocab_size=257, seq_len=16)
+    save_checkpoint(tmp_path / "m", 1, model=model, config=RunConfig(model=model.cfg),
+                    tokenizer=ByteTokenizer())  # fmt: skip
+    code = main(["sample", str(tmp_path / "m"), "--length", "8", "--compile-passes", "nope"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("anyorder sample: error: compiled passes: backend 'nope' is not one of")
+    assert "use inductor (the default) or aot_eager" in err

@@ -57,6 +57,14 @@ def compiled_passes(backend: str = "inductor") -> Iterator[None]:
     paper size, again for each new request shape); the tokens are those of the eager decode
     (tested at random sizes). ``backend``: :func:`torch.compile`'s (``aot_eager`` traces
     without generating kernels: the tests' quick check)."""
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        from anyorder.errors import SamplingError
+
+        raise SamplingError(
+            f"compiled passes: backend {backend!r} is not one of torch.compile's "
+            f"({', '.join(known)}); use inductor (the default) or aot_eager"
+        )
     token = _COMPILE.set(backend)
     try:
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
