@@ -23,7 +23,8 @@ each sampler, at the ``tiny`` preset, batch 8, n = 256 by default, this prints
 * the speculative rows (``*-spec-K*``) and the confidence-ordered ones (``*-confidence-*``)
   decide each pass after the last. The speculative sampler keeps its rows' counters on the
   device and reads them two passes late from pinned memory (not a sync: the host waits at
-  most for the pass before last while the last is queued); the confidence order reads the
+  most for the pass before last while the last is queued; once in eight passes, or when
+  the read may end the decode: printed under the row); the confidence order reads the
   chosen positions once per pass (counted in ``syncs/pass``). Their ``passes`` are the
   model calls (random weights: nearly flat conditionals, so more drafts are accepted than
   with a trained model);
@@ -344,16 +345,21 @@ def main() -> None:
         model = models[kind]
         fn = _sampler(kw)
 
-        def run(model=model, kw=kw, fn=fn, graphs=None) -> int:
+        last = {}
+
+        def run(model=model, kw=kw, fn=fn, graphs=None, last=last) -> int:
             g = torch.Generator().manual_seed(0)
             extra = {} if graphs is None else dict(graphs=graphs)
             with torch.no_grad():
-                return fn(model, n, batch=B, generator=g, **kw, **extra).forward_passes
+                out = last["out"] = fn(model, n, batch=B, generator=g, **kw, **extra)
+            return out.forward_passes
 
         run()  # warm-up: lazy tables, allocator
         rows[name] = measure(run)
         with gpu_path():
             gpu = measure(run)
+            if "count_reads" in last["out"].extra:  # pinned, two passes late: not syncs
+                rows[name]["gpu_count_reads"] = last["out"].extra["count_reads"], gpu["passes"]
             captured = None
             if fn is sample or fn.__name__ in ("speculative", "confidence_sample"):  # capture
                 captured = measure(partial(run, graphs="emulate"))
@@ -411,6 +417,11 @@ def main() -> None:
             f"{r['shapes']:6d} {r['gpu_shapes']:10d} {_num(r.get('graph_launches_per_pass'))} "
             f"{_num(r.get('graph_kernels_per_pass'), 13)}"
         )
+        if "gpu_count_reads" in r:
+            print(
+                f"{'':30s} GPU path: the host read the rows' counts %d times in %d passes "
+                "(pinned memory, two passes late)" % tuple(r["gpu_count_reads"])
+            )
         for path, ops in (("CPU", r["loop_sync_ops"]), ("GPU", r["gpu_loop_sync_ops"])):
             if ops:
                 print(f"{'':30s} syncs in the loop, {path} path: {', '.join(ops)}")

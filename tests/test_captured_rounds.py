@@ -270,3 +270,49 @@ def test_a_replayed_round_is_a_few_host_launches_and_reads_nothing(
     ]
     assert syncs == []
     assert len({d for kind_, d in events if kind_ == "attn"}) <= 8
+
+
+@settings(max_examples=30, derandomize=True, deadline=None,
+          suppress_health_check=list(HealthCheck))  # fmt: skip
+@given(
+    kind=st.sampled_from(["aogpt", "armd"]), n=st.integers(2, 60), batch=st.integers(1, 4),
+    K=st.integers(1, 8), prompt=st.sampled_from(["none", "prefix", "per-row"]),
+    confidence=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_the_counts_are_read_every_eight_passes_or_when_the_decode_may_end(
+    kind, n, batch, K, prompt, confidence, seed, monkeypatch
+) -> None:
+    """On the GPU's path the host reads the rows' counts (two passes late) once in eight
+    passes, and besides only when the read may end the decode: the decode ends on the same
+    pass as when it reads after every pass (``every = 1``), with the same tokens."""
+    from anyorder.sampling import confidence as conf
+    from anyorder.sampling import speculative as spec
+
+    model, kw = _request(kind, n, batch, K, prompt, seed)
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", True)
+    made = []
+
+    class Kept(rounds.HostCounts):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(spec, "HostCounts", Kept)
+    monkeypatch.setattr(conf, "HostCounts", Kept)
+    runs = []
+    for every in (1, rounds.HostCounts.every):
+        monkeypatch.setattr(rounds.HostCounts, "every", every)
+        g = torch.Generator().manual_seed(seed)
+        if confidence:
+            out = conf.confidence_sample(model, n, speculative=K, generator=g, **kw)
+        else:
+            out = spec.speculative_sample(model, n, K, generator=g, **kw)
+        runs.append(out)
+    (every_pass, sparse), host = runs, made[-1]
+    assert torch.equal(every_pass.tokens, sparse.tokens)
+    assert torch.equal(every_pass.order, sparse.order)
+    assert every_pass.forward_passes == sparse.forward_passes == host.passes
+    assert sparse.extra["count_reads"] == host.reads
+    assert host.reads - host.end_checks <= host.passes // 8
+    if host.passes > 2:  # reads only from the third pass (two passes late): at least one
+        assert made[0].reads == host.passes - rounds.HostCounts.lag

@@ -157,7 +157,7 @@ def confidence_sample(
     Returns:
         A :class:`SampleResult` whose ``order`` is the order chosen; with ``speculative``,
         ``extra["speculative"]`` holds the :class:`~anyorder.sampling.speculative.
-        SpeculativeStats`.
+        SpeculativeStats` and ``extra["count_reads"]`` the host's reads of the counts.
     """
     check_controls(temperature, top_k, top_p)
     _decoder_only(model, "confidence-ordered decoding")
@@ -333,6 +333,7 @@ class _Decode:
         out = self._result(passes)
         out.extra["speculative"] = SpeculativeStats(*self.counts.cpu().numpy())
         out.extra["attention_shapes"] = sorted(eng.shapes)
+        out.extra["count_reads"] = host.reads
         return out
 
     def _speculative(self, eng: Engine, K: int, passes: int, start: int, reach: int) -> dict | None:

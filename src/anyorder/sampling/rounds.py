@@ -205,10 +205,15 @@ class HostCounts:
 
     After each pass the sampler hands over the new counts (a device tensor). On the CPU they
     are read at once (reading waits for nothing). On a GPU (and under
-    :data:`STATIC_ON_CPU`) they are copied to pinned memory behind an event and read
-    ``lag`` passes late: the host waits at most for the pass before last while the last is
-    queued, so the device never idles on the host. Between reads each pass adds at most
-    ``most`` tokens to a row, which bounds the counts from above (:meth:`reach`).
+    :data:`STATIC_ON_CPU`) they are copied to pinned memory behind an event after every
+    pass, and read ``lag`` passes late (the host waits at most for the pass before last
+    while the last is queued, so the device never idles on the host), and only when the
+    read may end the decode or every ``every`` passes: while each row has more slots left
+    than its passes could have filled, a read tells the loop nothing it must know. Between
+    reads each pass adds at least one and at most ``most`` tokens to a row still decoding,
+    which bounds the counts (:meth:`reach`, :meth:`finished`); the decode ends on the same
+    pass as with a read after every pass. ``reads`` counts the reads, ``end_checks`` those
+    made because they may end the decode.
 
     Args:
         counts: the counts before the first pass (host).
@@ -218,6 +223,7 @@ class HostCounts:
     """
 
     lag = 2
+    every = 8  # passes between reads that cannot end the decode (the key levels' bound)
 
     def __init__(self, counts: np.ndarray, most: int, n: int, late: bool, device) -> None:
         self.known, self.at = counts.astype(np.int64).copy(), 0  # counts after ``at`` passes
@@ -228,22 +234,37 @@ class HostCounts:
         for h in self.host:
             h._anyorder_host_staging = True  # host memory: reading it is no sync
         self.events = [torch.cuda.Event() if cuda else None for _ in range(3)]
+        self.reads = self.end_checks = 0  # reads of the counts; those that may end it
 
     def note(self, counts: Tensor) -> None:
         """The counts after the pass just queued (a device tensor)."""
         self.passes += 1
         if not self.late:
             self.known, self.at = counts.cpu().numpy().copy(), self.passes  # not a view
+            self.reads += 1
             return
         slot = self.passes % 3
         self.host[slot].copy_(counts, non_blocking=True)
         if self.events[slot] is not None:
             self.events[slot].record()
-        if self.passes - self.lag >= 1:  # read the counts of the pass before last
-            old = (self.passes - self.lag) % 3
+        then = self.passes - self.lag  # the pass before last, whose counts may be read
+        if then < 1:
+            return
+        stale = then - self.at >= self.every
+        if stale or self._may_end(then):
+            old = then % 3
             if self.events[old] is not None:
                 self.events[old].synchronize()  # done or nearly: one pass is still queued
-            self.known, self.at = self.host[old].numpy().copy(), self.passes - self.lag
+            self.known, self.at = self.host[old].numpy().copy(), then
+            self.reads += 1
+            self.end_checks += not stale
+
+    def _may_end(self, then: int) -> bool:
+        """Whether the counts after pass ``then`` may show every row done by now (each row
+        at most ``most`` a pass until then, and one a pass since): else :meth:`finished`
+        stays False whatever they are, and the read can wait."""
+        left = self.n - self.known
+        return bool((left <= self.most * (then - self.at) + self.passes - then).all())
 
     def bound(self) -> np.ndarray:
         """(B,) an upper bound of each row's count now."""

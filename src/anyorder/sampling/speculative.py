@@ -37,8 +37,9 @@ Design choices:
 * **Nothing read back in the loop.** The rows' commit counts stay on the device and each
   pass's table is built there (:mod:`anyorder.sampling.rounds`); the host keeps upper
   bounds of the counts (:class:`~anyorder.sampling.rounds.HostCounts`, read two passes late
-  from pinned memory on a GPU) for the cache slots a pass reads and the loop's end, which
-  comes at most two passes after the last commit (never after more passes than tokens).
+  from pinned memory on a GPU, once in eight passes or when the read may end the decode)
+  for the cache slots a pass reads and the loop's end, which comes at most two passes
+  after the last commit (never after more passes than tokens).
 * **Bounded shapes on a GPU**: every pass after the first has the widths of the widest
   round and reads one of seven key levels (ARMD two, shared by its caches): at most eight
   attention shapes whatever ``n``; on the CPU a pass reads the keys it needs.
@@ -150,7 +151,10 @@ def speculative_sample(
 
     Returns:
         A :class:`SampleResult`; ``forward_passes`` counts model calls and
-        ``extra["speculative"]`` holds the :class:`SpeculativeStats` per row.
+        ``extra["speculative"]`` holds the :class:`SpeculativeStats` per row,
+        ``extra["count_reads"]`` how often the host read the rows' counts (on a GPU: when
+        a read may end the decode, else every :attr:`~anyorder.sampling.rounds.HostCounts.
+        every` passes).
     """
     check_controls(temperature, top_k, top_p)
     _decoder_only(model, "speculative sampling")
@@ -332,6 +336,7 @@ def _run(model, tokens, order, k, K, ctl, generator, keep_logits, on_step, on_ro
     made = np.full(B, n - k)  # one closing token each and its accepted drafts
     out.extra["speculative"] = SpeculativeStats(made - accepted, drafted, accepted, made)
     out.extra["attention_shapes"] = sorted(loop.eng.shapes)
+    out.extra["count_reads"] = loop.host.reads  # the host's reads of the rows' counts
     captured = capture_report(mode, loop.runners.values())
     if captured is not None:
         out.extra["graphs"] = captured
