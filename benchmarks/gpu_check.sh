@@ -26,7 +26,7 @@ BUDGET=${GPU_CHECK_BUDGET:-405} # seconds for all parts; the table takes a secon
 # each part's own limit is scaled: the CPU dry path on a shared 2-core machine is slower
 SCALE=${GPU_CHECK_SCALE:-$([ "$DEVICE" = cpu ] && echo 4 || echo 1)}
 mkdir -p "$OUT"
-rm -f "$OUT"/{gpu_tests.txt,train_step.json,train_compile.json,decode.json,decoder_vs_encoder.json,vs_reference.json,head_loss.json}
+rm -f "$OUT"/{gpu_tests.txt,compiled_kernels.json,train_step.json,train_compile.json,decode.json,decoder_vs_encoder.json,vs_reference.json,head_loss.json}
 START=$SECONDS
 
 # run NAME SECONDS CMD...: CMD time-boxed to SECONDS or what is left of the budget; its
@@ -105,6 +105,11 @@ fi
 run decoder_vs_encoder 60 "$PY" benchmarks/decoder_vs_encoder.py --device "$DEVICE" "${DVE[@]}" \
   $(budget decoder_vs_encoder 30) --json "$OUT/decoder_vs_encoder.json" \
   --plot "$OUT/decoder_vs_encoder.png"
+
+if [ "$DEVICE" != cpu ]; then # kernels a compiled pass: Triton's count (the CPU's: inductor's C++)
+  run compiled_kernels 90 "$PY" benchmarks/compiled_kernels.py --device "$DEVICE" \
+    --samplers gpt-seq,aogpt-spec-K4,armd-confidence-P4 --json "$OUT/compiled_kernels.json"
+fi
 
 echo "(all parts: $((SECONDS - START))s of the ${BUDGET}s budget)"
 "$PY" benchmarks/gpu_targets.py --dir "$OUT" --json "$OUT/targets.json"

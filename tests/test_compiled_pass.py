@@ -148,3 +148,43 @@ def test_speculative_rounds_through_inductor_equal_eager(compiled, monkeypatch) 
     assert "RoundRunner" in compiled
     assert torch.equal(out.tokens, eager.tokens)
     torch.testing.assert_close(out.logits, eager.logits, atol=1e-5, rtol=0)
+
+
+def _compiled_kernels():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import compiled_kernels
+
+    return compiled_kernels
+
+
+def test_the_kernel_count_reads_inductors_generated_code() -> None:
+    """``benchmarks/compiled_kernels.py`` counts the kernel calls of inductor's generated
+    ``call()``: a matmul and its fused epilogue (relu, then a row sum) are two calls, the
+    views and allocations none."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w: (x @ w).relu().sum(-1), fullgraph=True)
+    x, w = torch.randn(8, 16), torch.randn(16, 4)
+    out, codes = run_and_get_code(fn, x, w)
+    torch.testing.assert_close(out, (x @ w).relu().sum(-1))
+    calls = [c for code in codes for c in _compiled_kernels().kernel_calls(code)]
+    assert sorted(calls) == ["cpp_fused", "extern_kernels.mm"], calls
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["aogpt-spec-K4", "armd-spec-K4", "armd-confidence-P4"])
+def test_a_compiled_round_runs_at_most_one_and_a_half_gpt_passes_kernels(name) -> None:
+    """Issue 41's launch proxy on the compiled path (inductor's CPU kernels, about a minute
+    each): a compiled speculative or confidence round runs at most 1.5x the kernels of a
+    compiled gpt pass, and far fewer than its eager round's (about 270)."""
+    ck = _compiled_kernels()
+    torch._dynamo.reset()
+    gpt = ck.count("gpt-seq", 16, 2, "cpu")["kernels"]
+    row = ck.count(name, 16, 2, "cpu")["kernels"]
+    torch._dynamo.reset()
+    assert gpt > 17 and 17 < row <= 1.5 * gpt, (gpt, row)  # 17: the matmuls alone
