@@ -34,7 +34,7 @@ from torch._inductor.utils import run_and_get_code
 
 from anyorder import build_model, preset
 from anyorder.sampling import compiled_passes
-from launch_overhead import _sampler, gpu_path, samplers
+from launch_overhead import _sampler, gpu_path, prompt_of, samplers
 
 ROWS = (
     "gpt-seq", "aogpt-seq", "armd-seq", "aogpt-spec-K4", "armd-spec-K4",
@@ -62,7 +62,8 @@ def count(name: str, n: int, batch: int, device: str) -> dict:
     """Decode row ``name`` with compiled passes; the kernels of its compiled graphs."""
     kind, kw = samplers(n)[name]
     kw = dict(kw)
-    kw.pop("prompt", None)
+    if "prompt" in kw:  # a prefix or infilling template, as launch_overhead.py's
+        kw["prompt"], kw["known"] = (t.to(device) for t in prompt_of(kw["prompt"], n, batch))
     torch.manual_seed(0)
     model = build_model(preset("tiny", kind=kind, seq_len=n)).to(device).eval()
     fn = _sampler(kw)
@@ -97,8 +98,13 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/compiled_kernels.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
+    names = args.samplers.split(",")
+    unknown = sorted(set(names) - set(samplers(args.seq_len)))
+    if unknown:
+        known = ", ".join(samplers(args.seq_len))
+        raise SystemExit(f"--samplers: no row {', '.join(unknown)}; the rows: {known}")
     rows = {}
-    for name in args.samplers.split(","):
+    for name in names:
         rows[name] = r = count(name, args.seq_len, args.batch, args.device)
         print(
             f"{name:28s} {r['kernels']!s:>8s} kernels a compiled pass "

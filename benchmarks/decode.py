@@ -17,6 +17,12 @@ architecture (:func:`anyorder.flops.decode_flops_per_sequence`) and the forward 
   conditionals are nearly flat, so drafts are accepted far more often than with a trained
   model: read these rows for the cost of a pass, not for the passes a real model saves.
 
+With ``--compile-passes [BACKEND]`` every row gets a twin ``<label> compiled`` decoded under
+``anyorder.sampling.compiled_passes(BACKEND)`` (inductor by default: each pass and round
+compiled whole, then captured with ``--graphs``), timed in the same rounds; the warm-up
+round pays the compilation. ``--rows`` keeps only the rows named (their labels, comma-
+separated), as ``gpu_check.sh`` does for the compiled twins.
+
 With ``--compare-prepacked`` every row gets a twin with the CPU's prepacked weights turned
 off (``<label> plain``: ``F.linear`` on the weights as built; ``layers/linear.py``), timed in
 the same rounds, and a table of plain time over prepacked time per sampler.
@@ -60,6 +66,7 @@ from _bench import (
 from anyorder import build_model, preset, use_prepacked
 from anyorder.flops import decode_flops_per_sequence
 from anyorder.sample import lemma1_sample, sequential_sample, strided_sample
+from anyorder.sampling import compiled_passes
 from anyorder.sampling.confidence import confidence_sample
 from anyorder.sampling.speculative import speculative_sample
 
@@ -84,10 +91,17 @@ GPU_TARGETS = [  # (label, batch, sampler, seconds per batch at most): issue 14,
 
 
 def settings(
-    n: int, batch: int, lemma1: bool, spec: tuple[int, ...] = (), plain: bool = False
+    n: int,
+    batch: int,
+    lemma1: bool,
+    spec: tuple[int, ...] = (),
+    plain: bool = False,
+    only: set[str] | None = None,
+    compile_backend: str | None = None,
 ) -> list[tuple]:
     """(label, model kind, sampler call) of every row for one batch size (``plain``: and
-    each row's twin without prepacked weights)."""
+    each row's twin without prepacked weights; ``only``: the rows of these labels;
+    ``compile_backend``: and each row's twin through compiled passes)."""
     rows = [
         ("gpt", "gpt", dict(fn=sequential_sample)),
         ("aogpt seq", "aogpt", dict(fn=sequential_sample)),
@@ -105,6 +119,13 @@ def settings(
             (f"{k} spec K={K}", k, dict(fn=speculative_sample, K=K)) for k in ("aogpt", "armd")
         ]
         rows.append((f"aogpt conf spec K={K}", "aogpt", dict(fn=confidence_sample, K=K)))
+    if only is not None:
+        rows = [r for r in rows if r[0] in only]
+    if compile_backend:
+        rows += [
+            (f"{label} compiled", kind, dict(spec, compiled=compile_backend))
+            for label, kind, spec in rows
+        ]
     if plain:
         rows += [(f"{label} plain", kind, dict(spec, plain=True)) for label, kind, spec in rows]
     return rows
@@ -118,6 +139,10 @@ def call(
     fn = spec.pop("fn")
     if spec.pop("plain", False):
         with use_prepacked(False):
+            return call(model, n, batch, spec | {"fn": fn}, seed, device, graphs)
+    backend = spec.pop("compiled", None)
+    if backend:
+        with compiled_passes(backend):
             return call(model, n, batch, spec | {"fn": fn}, seed, device, graphs)
     gen = torch.Generator(device).manual_seed(seed)
     kw = dict(batch=batch, generator=gen, graphs=graphs)
@@ -155,6 +180,15 @@ def main() -> None:
         "--compare-prepacked", action="store_true", help="each row again without prepacking"
     )
     ap.add_argument(
+        "--compile-passes",
+        nargs="?",
+        const="inductor",
+        default=None,
+        metavar="BACKEND",
+        help="each row again through compiled passes (torch.compile backend; inductor)",
+    )
+    ap.add_argument("--rows", default=None, help="only these rows (labels, comma-separated)")
+    ap.add_argument(
         "--budget", type=float, default=None, help="seconds per batch size: fewer rounds to fit"
     )
     add_common(ap, "benchmarks/results/decode.json")
@@ -179,14 +213,20 @@ def main() -> None:
         flops = {k: decode_flops_per_sequence(c, n) for k, c in cfgs.items()}
         for batch in (int(b) for b in args.batches.split(",")):
             ks = tuple(int(k) for k in args.speculative.split(",") if k)
-            rows = settings(n, batch, args.lemma1, ks, args.compare_prepacked)
+            only = set(args.rows.split(",")) if args.rows else None
+            rows = settings(
+                n, batch, args.lemma1, ks, args.compare_prepacked, only, args.compile_passes
+            )
+            if not rows:
+                raise SystemExit(f"--rows {args.rows!r}: no such row (labels as printed)")
             fns = {
                 label: functools.partial(call, models[kind], n, batch, spec, 0, device, args.graphs)
                 for label, kind, spec in rows
             }
             with ctx, torch.no_grad():
                 times, last = round_robin(fns, args.repeats, device, args.budget)
-            ref = summary(times["gpt"], args.clock, args.stat)
+            first = "gpt" if "gpt" in times else rows[0][0]  # the time ratios' reference
+            ref = summary(times[first], args.clock, args.stat)
             table = []
             by_label = {}
             for label, kind, _ in rows:
@@ -222,7 +262,7 @@ def main() -> None:
             print_table(
                 f"{size}: n={n}, batch {batch}, {args.dtype}, {device.type}"
                 f"{', CUDA graphs' if args.graphs else ''}, {args.clock} clock, {args.stat} of "
-                f"{len(times['gpt'][args.clock])}",
+                f"{len(times[first][args.clock])}",
                 [
                     "sampler",
                     "s/batch",
@@ -293,6 +333,7 @@ def main() -> None:
         machine(), device=str(device), dtype=args.dtype, clock=args.clock, stat=args.stat, n=n
     )
     meta.update(repeats=args.repeats, graphs=args.graphs, budget=args.budget)
+    meta.update(compile_passes=args.compile_passes)
     write_json(args.json, dict(meta=meta, rows=results, targets=checks))
 
 

@@ -13,7 +13,8 @@
 # Order (the most wanted first, so a short budget cuts the least): tests; training, eager;
 # decoding; training, compiled beside eager (`train.compile=auto` compiles on CUDA); our
 # aogpt beside the AO-GPT authors' trainer (when .ref/ holds their repository); the Figure-4
-# benchmark.
+# benchmark; decoding through compiled passes (gpt, aogpt sequential and speculative K = 4,
+# batch 1); on CUDA, the kernels of a compiled pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PY:-}" ]; then
@@ -26,7 +27,7 @@ BUDGET=${GPU_CHECK_BUDGET:-405} # seconds for all parts; the table takes a secon
 # each part's own limit is scaled: the CPU dry path on a shared 2-core machine is slower
 SCALE=${GPU_CHECK_SCALE:-$([ "$DEVICE" = cpu ] && echo 4 || echo 1)}
 mkdir -p "$OUT"
-rm -f "$OUT"/{gpu_tests.txt,compiled_kernels.json,train_step.json,train_compile.json,decode.json,decoder_vs_encoder.json,vs_reference.json,head_loss.json}
+rm -f "$OUT"/{gpu_tests.txt,compiled_kernels.json,decode_compiled.json,train_step.json,train_compile.json,decode.json,decoder_vs_encoder.json,vs_reference.json,head_loss.json}
 START=$SECONDS
 
 # run NAME SECONDS CMD...: CMD time-boxed to SECONDS or what is left of the budget; its
@@ -73,6 +74,7 @@ if [ "$DEVICE" = cpu ]; then # the dry path: the same parts at tiny sizes
   TESTS=(tests/test_gpu.py)
   VSREF=(--compile compiled --repeats 1)
   HEAD=(--repeats 2)
+  DECODE_COMPILED=(--sizes tiny --seq-len 32 --dtype fp32 --compile-passes aot_eager)
 else
   TRAIN=(--paper --dtype bf16 --repeats 3)
   COMPILE=(--compile both)
@@ -81,6 +83,7 @@ else
   TESTS=(tests/)
   VSREF=(--paper --compile both --repeats 3)
   HEAD=(--paper --dtype bf16 --repeats 5)
+  DECODE_COMPILED=(--sizes small --seq-len 1024 --dtype bf16 --graphs --compile-passes inductor)
 fi
 
 ANYORDER_GPU_TEST_DEVICE=$DEVICE run gpu_tests 100 \
@@ -106,6 +109,10 @@ run decoder_vs_encoder 60 "$PY" benchmarks/decoder_vs_encoder.py --device "$DEVI
   $(budget decoder_vs_encoder 30) --json "$OUT/decoder_vs_encoder.json" \
   --plot "$OUT/decoder_vs_encoder.png"
 
+# issue 41: the compiled twins of the decoding rows that decide whether compiled passes pay
+run decode_compiled 150 "$PY" benchmarks/decode.py --device "$DEVICE" "${DECODE_COMPILED[@]}" \
+  --batches 1 --speculative 4 --rows "gpt,aogpt seq,aogpt spec K=4" --repeats 1 \
+  --json "$OUT/decode_compiled.json"
 if [ "$DEVICE" != cpu ]; then # kernels a compiled pass: Triton's count (the CPU's: inductor's C++)
   run compiled_kernels 90 "$PY" benchmarks/compiled_kernels.py --device "$DEVICE" \
     --samplers gpt-seq,aogpt-spec-K4,armd-confidence-P4 --json "$OUT/compiled_kernels.json"

@@ -14,6 +14,8 @@ The rows (H200, bf16, 12 x 768, n = 1024; docs/performance.md has the "before"):
 * decoding, aogpt sequential T = 1024, batch 8: <= 2.1 s per batch;
 * decoding, aogpt Lemma 1 T = 256, batch 8: <= 0.77 s per batch;
 * ARMD strided decoding, batch 1, S = 1 / 2 / 4: <= 1.2 / 0.6 / 0.32 s per sample;
+* aogpt speculative K = 4 over sequential decoding, batch 1: <= 0.5 of the time (issue 41),
+  with captured rounds (``decode.json``) and with compiled passes (``decode_compiled.json``);
 * training, gpt: >= 40% of 790 TFLOP/s (eager and compiled);
 * training, aogpt / gpt and armd / gpt time ratio <= 1.10 x its FLOP ratio (both modes);
 * ``train.compile=auto`` (on on CUDA): compiled / eager step time of each model (below 1:
@@ -119,10 +121,14 @@ def decode_rows(dec: dict | None, why: str, dve: dict | None) -> list[dict]:
     return out
 
 
-def _speculative_row(rows_in: list[dict], why: str) -> dict:
+def _speculative_row(rows_in: list[dict], why: str, how: str = "") -> dict:
     """Speculative K = 4 over sequential decoding of the same model (aogpt, batch 1), both
-    from the same run of decode.py (captured rounds where it ran with ``--graphs``)."""
+    from the same run of decode.py (captured rounds where it ran with ``--graphs``; ``how =
+    "compiled"``: the twins through compiled passes, ``decode_compiled.json``)."""
     target = "aogpt speculative K=4 / sequential, batch 1 (time ratio)"
+    if how:
+        target = target.replace(" (", f", {how} passes (")
+        rows_in = [r for r in rows_in if _label(r).endswith(f" {how}")]
     spec = find_decode(rows_in, 1, "aogpt", "spec", 4)
     seq = find_decode(rows_in, 1, "aogpt", "seq", 0)
     a, b = (_seconds(r) if r else None for r in (spec, seq))
@@ -267,9 +273,11 @@ def build(folder: Path) -> list[dict]:
     dve, _ = load(folder / "decoder_vs_encoder.json")
     trains = [load(folder / "train_step.json"), load(folder / "train_compile.json")]
     ref, why_ref = load(folder / "vs_reference.json")
+    compiled, why_compiled = load(folder / "decode_compiled.json")
     return [
         test_row(folder / "gpu_tests.txt"),
         *decode_rows(dec, why, dve),
+        _speculative_row((compiled or {}).get("rows", []), why_compiled, "compiled"),
         *training_rows(trains),
         *reference_rows(ref, why_ref),
         *head_loss_rows(*load(folder / "head_loss.json")),
