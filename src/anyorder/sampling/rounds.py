@@ -84,12 +84,12 @@ def const(value: int, device: torch.device | str) -> Tensor:
     return found
 
 
-def arange(size: int, device: torch.device | str) -> Tensor:
-    """``torch.arange(size)`` on ``device``, made once per size (never written to)."""
-    key = (size, 1, str(device))
+def arange(size: int, device: torch.device | str, start: int = 0) -> Tensor:
+    """``torch.arange(start, start + size)`` on ``device``, made once (never written to)."""
+    key = (size, 1, str(device)) if start == 0 else (size, 2, start, str(device))
     found = _CONSTANTS.get(key)
     if found is None:
-        found = _CONSTANTS[key] = torch.arange(size, device=device)
+        found = _CONSTANTS[key] = torch.arange(start, start + size, device=device)
     return found
 
 

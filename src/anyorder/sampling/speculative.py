@@ -191,7 +191,7 @@ class _Loop:
         self.eng = Engine(model, B, n, k + 2 * K, widths, static=True if mode != "off" else None)
         self.host = HostCounts(np.full(B, k), K, n, self.eng.static, device)
         self.ext = extend(order)
-        self.ext_bos = torch.cat([self.ext, self.ext.new_full((B, 1), n + 1)], dim=1)  # BOS: -1
+        self.looked = lookups(self.ext, K)  # what the lean tables read of the orders
         self.tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], 1)
         self.c = torch.full((B,), k, dtype=torch.long, device=device)
         self.D = torch.zeros_like(self.c)
@@ -256,9 +256,9 @@ class _Loop:
         start = k if first else 0  # the catch-up's prompt columns are not asked for
         if eng.static and not first:  # the fixed widths: a leaner table
             if self.armd:
-                table = spec_armd_table(ext, c, D, live, K)
+                table = spec_armd_table(ext, c, D, live, K, self.looked)
             else:
-                table = spec_gpt_table(ext, c, D, live, K, self.ext_bos)
+                table = spec_gpt_table(ext, c, D, K, self.looked)
             logits = eng.run(ext, None, tok, start, first, reach, table=table)
         else:
             if first:
@@ -355,60 +355,83 @@ def _round(ext: Tensor, c: Tensor, e: Tensor, cc: Tensor, D: Tensor, K: int, n: 
     return Round(e, cc, top, torch.where(active, top, cc), targets)
 
 
+def lookups(ext: Tensor, K: int) -> tuple[Tensor, Tensor, Tensor]:
+    """What the lean tables read of the rows' orders ``ext`` (B, n + 1), made once per
+    decode: ``shifted`` (B, n + 2), column ``i`` the position of slot ``i - 1`` (column 0
+    the BOS's, ``n + 1``; column ``n + 1`` the padding's, ``n``); ``entry`` the same with 0
+    for the BOS and the padding (an entry's position); ``padded`` (B, n + 2K - 1) the order
+    with 0 past slot ``n - 1`` (a column's target, read without clamping)."""
+    B, n = ext.shape[0], ext.shape[1] - 1
+    shifted = torch.cat([ext.new_full((B, 1), n + 1), ext], dim=1)
+    padded = torch.cat([ext[:, :n], ext.new_zeros(B, 2 * K - 1)], dim=1)
+    return shifted, shifted * (shifted < n), padded
+
+
+def _columns(c: Tensor, D: Tensor, K: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``2K - 1`` columns of a pass after the first: their slots ``s = c + j``, which are
+    chain entries (``j <= D``) and which are real (``j < D + K``), both only below slot
+    ``n`` (a finished row, ``c = n``, has none; a live row has ``D <= n - 1 - c``)."""
+    device = c.device
+    s = c[:, None] + arange(2 * K - 1, device)[None]
+    inside = s < n
+    chain = (arange(2 * K - 1, device)[None] <= D[:, None]) & inside
+    real = (arange(2 * K - 1, device, start=-K)[None] < D[:, None]) & inside
+    return s, chain, real
+
+
 def spec_gpt_table(
-    ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int, ext_bos: Tensor | None = None
+    ext: Tensor, c: Tensor, D: Tensor, K: int, looked: tuple[Tensor, ...] | None = None
 ) -> Tensor:
     """The AO-GPT table (B, 6, 2K - 1) of a pass after the first, as :func:`_round` and
     :func:`~anyorder.sampling.rounds.gpt_table` build it (the tests check they agree), in a
-    third of the ops: after the first pass every row keeps exactly its committed slots
+    fifth of the ops: after the first pass every row keeps exactly its committed slots
     (``e = c``), and column ``j`` of a live row is slot ``c + j`` either way, a chain entry
     (``j <= D``, its input the token of slot ``c + j - 1``) or a draft query (its input that
     of slot ``c + D - 1``, as the parallel prediction mask repeats it), real while ``j <
-    D + K`` and ``c + j < n``. One launch matters on a GPU: ~27 ops instead of ~66."""
+    D + K`` and ``c + j < n``. ``looked``: :func:`lookups` of ``ext`` (made if None). One
+    launch matters on a GPU: 17 ops instead of ~66."""
     n = ext.shape[1] - 1
     device = c.device
-    if ext_bos is None:  # ``ext`` with a column n + 1 holding n + 1: the BOS's slot -1
-        ext_bos = torch.cat([ext, ext.new_full((len(c), 1), n + 1)], dim=1)
-    j = arange(2 * K - 1, device)[None]
-    s = c[:, None] + j
-    on = live[:, None]
-    chain = (j <= D[:, None]) & on
-    real = (j < D[:, None] + K) & (s < n) & on
+    shifted, entry, padded = lookups(ext, K) if looked is None else looked
+    s, chain, real = _columns(c, D, K, n)
     top = (c + D)[:, None]
-    in_slot = torch.where(chain, s, top) - 1  # -1: the BOS, column n + 1 (mod n + 2)
-    col = ext_bos.gather(1, torch.where(real, in_slot.remainder(n + 2), const(n, device)))
-    pos = col * (col < n)  # 0 for the BOS (n + 1) and the padding (n)
-    target = ext.gather(1, s.clamp(max=n)) * real
+    # the input slot plus one (column 0: the BOS), the padding's column n + 1 if not real
+    slot = torch.where(real, torch.where(chain, s, top), const(n + 1, device))
     big = const(BIG, device)
     limit = torch.where(chain, s, torch.where(real, top, big))
     keep = torch.where(chain, s, big)
-    return torch.stack([col, pos, target, limit, s, keep], dim=1)
+    target = padded.gather(1, s) * real
+    return torch.stack([shifted.gather(1, slot), entry.gather(1, slot), target, limit, s, keep], 1)
 
 
-def spec_armd_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> Tensor:
+def spec_armd_table(
+    ext: Tensor,
+    c: Tensor,
+    D: Tensor,
+    live: Tensor,
+    K: int,
+    looked: tuple[Tensor, ...] | None = None,
+) -> Tensor:
     """The ARMD table (B, 8, K + 2K - 1) of a pass after the first, as :func:`_round` and
     :func:`~anyorder.sampling.rounds.armd_table` build it (the tests check they agree), in
     fewer ops: content rows of slots ``c - 1 .. c + D - 1`` (the closing token of the last
     round, then the drafts), query rows as :func:`spec_gpt_table`'s columns."""
     n = ext.shape[1] - 1
     device = c.device
-    on = live[:, None]
+    padded = (lookups(ext, K) if looked is None else looked)[2]
     j = arange(K, device)[None]
-    s = (c - 1)[:, None] + j
-    creal = (j <= D[:, None]) & on
-    cpos = torch.where(creal, ext.gather(1, s.clamp(0, n)), const(n, device))
+    s = (c - 1)[:, None] + j  # c >= 1 after the first pass
+    creal = (j <= D[:, None]) & live[:, None]
+    cpos = torch.where(creal, padded.gather(1, s), const(n, device))
     big = const(BIG, device)
     crank = torch.where(creal, s, big)
     fixed = [const(v, device).expand_as(s) for v in (0, BIG, 1)]  # constant rows: no kernel
     content = [cpos, cpos * creal, crank + 1, fixed[0], s, crank, fixed[1], fixed[2]]
-    j = arange(2 * K - 1, device)[None]
-    s = c[:, None] + j
-    chain = (j <= D[:, None]) & on
-    real = (j < D[:, None] + K) & (s < n) & on
+    s, chain, real = _columns(c, D, K, n)
     lim = torch.where(chain, s, torch.where(real, (c + D)[:, None], big))
     rows = [
         const(n, device).expand_as(s),
-        ext.gather(1, s.clamp(max=n)) * real,
+        padded.gather(1, s) * real,
         lim,
         (real & (lim <= 0)).long(),
         s,

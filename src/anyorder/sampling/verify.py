@@ -196,7 +196,7 @@ def accept(
     qy = q[:, :Kd].gather(2, drafts[..., None])[..., 0]
     # accept with probability min(1, q/p); a row's drafts past num_drafts are padding, and
     # the leading run of accepted ones stops at the first that is not accepted
-    m = (u * py <= qy).long().cumprod(dim=1).sum(dim=1).minimum(num_drafts)
+    m = (u * py <= qy).cumprod(dim=1).sum(dim=1).minimum(num_drafts)  # bool: cumprod is long
     q_m = q.gather(1, m[:, None, None].expand(B, 1, V))[:, 0]
     p_m = p.gather(1, m.clamp(max=Kd - 1)[:, None, None].expand(B, 1, V))[:, 0]
     residual = (q_m - p_m * (m < num_drafts)[:, None]).clamp(min=0)  # (q - p)+, or q: bonus
