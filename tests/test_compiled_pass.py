@@ -188,3 +188,62 @@ def test_a_compiled_round_runs_at_most_one_and_a_half_gpt_passes_kernels(name) -
     row = ck.count(name, 16, 2, "cpu")["kernels"]
     torch._dynamo.reset()
     assert gpt > 17 and 17 < row <= 1.5 * gpt, (gpt, row)  # 17: the matmuls alone
+
+
+_CASES = {
+    "gpt sequential": ("gpt", {}),
+    "aogpt Lemma 1": ("aogpt", {"steps": 5}),
+    "armd strided": ("armd", {"streams": 4}),
+    "aogpt speculative": ("aogpt", {"speculative": 3}),
+    "armd speculative": ("armd", {"speculative": 3}),
+    "aogpt confidence, verified": ("aogpt", {"confidence": 3}),
+    "armd confidence": ("armd", {"confidence": None}),
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_a_compiled_runner_compiles_on_its_first_call_only(case, monkeypatch) -> None:
+    """On CUDA a runner's second call is recorded into its graph, and compiling while a
+    graph records fails. So every runner compiles on its first call and never again (the
+    decode's tables are filled before, a round stands for its key level, no memo is read
+    inside), and the same request decoded again compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from anyorder.sampling.confidence import confidence_sample
+    from anyorder.sampling.speculative import speculative_sample
+
+    kind, how = _CASES[case]
+    model, n = tiny_model(kind, seq_len=24), 24
+    later = []
+    for cls in (graphs_mod.PassRunner, graphs_mod.RoundRunner):
+        real = cls.__call__
+
+        def call(self, *a, _real=real, **k):
+            first, before = self.graph is None, counters["stats"]["unique_graphs"]
+            out = _real(self, *a, **k)
+            if not first:
+                later.append(counters["stats"]["unique_graphs"] - before)
+            return out
+
+        monkeypatch.setattr(cls, "__call__", call)
+
+    def decode():
+        g = torch.Generator().manual_seed(2)
+        if "speculative" in how:
+            return speculative_sample(model, n, how["speculative"], batch=2, generator=g)
+        if "confidence" in how:
+            return confidence_sample(model, n, 2, speculative=how["confidence"], batch=2,
+                                     generator=g)  # fmt: skip
+        return samplers.sample(model, n, batch=2, generator=g, **how)
+
+    torch._dynamo.reset()
+    counters.clear()
+    with compiled_passes("aot_eager"):
+        out = decode()
+        made = counters["stats"]["unique_graphs"]
+        again = decode()
+    torch._dynamo.reset()
+    assert later and set(later) == {0}  # every replay ran the graphs compiled at first
+    assert 1 <= made <= out.extra["graphs"]["shapes"]
+    assert counters["stats"]["unique_graphs"] == made  # the second decode compiled nothing
+    assert torch.equal(out.tokens, again.tokens)

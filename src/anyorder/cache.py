@@ -281,9 +281,11 @@ class StaticKV:
         else:
             self.k[layer].scatter_(2, self.index, k)
             self.v[layer].scatter_(2, self.index, v)
-        read = self._read.get((layer, self.keys))
+        K = self.keys
+        if torch.compiler.is_compiling():  # no memo: a compiled pass's guards would read it
+            return self.k[layer][:, :, :K], self.v[layer][:, :, :K]
+        read = self._read.get((layer, K))
         if read is None:  # the views a pass reads, made once per key level
-            K = self.keys
             read = self._read[layer, K] = (self.k[layer][:, :, :K], self.v[layer][:, :, :K])
         return read
 

@@ -75,6 +75,12 @@ class AOGPT(GPT):
         # the tables of every AdaLN, computed on the first decoding call and kept in the cache
         return TargetCondition(target, self.tgt_emb.weight, cache.aux.setdefault("adaln", {}))
 
+    def prepare_decode(self, cache: KVCache) -> None:
+        super().prepare_decode(cache)
+        if self.cfg.target_injection == "adaln" and "adaln_table" not in cache.aux:
+            table = adaln_table(self.adas(), self.tgt_emb.weight, self.ada_offset)
+            cache.aux["adaln_table"] = table
+
     def decode_conditions(self, cache: KVCache, target: Tensor) -> list:
         if self.cfg.target_injection != "adaln" or torch.is_grad_enabled():
             return super().decode_conditions(cache, target)

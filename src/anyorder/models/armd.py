@@ -259,6 +259,10 @@ class ARMD(AnyOrderLM):
         count = cache.prefix_count[:, None].to(h0.dtype) + vis.sum(dim=-1)  # (B, G)
         return total / count.clamp(min=1)[..., None]
 
+    def prepare_decode(self, cache: ARMDCache) -> None:
+        super().prepare_decode(cache)
+        self._cached_query_table(cache)
+
     def _cached_query_table(self, cache: ARMDCache) -> Tensor:
         """:meth:`query_table`, once per decode (kept only when no graph is recorded)."""
         aux = cache.content.aux

@@ -243,3 +243,14 @@ class AnyOrderLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
+
+    def prepare_decode(self, cache: Any) -> None:
+        """Fill, before a decode's first pass, what its passes compute once and keep: the
+        RoPE table here, a model's own tables in its override. For compiled passes
+        (:func:`~anyorder.sampling.compiled_passes`): a compiled pass that fills such a
+        memo compiles again once it is filled (its guards read the memo), and on CUDA that
+        second compile would run while the pass's graph is recorded, which CUDA refuses."""
+        if self.cfg.positional == "rope":
+            from anyorder.layers.rope import positions
+
+            positions(self.cfg, torch.zeros(1, 1, dtype=torch.long, device=self.device))

@@ -279,8 +279,9 @@ class _Decode:
         while c < n:
             kk = min(per_pass, n - c, self.subset or n)
             steady = passes > 0 and eng.static and kk == most == c - e
-            fn = partial(self._parallel, eng, kk, passes == 0, c - e, e)
             key = (eng.fixed_keys(e),) if steady else None
+            reach = eng.canonical(e) if steady else e  # a steady pass stands for its level
+            fn = partial(self._parallel, eng, kk, passes == 0, c - e, reach)
             self._run(fn, key, passes)
             e, c, passes = c, c + kk, passes + 1
         out = self._result(passes)
@@ -325,8 +326,11 @@ class _Decode:
             # the first pass chooses slot k; the second catches its entry up (column 1 on)
             start = k if passes == 0 else 1 if passes == 1 else 0
             reach = host.reach()
-            fn = partial(self._speculative, eng, K, passes, start, reach)
             key = (eng.fixed_keys(reach),) if passes > 1 else None
+            if key is None:
+                fn = partial(self._speculative, eng, K, passes, start, reach)
+            else:  # a steady pass stands for every pass of its key level (start = 0)
+                fn = partial(self._speculative, eng, K, 2, start, eng.canonical(reach))
             self._run(fn, key, passes)
             host.note(self.c)
             passes += 1

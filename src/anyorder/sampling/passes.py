@@ -126,6 +126,8 @@ class GPTPasses:
         self.masks = _Masks(dtype, model.device)
         self.packs, self.make = earned(model, plan, batch)  # the CPU's (layers/linear.py)
         self._weights = _weights(self.packs, self.make)
+        if compiling() is not None:  # the decode's tables before any pass compiles
+            model.prepare_decode(self.cache)
 
     def run(
         self,
@@ -170,6 +172,8 @@ class ARMDPasses:
         self.masks = _Masks(dtype, device)
         self.packs, self.make = earned(model, plan, batch)
         self._weights = _weights(self.packs, self.make)
+        if compiling() is not None:  # the decode's tables before any pass compiles
+            model.prepare_decode(self.cache)
         self.batch, self.block = batch, plan.block_mode
         # the content embeddings of the decided tokens, at their content slots: a query
         # row's prefix aggregate is their mean under its mask (counts come with the plan)

@@ -77,6 +77,8 @@ _CONSTANTS: dict[tuple[int, int, str], Tensor] = {}
 def const(value: int, device: torch.device | str) -> Tensor:
     """A 0-dim long tensor of ``value`` on ``device``, made once: ``torch.where(c, x, 5)``
     fills a new one at every call, a kernel launch on a GPU (never written to)."""
+    if torch.compiler.is_compiling():  # a compiled pass folds it (a memo would be guarded)
+        return torch.tensor(value, device=device)
     key = (value, 0, str(device))
     found = _CONSTANTS.get(key)
     if found is None:
@@ -86,6 +88,8 @@ def const(value: int, device: torch.device | str) -> Tensor:
 
 def arange(size: int, device: torch.device | str, start: int = 0) -> Tensor:
     """``torch.arange(start, start + size)`` on ``device``, made once (never written to)."""
+    if torch.compiler.is_compiling():  # a compiled pass folds it (a memo would be guarded)
+        return torch.arange(start, start + size, device=device)
     key = (size, 1, str(device)) if start == 0 else (size, 2, start, str(device))
     found = _CONSTANTS.get(key)
     if found is None:
@@ -317,7 +321,27 @@ class Engine:
         """The cache slots a fixed-width pass reads when the rows have kept at most
         ``reach`` slots: one of a few levels (a captured round is one graph per level)."""
         width = max(self.widths) if self.armd else self.widths
-        return _level(reach + width, self.capacity, 2 if self.armd else 7)
+        keys = _level(reach + width, self.capacity, 2 if self.armd else 7)
+        self._note(self.widths, keys, keys)  # here, outside any compiled round
+        return keys
+
+    def _note(self, widths: int | tuple[int, int], kc: int, kq: int) -> None:
+        """Record a pass's attention shapes (a host set: a compiled pass leaves it alone,
+        else its guards would read the set and recompile as it grows)."""
+        if torch.compiler.is_compiling():
+            return
+        if self.armd:
+            C, G = widths
+            self.shapes |= {(C + G, kc), (G, kc), (G, kq)}
+        else:
+            self.shapes.add((widths, kc))
+
+    def canonical(self, reach: int) -> int:
+        """The one ``reach`` that stands for its key level (:meth:`fixed_keys` gives the same
+        level): a round captured or compiled at some reach of a level keeps that value, and
+        a compiled round's guards hold for every decode only if the value is the level's."""
+        width = max(self.widths) if self.armd else self.widths
+        return self.fixed_keys(reach) - width
 
     def run(
         self,
@@ -366,7 +390,7 @@ class Engine:
             # after the first pass every query row sees some content (the samplers commit
             # a token per row and pass); where reading is free, look
             group.has_empty = first or (not fixed and bool(tab[:, 3, C:].any()))
-            self.shapes |= {(C + G, kc), (G, kc), (G, kq)}
+            self._note((C, G), kc, kq)
             queries = slice(start, G)
         else:
             tab = gpt_table(ext, r, widths) if table is None else table
@@ -376,7 +400,7 @@ class Engine:
             else:
                 kk = _level(_extent(r.e + used, used), self.capacity, levels)
             group = Group((T,), kk)
-            self.shapes.add((T, kk))
+            self._note(T, kk, kk)
             queries = slice(start, T)
         return self.passes.run(tab, tok, group, queries=queries)
 

@@ -232,7 +232,7 @@ class _Loop:
                 key = self.eng.fixed_keys(reach)
                 runner = self.runners.get(key)
                 if runner is None:
-                    fn = partial(self.round, False, reach)
+                    fn = partial(self.round, False, self.eng.canonical(reach))
                     runner = self.runners[key] = RoundRunner(fn, self.mode, self.static)
                 info = runner()
             host.note(self.c)
