@@ -132,7 +132,7 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
         return str(v)
 
     cells = [[cell(v) for v in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
     print(f"\n{title}")
     print(
         "  ".join(

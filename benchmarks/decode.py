@@ -20,8 +20,9 @@ architecture (:func:`anyorder.flops.decode_flops_per_sequence`) and the forward 
 With ``--compile-passes [BACKEND]`` every row gets a twin ``<label> compiled`` decoded under
 ``anyorder.sampling.compiled_passes(BACKEND)`` (inductor by default: each pass and round
 compiled whole, then captured with ``--graphs``), timed in the same rounds; the warm-up
-round pays the compilation. ``--rows`` keeps only the rows named (their labels, comma-
-separated), as ``gpu_check.sh`` does for the compiled twins.
+round pays the compilation (each pass shape and key level compiles: minutes at paper size).
+``--rows`` keeps only the rows named (their labels, comma-separated, the twins' included),
+as ``gpu_check.sh`` does: ``--rows "aogpt seq,aogpt spec K=4,aogpt spec K=4 compiled"``.
 
 With ``--compare-prepacked`` every row gets a twin with the CPU's prepacked weights turned
 off (``<label> plain``: ``F.linear`` on the weights as built; ``layers/linear.py``), timed in
@@ -119,13 +120,13 @@ def settings(
             (f"{k} spec K={K}", k, dict(fn=speculative_sample, K=K)) for k in ("aogpt", "armd")
         ]
         rows.append((f"aogpt conf spec K={K}", "aogpt", dict(fn=confidence_sample, K=K)))
-    if only is not None:
-        rows = [r for r in rows if r[0] in only]
     if compile_backend:
         rows += [
             (f"{label} compiled", kind, dict(spec, compiled=compile_backend))
             for label, kind, spec in rows
         ]
+    if only is not None:  # a compiled twin by its own label ("aogpt spec K=4 compiled")
+        rows = [r for r in rows if r[0] in only]
     if plain:
         rows += [(f"{label} plain", kind, dict(spec, plain=True)) for label, kind, spec in rows]
     return rows
