@@ -53,9 +53,10 @@ def compiled_passes(backend: str = "inductor") -> Iterator[None]:
     """Compile every decoding pass of the block with ``torch.compile(fullgraph=True)``
     before it is captured (on CUDA) or replayed (elsewhere): the planned samplers' passes,
     and the speculative and confidence-ordered rounds (their ratio tests and drafts
-    included). The first pass of each shape pays the compilation (seconds to minutes at
-    paper size, again for each new request shape); the tokens are those of the eager decode
-    (tested at random sizes). ``backend``: :func:`torch.compile`'s (``aot_eager`` traces
+    included). Each pass shape (and key level) compiles once, at its runner's first call
+    (seconds to minutes at paper size; never again for the same request shape, and never
+    while a CUDA graph records: tested); the tokens are those of the eager decode (tested
+    at random sizes). ``backend``: :func:`torch.compile`'s (``aot_eager`` traces
     without generating kernels: the tests' quick check)."""
     known = torch._dynamo.list_backends(exclude_tags=())
     if backend not in known:
