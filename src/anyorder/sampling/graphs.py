@@ -155,7 +155,9 @@ def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object, obj
     the recorded call's (static tensors, rewritten by each replay)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    # the warm-up under the recording's autocast (no cast cache): a compiled pass guards on
+    # it, and a compile while recording fails
+    with torch.cuda.stream(side), _no_cast_cache():
         out = fn()  # the real call, eagerly (warm-up)
     torch.cuda.current_stream().wait_stream(side)
     for t in _tensors(out):
