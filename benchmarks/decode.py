@@ -268,7 +268,7 @@ def main() -> None:
                     "sampler",
                     "s/batch",
                     "ms/token",
-                    "time x gpt",
+                    f"time x {first}",
                     "FLOP x gpt",
                     "passes",
                     "tokens/s",
