@@ -92,18 +92,26 @@ _ROUNDS = int(os.environ.get("ANYORDER_COMPILE_EXAMPLES", "5"))
     kind=st.sampled_from(["aogpt", "armd"]), n=st.integers(6, 24), batch=st.integers(1, 3),
     sampler=st.sampled_from(["speculative", "confidence", "confidence-spec"]),
     K=st.integers(2, 5), seed=st.integers(0, 2**16), prompt=st.booleans(),
+    controls=st.sampled_from([{}, {"temperature": 0.7}, {"top_k": 3}, {"top_p": 0.8},
+                              {"top_p": 0.6, "rule": "reference"}]),
 )  # fmt: skip
 def test_compiled_rounds_equal_the_eager_rounds(
-    compiled, kind, n, batch, sampler, K, seed, prompt, monkeypatch
+    compiled, kind, n, batch, sampler, K, seed, prompt, controls, monkeypatch
 ):
     """Speculative and confidence-ordered rounds compiled whole (aot_eager: dynamo's graph,
-    functionalised, no break) at random sizes: the eager decode of the same fixed widths'
+    functionalised, no break) at random sizes and controls (the top-p rule read before the
+    rounds: a compiled pass cannot read it): the eager decode of the same fixed widths'
     tokens bit for bit, its logits within 1e-5."""
+    import contextlib
+
     from anyorder.sampling.confidence import confidence_sample
+    from anyorder.sampling.draws import top_p_rule
     from anyorder.sampling.speculative import speculative_sample
 
     model = tiny_model(kind, vocab_size=7, seq_len=32)
-    kw = dict(batch=batch, keep_logits=True)
+    controls = dict(controls)
+    rule = controls.pop("rule", None)
+    kw = dict(batch=batch, keep_logits=True, **controls)
     if prompt:
         kw.update(prompt=torch.randint(0, 7, (n,)), known=torch.arange(n) < n // 3)
 
@@ -116,10 +124,14 @@ def test_compiled_rounds_equal_the_eager_rounds(
             **kw,
         )  # fmt: skip
 
+    def ruled():
+        return top_p_rule(rule) if rule else contextlib.nullcontext()
+
     monkeypatch.setattr(rounds, "STATIC_ON_CPU", True)
-    eager = decode()
+    with ruled():
+        eager = decode()
     monkeypatch.setattr(rounds, "STATIC_ON_CPU", False)
-    with compiled_passes("aot_eager"):
+    with compiled_passes("aot_eager"), ruled():
         out = decode()
     assert torch.equal(out.tokens, eager.tokens) and torch.equal(out.order, eager.order)
     assert torch.equal(out.step_of, eager.step_of)

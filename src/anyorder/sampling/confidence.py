@@ -45,6 +45,7 @@ from anyorder.sampling.draws import (
     DRAW_ELEMENTS_GPU,
     SampleResult,
     check_controls,
+    current_top_p_rule,
 )
 from anyorder.sampling.graphs import RoundRunner, capture_report, resolve_mode
 from anyorder.sampling.rounds import Engine, HostCounts, Round, arange, const, extend
@@ -174,7 +175,7 @@ def confidence_sample(
     left = max(n - k, 1)
     per_pass, subset = min(per_pass, left), None if subset is None else min(subset, left)
     speculative = None if speculative is None else min(speculative, left)
-    ctl = (temperature, top_k, top_p)
+    ctl = (temperature, top_k, top_p, current_top_p_rule())  # the rule read here, once
     mode = resolve_mode(graphs, tokens.device)
     run = _Decode(model, tokens, order, k, ctl, generator, subset, keep_logits, on_step, mode)
     out = run.speculative(speculative) if speculative else run.parallel(per_pass)

@@ -91,9 +91,17 @@ def top_p_rule(rule: str) -> Iterator[None]:
         _TOP_P_RULE.reset(token)
 
 
-def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+def current_top_p_rule() -> str:
+    """The top-p rule in force (:func:`top_p_rule`), read on the host: a sampler whose
+    passes compile reads it once, outside them (a compiled pass cannot read the context)."""
+    return _TOP_P_RULE.get()
+
+
+def filter_logits(
+    logits: Tensor, top_k: int | None = None, top_p: float | None = None, rule: str | None = None
+) -> Tensor:
     """Set logits outside the top-k / nucleus (top-p) support to -inf. (..., V) -> (..., V).
-    Top-p follows the rule in force (:func:`top_p_rule`)."""
+    Top-p follows ``rule``, or (None) the rule in force (:func:`top_p_rule`)."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -101,7 +109,7 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         mass = probs.cumsum(dim=-1)
-        if _TOP_P_RULE.get() == "reference":
+        if (rule or _TOP_P_RULE.get()) == "reference":
             drop = mass > top_p  # the crossing token goes too
             drop[..., 0] = False
         else:  # drop a token when the mass before it already reaches top_p

@@ -64,7 +64,7 @@ from anyorder.cache import BIG
 from anyorder.errors import SamplingError
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
-from anyorder.sampling.draws import SampleResult, check_controls
+from anyorder.sampling.draws import SampleResult, check_controls, current_top_p_rule
 from anyorder.sampling.graphs import RoundRunner, capture_report, resolve_mode
 from anyorder.sampling.rounds import Engine, HostCounts, Round, arange, const, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
@@ -167,7 +167,7 @@ def speculative_sample(
         raise SamplingError(f"--speculative K={draft} must be an integer >= 1 (tokens per pass)")
     tokens, _, order, k = _prepare(model, n, batch, prompt, known, order, generator)
     draft = min(draft, max(n - k, 1))  # a pass never commits more than the slots left
-    ctl = (temperature, top_k, top_p)
+    ctl = (temperature, top_k, top_p, current_top_p_rule())  # the rule read here, once
     mode = resolve_mode(graphs, tokens.device)
     return _run(
         model, tokens, order, k, draft, ctl, generator, keep_logits, on_step, on_round, mode

@@ -37,14 +37,19 @@ from anyorder.sampling.draws import filter_logits
 
 
 def probabilities(
-    logits: Tensor, temperature: float, top_k: int | None, top_p: float | None
+    logits: Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    rule: str | None = None,
 ) -> Tensor:
     """The sampling distribution (..., V) float64 of logits (..., V) under the controls: the
-    very distribution :func:`anyorder.sampling.draws.sample_logits` draws from."""
+    very distribution :func:`anyorder.sampling.draws.sample_logits` draws from (``rule``:
+    the top-p rule, read once by the sampler; None: the rule in force)."""
     x = logits.double()
     if temperature != 1.0:  # a kernel saved at the default (x / 1 is x)
         x = x / temperature
-    return filter_logits(x, top_k, top_p).softmax(dim=-1)
+    return filter_logits(x, top_k, top_p, rule).softmax(dim=-1)
 
 
 def draw(probs: Tensor, valid: Tensor | None, generator: torch.Generator | None) -> Tensor:
