@@ -282,12 +282,19 @@ class StaticKV:
             self.k[layer].scatter_(2, self.index, k)
             self.v[layer].scatter_(2, self.index, v)
         K = self.keys
-        if torch.compiler.is_compiling():  # no memo: a compiled pass's guards would read it
-            return self.k[layer][:, :, :K], self.v[layer][:, :, :K]
         read = self._read.get((layer, K))
-        if read is None:  # the views a pass reads, made once per key level
-            read = self._read[layer, K] = (self.k[layer][:, :, :K], self.v[layer][:, :, :K])
+        if read is None:  # the views a pass reads, made once per key level (not while
+            read = (self.k[layer][:, :, :K], self.v[layer][:, :, :K])  # compiling: guards)
+            if not torch.compiler.is_compiling():
+                self._read[layer, K] = read
         return read
+
+    def prepare_reads(self, keys: int) -> None:
+        """Make the views a pass of ``keys`` slots reads, before it compiles: read as graph
+        inputs, not made inside, they spare the compiled pass a copy of each buffer."""
+        for layer in range(len(self.k)):
+            if (layer, keys) not in self._read:
+                self._read[layer, keys] = (self.k[layer][:, :, :keys], self.v[layer][:, :, :keys])
 
     def hook(self, layer: int) -> KVHook:
         """The cache hook of one layer, for :meth:`anyorder.layers.Attention.forward`."""

@@ -155,6 +155,10 @@ class GPTPasses:
     def fork(self) -> None:
         self.cache.fork_first()
 
+    def prepare_reads(self, group: Group) -> None:
+        """The cache views ``group``'s passes read, made before they compile."""
+        self.cache.prepare_reads(group.keys)
+
 
 class ARMDPasses:
     """Passes of ARMD's two streams over two static caches and the prefix aggregate."""
@@ -180,6 +184,11 @@ class ARMDPasses:
         self.emb = torch.zeros(
             batch, cap, cfg.d_model, device=device, dtype=model.tok_emb.weight.dtype
         )
+
+    def prepare_reads(self, group: Group) -> None:
+        """The cache views ``group``'s passes read, made before they compile."""
+        self.cache.content.prepare_reads(group.keys)
+        self.cache.query.prepare_reads(group.keys_q)
 
     def run(
         self,
@@ -325,6 +334,8 @@ def run_plan(
     runners = []
     if graphs != "off":
         for g in plan.groups:
+            if compiling() is not None:
+                engine.prepare_reads(g)
             runners.append(PassRunner(partial(engine.run, tok=tok, group=g), g.table, graphs))
     watch = _EosWatch(B, stop_at_eos, device) if stop_at_eos is not None else None
     passes = 0

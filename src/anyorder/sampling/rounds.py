@@ -44,6 +44,7 @@ from torch import Tensor
 from anyorder.cache import BIG
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
+from anyorder.sampling.graphs import compiling
 from anyorder.sampling.passes import ARMDPasses, GPTPasses
 from anyorder.sampling.plan import Group
 
@@ -323,6 +324,10 @@ class Engine:
         width = max(self.widths) if self.armd else self.widths
         keys = _level(reach + width, self.capacity, 2 if self.armd else 7)
         self._note(self.widths, keys, keys)  # here, outside any compiled round
+        if not torch.compiler.is_compiling() and compiling() is not None:
+            cache = self.passes.cache  # the views the round reads, made before it compiles
+            for part in (cache.content, cache.query) if self.armd else (cache,):
+                part.prepare_reads(keys)
         return keys
 
     def _note(self, widths: int | tuple[int, int], kc: int, kq: int) -> None:
