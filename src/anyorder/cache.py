@@ -281,12 +281,16 @@ class StaticKV:
         else:
             self.k[layer].scatter_(2, self.index, k)
             self.v[layer].scatter_(2, self.index, v)
-        K = self.keys
-        read = self._read.get((layer, K))
-        if read is None:  # the views a pass reads, made once per key level (not while
-            read = (self.k[layer][:, :, :K], self.v[layer][:, :, :K])  # compiling: guards)
-            if not torch.compiler.is_compiling():
-                self._read[layer, K] = read
+        read = self._read.get((layer, self.keys))
+        if read is None:  # made once per key level (a compiled pass keeps no memo: guards)
+            read = self._views(layer, self.keys, keep=not torch.compiler.is_compiling())
+        return read
+
+    def _views(self, layer: int, keys: int, keep: bool = True) -> tuple[Tensor, Tensor]:
+        """The keys and values a pass of ``keys`` slots reads of ``layer`` (kept if ``keep``)."""
+        read = (self.k[layer][:, :, :keys], self.v[layer][:, :, :keys])
+        if keep:
+            self._read[layer, keys] = read
         return read
 
     def prepare_reads(self, keys: int) -> None:
@@ -294,7 +298,7 @@ class StaticKV:
         inputs, not made inside, they spare the compiled pass a copy of each buffer."""
         for layer in range(len(self.k)):
             if (layer, keys) not in self._read:
-                self._read[layer, keys] = (self.k[layer][:, :, :keys], self.v[layer][:, :, :keys])
+                self._views(layer, keys)
 
     def hook(self, layer: int) -> KVHook:
         """The cache hook of one layer, for :meth:`anyorder.layers.Attention.forward`."""

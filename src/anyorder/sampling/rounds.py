@@ -325,9 +325,7 @@ class Engine:
         keys = _level(reach + width, self.capacity, 2 if self.armd else 7)
         self._note(self.widths, keys, keys)  # here, outside any compiled round
         if not torch.compiler.is_compiling() and compiling() is not None:
-            cache = self.passes.cache  # the views the round reads, made before it compiles
-            for part in (cache.content, cache.query) if self.armd else (cache,):
-                part.prepare_reads(keys)
+            self.passes.prepare_reads(Group((), keys, keys))  # views made before it compiles
         return keys
 
     def _note(self, widths: int | tuple[int, int], kc: int, kq: int) -> None:
