@@ -24,6 +24,7 @@ script counts the Triton kernels (``--device cuda``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import time
@@ -58,8 +59,10 @@ def kernel_calls(code: str) -> list[str]:
     return [re.sub(r"^(cpp_fused|triton)_\w+", r"\1", c) for c in calls]
 
 
-def count(name: str, n: int, batch: int, device: str) -> dict:
-    """Decode row ``name`` with compiled passes; the kernels of its compiled graphs."""
+def count(name: str, n: int, batch: int, device: str, dtype: str = "fp32") -> dict:
+    """Decode row ``name`` with compiled passes; the kernels of its compiled graphs
+    (``dtype`` bf16: under bf16 autocast, without its weight-cast cache, as a CUDA graph
+    records)."""
     kind, kw = samplers(n)[name]
     kw = dict(kw)
     if "prompt" in kw:  # a prefix or infilling template, as launch_overhead.py's
@@ -71,7 +74,10 @@ def count(name: str, n: int, batch: int, device: str) -> dict:
 
     def run():
         g = torch.Generator(device).manual_seed(0)
-        with torch.no_grad(), gpu_path(), compiled_passes("inductor"):
+        cast = contextlib.nullcontext()
+        if dtype == "bf16":
+            cast = torch.autocast(torch.device(device).type, torch.bfloat16, cache_enabled=False)
+        with torch.no_grad(), gpu_path(), compiled_passes("inductor"), cast:
             return fn(model, n, batch=batch, generator=g, graphs=graphs, **kw)
 
     t = time.perf_counter()
@@ -95,6 +101,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--samplers", default=",".join(ROWS), help="comma-separated names")
     ap.add_argument("--device", default="cpu")
+    bf16 = "bf16: under bf16 autocast, as anyorder sample decodes on CUDA"
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help=bf16)
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/compiled_kernels.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -105,14 +113,17 @@ def main() -> None:
         raise SystemExit(f"--samplers: no row {', '.join(unknown)}; the rows: {known}")
     rows = {}
     for name in names:
-        rows[name] = r = count(name, args.seq_len, args.batch, args.device)
+        rows[name] = r = count(name, args.seq_len, args.batch, args.device, args.dtype)
         print(
             f"{name:28s} {r['kernels']!s:>8s} kernels a compiled pass "
             f"({r['graphs']} graphs, {r['passes']} passes, {r['seconds']:.0f} s)",
             flush=True,
         )
     ref = rows.get("gpt-seq", {}).get("kernels")
-    print(f"\ntiny preset, batch {args.batch}, n = {args.seq_len}, {args.device}, inductor")
+    print(
+        f"\ntiny preset, batch {args.batch}, n = {args.seq_len}, {args.device}, {args.dtype}, "
+        "inductor"
+    )
     print(f"{'sampler':28s} {'kernels':>8s} {'x gpt':>6s}")
     for name, r in rows.items():
         ratio = r["kernels"] / ref if ref and r["kernels"] else None
@@ -133,7 +144,7 @@ def main() -> None:
         print(f"\n  {c['target']:66s} {c['measured']:8.2f}  {c['verdict']}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(preset="tiny", batch=args.batch, n=args.seq_len, device=args.device,
-                torch=torch.__version__)  # fmt: skip
+                dtype=args.dtype, torch=torch.__version__)  # fmt: skip
     args.json.write_text(json.dumps(dict(meta=meta, rows=rows, targets=checks), indent=1))
     print(f"wrote {args.json}")
 

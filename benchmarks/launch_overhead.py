@@ -43,6 +43,7 @@ The training rows count one forward + backward of ``model.loss`` (per step).
     python benchmarks/launch_overhead.py                     # tiny, batch 8, n = 256
     python benchmarks/launch_overhead.py --samplers aogpt-seq,armd-lemma1
     python benchmarks/launch_overhead.py --no-train --json /tmp/ops.json
+    python benchmarks/launch_overhead.py --no-train --dtype bf16    # as CUDA decodes by default
 """
 
 from __future__ import annotations
@@ -251,6 +252,15 @@ def gpu_path():
             rounds.STATIC_ON_CPU = False
 
 
+def autocast(dtype: str, cache: bool = True) -> contextlib.AbstractContextManager:
+    """The CPU's bf16 autocast for ``dtype`` bf16 (nothing for fp32). ``cache=False``: as a
+    CUDA graph records under autocast, without its weight-cast cache (a captured pass casts
+    whatever the decode has not cast before: ``layers/casts.py``)."""
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", torch.bfloat16, cache_enabled=cache)
+
+
 def samplers(n: int) -> dict[str, tuple[str, dict]]:
     """name -> (model kind, keyword arguments of :func:`anyorder.sample.sample`)."""
     T = n // 4
@@ -326,6 +336,13 @@ def main() -> None:
     ap.add_argument("--samplers", default=None, help="comma-separated names (default: all)")
     ap.add_argument("--no-train", action="store_true", help="leave out the training rows")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="bf16: under bf16 autocast, as anyorder sample and serve decode on CUDA (the "
+        "captured rows without autocast's weight-cast cache, as a CUDA graph records)",
+    )
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/launch_overhead.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -350,7 +367,7 @@ def main() -> None:
         def run(model=model, kw=kw, fn=fn, graphs=None, last=last) -> int:
             g = torch.Generator().manual_seed(0)
             extra = {} if graphs is None else dict(graphs=graphs)
-            with torch.no_grad():
+            with torch.no_grad(), autocast(args.dtype, cache=graphs is None):
                 out = last["out"] = fn(model, n, batch=B, generator=g, **kw, **extra)
             return out.forward_passes
 
@@ -398,7 +415,7 @@ def main() -> None:
             )  # fmt: skip
             model.eval()
     ref = rows.get("gpt-seq", {}).get("gpu_launches_per_pass")
-    print(f"\ntiny preset, batch {B}, n = {n}: per forward pass (training: per step)")
+    print(f"\ntiny preset, batch {B}, n = {n}, {args.dtype}: per forward pass (training: per step)")
     head = (
         f"{'sampler':30s} {'passes':>6s} {'ops/pass':>9s} {'launch/pass':>11s} "
         f"{'gpu launch':>10s} {'x gpt':>6s} {'syncs/pass':>10s} {'gpu syncs':>9s} "
@@ -460,7 +477,7 @@ def main() -> None:
     for c in checks:
         print(f"  {c['target']:66s} {c['measured']!s:>8.8s}  {c['verdict']}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(preset="tiny", batch=B, n=n, torch=torch.__version__)
+    meta = dict(preset="tiny", batch=B, n=n, dtype=args.dtype, torch=torch.__version__)
     args.json.write_text(json.dumps(dict(meta=meta, rows=rows, targets=checks), indent=1))
     print(f"wrote {args.json}")
 

@@ -18,6 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from anyorder import build_model, preset
+from anyorder.layers import casts as casts_mod
 from anyorder.layers import linear as linear_mod
 from anyorder.models import _INITS
 from anyorder.models.base import AnyOrderLM
@@ -73,12 +74,13 @@ def _process_state_check(when: str) -> None:
     changed = [n for n, fn in _INIT_FNS.items() if getattr(torch.nn.init, n) is not fn]
     assert not changed, f"torch.nn.init's {changed} are not torch's own {when}"
     assert linear_mod._here.packs is None, f"a prepacked() context is open {when}"
+    assert casts_mod.current() is None, f"a decode's casts are still read {when}"
 
 
 @pytest.fixture(autouse=True)
 def _process_state_restored():
-    """torch.nn.init's functions are torch's own, and no prepacking is open in this
-    thread, before and after each test (module fixtures included), so that a leak fails
+    """torch.nn.init's functions are torch's own, and no prepacking or decode's casts are
+    open in this thread, before and after each test (module fixtures included), so that a leak fails
     where it happens: once, two loads in two threads left init switched off, and every
     later test in the process failed on NaN weights."""
     _process_state_check("before this test (a fixture or an earlier test changed them)")

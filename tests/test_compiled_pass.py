@@ -13,6 +13,7 @@ independently of the runners.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -213,12 +214,21 @@ _CASES = {
 }
 
 
+def _recording_autocast(dtype: str):
+    """bf16 autocast as a CUDA graph records under it (no weight-cast cache), on the CPU."""
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", torch.bfloat16, cache_enabled=False)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(_CASES))
-def test_a_compiled_runner_compiles_on_its_first_call_only(case, monkeypatch) -> None:
+def test_a_compiled_runner_compiles_on_its_first_call_only(case, dtype, monkeypatch) -> None:
     """On CUDA a runner's second call is recorded into its graph, and compiling while a
     graph records fails. So every runner compiles on its first call and never again (the
     decode's tables are filled before, a round stands for its key level, no memo is read
-    inside), and the same request decoded again compiles nothing."""
+    inside), and the same request decoded again compiles nothing; under bf16 autocast too,
+    where each decode reads its own casts of the weights (``layers/casts.py``)."""
     from torch._dynamo.utils import counters
 
     from anyorder.sampling.confidence import confidence_sample
@@ -250,7 +260,7 @@ def test_a_compiled_runner_compiles_on_its_first_call_only(case, monkeypatch) ->
 
     torch._dynamo.reset()
     counters.clear()
-    with compiled_passes("aot_eager"):
+    with compiled_passes("aot_eager"), _recording_autocast(dtype):
         out = decode()
         made = counters["stats"]["unique_graphs"]
         again = decode()

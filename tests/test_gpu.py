@@ -312,6 +312,28 @@ def test_cuda_graphs_under_bf16_autocast(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["aogpt", "armd"])
+def test_captured_passes_reading_the_decodes_casts_equal_autocasts_own(kind, monkeypatch) -> None:
+    """Under bf16 autocast a decode casts the weights once (``layers/casts.py``) and its
+    graphs read the copies: the same logits and tokens as graphs that cast at each replay."""
+    from anyorder.layers import casts
+    from anyorder.sampling.speculative import speculative_sample
+
+    model = on_device(kind)
+    outs = []
+    for on in (True, False):
+        if not on:
+            monkeypatch.setattr(casts, "for_decode", lambda model: None)
+        with torch.autocast(DEVICE.type, torch.bfloat16):
+            outs.append(
+                speculative_sample(
+                    model, N, 3, batch=2, generator=gen(8), keep_logits=True, graphs=GRAPHS
+                )
+            )
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert torch.equal(outs[0].logits, outs[1].logits)
+
+
+@pytest.mark.parametrize("kind", ["aogpt", "armd"])
 @pytest.mark.parametrize("generator_on", ["device", "cpu"])
 def test_captured_speculative_rounds_equal_the_eager_rounds(kind: str, generator_on) -> None:
     """Speculative rounds captured as CUDA graphs (one per key level; the randoms drawn

@@ -22,7 +22,8 @@ Modules: :mod:`~anyorder.layers.norm` (RMSNorm, LayerNorm), :mod:`~anyorder.laye
 packings), :mod:`~anyorder.layers.flex` (the optional FlexAttention backend),
 :mod:`~anyorder.layers.attention` (:class:`Attention`), :mod:`~anyorder.layers.adaln`
 (adaLN and its joined forms), :mod:`~anyorder.layers.blocks` (MLP, Block, Head, init),
-:mod:`~anyorder.layers.head_loss` (the head's cross-entropy in chunks).
+:mod:`~anyorder.layers.head_loss` (the head's cross-entropy in chunks),
+:mod:`~anyorder.layers.casts` (the weights a decode casts once under autocast).
 """
 
 from anyorder.layers.adaln import (

@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from anyorder.layers import casts
 from anyorder.memory import available_memory
 
 MIN_WEIGHT = 1 << 18
@@ -117,12 +118,16 @@ class Linear(nn.Linear):
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)``, from a prepacked copy of ``weight`` where one applies."""
+    """``F.linear(x, weight, bias)``, from a prepacked copy of ``weight`` where one applies,
+    or from the decode's cast of it under autocast (``layers/casts.py``)."""
     packs = _here.packs
     if packs is not None:
         out = packs.apply(x, weight, bias, _here.make)
         if out is not None:
             return out
+    cast = casts.current()
+    if cast is not None:
+        weight, bias = cast.of(weight), cast.of(bias)
     return F.linear(x, weight, bias)
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from anyorder.config import ModelConfig
+from anyorder.layers import casts
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
@@ -23,7 +24,8 @@ class RMSNorm(nn.Module):
 
     Under bf16 autocast the input is bf16 and the gain fp32; ``F.rms_norm`` then falls back
     to its unfused implementation (with a warning per call), so the gain is cast to the
-    input's dtype first, as the fused kernel wants (a no-op in fp32).
+    input's dtype first, as the fused kernel wants (a no-op in fp32; in a decode, the cast
+    it made once, ``layers/casts.py``).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -32,4 +34,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+        return F.rms_norm(x, (x.shape[-1],), casts.gain(self.weight, x.dtype), self.eps)

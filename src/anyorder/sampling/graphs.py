@@ -20,7 +20,8 @@ Design choices:
   allocates the adaLN and RoPE tables), then the same callable is recorded (recording
   runs nothing). Each graph has its own memory pool (groups replay interleaved; a pass's
   intermediates are a few MB). Under autocast the weight-cast cache is off while recording
-  (a cached cast would be freed under the graph).
+  (a cached cast would be freed under the graph): the passes read the weights their decode
+  cast once instead (``layers/casts.py``), so a replay casts none.
 * ``mode="emulate"`` runs the same bookkeeping on any device without a graph: the first
   call records, a replay re-runs the callable through the device counter and copies into
   the static output. This is how the CPU tests cover the replay logic.

@@ -22,7 +22,7 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from functools import partial
@@ -32,7 +32,7 @@ from torch import Tensor
 
 from anyorder.cache import ARMDCache, StaticKV
 from anyorder.errors import SamplingError
-from anyorder.layers import Packing, PreparedMask, StreamPacking
+from anyorder.layers import Packing, PreparedMask, StreamPacking, casts
 from anyorder.layers.linear import (
     MANY_ROWS,
     ONE_ROW,
@@ -106,13 +106,25 @@ def earned(model: AnyOrderLM, plan: Plan, batch: int) -> tuple[Prepacked | None,
     return packs, out + ((ONE_ROW,) if packs.one_row_passes >= EARN_ONE_ROW_PASSES else ())
 
 
-def _weights(packs: Prepacked | None, make: tuple[int, ...]) -> Callable[[], ContextManager]:
-    """The context a pass reads the weights in: the CPU's prepacked copies, or (under
-    :func:`~anyorder.sampling.graphs.compiled_passes`: the compiler makes its own kernels,
-    and traces no thread-local switch) the weights as they are."""
+def _weights(
+    model: AnyOrderLM, packs: Prepacked | None, make: tuple[int, ...]
+) -> Callable[[], ContextManager]:
+    """The context a pass reads the weights in: the CPU's prepacked copies, and under
+    autocast the weights cast once for the decode (``layers/casts.py``: a captured pass
+    would cast each at every replay); under :func:`~anyorder.sampling.graphs.compiled_passes`
+    the casts alone (the compiler makes its own kernels)."""
+    cast = casts.for_decode(model)
     if compiling() is not None:
-        return contextlib.nullcontext
-    return partial(prepacked, packs, make=make)
+        return partial(casts.reading, cast)
+    if cast is None:
+        return partial(prepacked, packs, make=make)
+
+    @contextlib.contextmanager
+    def both() -> Iterator[None]:
+        with prepacked(packs, make=make), casts.reading(cast):
+            yield
+
+    return both
 
 
 class GPTPasses:
@@ -125,7 +137,7 @@ class GPTPasses:
         self.cache = StaticKV(cfg.n_layer, batch, plan.capacity, shape, dtype, model.device)
         self.masks = _Masks(dtype, model.device)
         self.packs, self.make = earned(model, plan, batch)  # the CPU's (layers/linear.py)
-        self._weights = _weights(self.packs, self.make)
+        self._weights = _weights(model, self.packs, self.make)
         if compiling() is not None:  # the decode's tables before any pass compiles
             model.prepare_decode(self.cache)
 
@@ -175,7 +187,7 @@ class ARMDPasses:
         )
         self.masks = _Masks(dtype, device)
         self.packs, self.make = earned(model, plan, batch)
-        self._weights = _weights(self.packs, self.make)
+        self._weights = _weights(model, self.packs, self.make)
         if compiling() is not None:  # the decode's tables before any pass compiles
             model.prepare_decode(self.cache)
         self.batch, self.block = batch, plan.block_mode
