@@ -214,14 +214,34 @@ def test_the_copies_are_autocasts_casts_and_views_read_their_rows() -> None:
     model = _model("aogpt", "padded", 1)
     c = casts.Casts(model, torch.bfloat16)
     head = model.head.weight
-    for p in model.parameters():
-        assert torch.equal(c.of(p), p.to(torch.bfloat16))
+    for p, copy in c.copies.values():
+        assert c.of(p) is copy and torch.equal(copy, p.to(torch.bfloat16))
+    assert c.of(model.tgt_emb.weight) is model.tgt_emb.weight  # a table: not copied
     rows = head[: model.cfg.vocab_size]  # the padded head's first rows: a view
     assert torch.equal(c.of(rows), rows.to(torch.bfloat16))
     cols = head[2:5, 3:9]
     assert torch.equal(c.of(cols), cols.to(torch.bfloat16))
     other = torch.randn(3, 4)
     assert c.of(other) is other and c.of(None) is None
+
+
+def test_no_copy_of_what_no_pass_casts() -> None:
+    """Token tables are looked up, never cast, and AO-GPT's adaLN fills a table once per
+    decode: no copies of them (a tied head's weight is copied: the head reads it)."""
+    untied = _model("aogpt", "biases", 0)
+    c = casts.Casts(untied, torch.bfloat16)
+    tables = [m.weight for m in untied.modules() if isinstance(m, torch.nn.Embedding)]
+    tables += [p for a in untied.adas() for p in a.parameters()]
+    copied = {id(p) for p, _ in c.copies.values()}
+    assert tables and not copied & {id(p) for p in tables}
+    assert id(untied.head.weight) in copied
+    reads = {id(p) for p in untied.parameters()} - {id(p) for p in tables}
+    assert reads <= copied
+    tied = _model("gpt", "plain", 0)
+    assert tied.head.weight is tied.tok_emb.weight
+    assert id(tied.tok_emb.weight) in {
+        id(p) for p, _ in casts.Casts(tied, torch.bfloat16).copies.values()
+    }
 
 
 def test_a_decode_makes_casts_only_under_autocast_of_other_weights() -> None:

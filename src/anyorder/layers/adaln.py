@@ -34,6 +34,11 @@ class AdaLN(nn.Module):
     whole row (or none: it is folded into a table).
     """
 
+    decode_casts = False
+    """A decode reads this layer's products from a table filled once (``TargetCondition``,
+    ``adaln_table``), never its weights pass by pass: no copy cast for them
+    (``layers/casts.py``)."""
+
     def __init__(
         self,
         cond_dim: int,

@@ -15,9 +15,10 @@ once, when a decode begins (``sampling/passes.py``), and within :func:`reading` 
 read those copies: :func:`~anyorder.layers.linear.linear` its weight and bias, RMSNorm its
 gain. A copy is ``weight.to(dtype)``, the very cast autocast makes (round to nearest), so
 the products and the logits are those of autocast's own casts, bit for bit (tested). The
-copies live as long as the decode (its graphs read them) and cost half of the fp32 weights'
-memory while it runs, what autocast's cache holds in an eager decode; a device too full for
-them decodes with autocast's casts as before.
+copies live as long as the decode (its graphs read them) and cost at most half of the fp32
+weights' memory while it runs (token tables and AO-GPT's adaLN are not copied: no pass
+casts them), what autocast's cache holds in an eager decode; a device too full for them
+decodes with autocast's casts as before.
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ from torch import Tensor, nn
 
 
 class Casts:
-    """``model``'s floating-point parameters in ``dtype``, keyed by the parameter."""
+    """``model``'s floating-point parameters in ``dtype``, keyed by the parameter: those a
+    pass may read, not the ones only a token table (``nn.Embedding``: a lookup, never cast)
+    or a module marked ``decode_casts = False`` holds (AO-GPT's adaLN: its products fill a
+    table once per decode)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.copies: dict[int, tuple[Tensor, Tensor]] = {}  # id(param) -> (param, copy)
         with torch.no_grad():
-            for p in model.parameters():
-                if p.is_floating_point() and p.dtype != dtype and id(p) not in self.copies:
+            for p in _read_by_passes(model):
+                if p.is_floating_point() and p.dtype != dtype:
                     self.copies[id(p)] = (p, p.detach().to(dtype))
 
     def of(self, t: Tensor | None) -> Tensor | None:
@@ -55,6 +59,23 @@ class Casts:
             return t
         offset = t.storage_offset() - base.storage_offset()
         return entry[1].as_strided(t.shape, t.stride(), offset)
+
+
+def _read_by_passes(model: nn.Module) -> list[Tensor]:
+    """The parameters some module other than a token table or a table-filling one holds
+    (a tied head's weight is its token table's too)."""
+    skipped: set[int] = set()
+    for mod in model.modules():
+        if getattr(mod, "decode_casts", True) is False:
+            skipped |= {id(p) for p in mod.parameters()}
+    read: dict[int, Tensor] = {}
+    for mod in model.modules():
+        if isinstance(mod, nn.Embedding):
+            continue
+        for p in mod.parameters(recurse=False):
+            if id(p) not in skipped:
+                read[id(p)] = p
+    return list(read.values())
 
 
 def for_decode(model: nn.Module) -> Casts | None:
