@@ -114,7 +114,7 @@ run decode_compiled 150 "$PY" benchmarks/decode.py --device "$DEVICE" "${DECODE_
   --batches 1 --speculative 4 --rows "aogpt seq,aogpt spec K=4,aogpt spec K=4 compiled" --repeats 1 \
   --json "$OUT/decode_compiled.json"
 if [ "$DEVICE" != cpu ]; then # kernels a compiled pass: Triton's count (the CPU's: inductor's C++)
-  run compiled_kernels 90 "$PY" benchmarks/compiled_kernels.py --device "$DEVICE" \
+  run compiled_kernels 90 "$PY" benchmarks/compiled_kernels.py --device "$DEVICE" --dtype bf16 \
     --samplers gpt-seq,aogpt-spec-K4,armd-confidence-P4 --json "$OUT/compiled_kernels.json"
 fi
 
