@@ -293,6 +293,41 @@ def test_attention_matches_attention_by_hand(over, native, gen, monkeypatch) -> 
             assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_queries_and_keys_rotated_together_are_rotated_apart(qk_norm, kv_heads, dtype) -> None:
+    """``project`` rotates the queries' and keys' heads in one call where both sit at the
+    same positions (normed by QK-norm, outside training only): the values and the gradients
+    of rotating each apart (``qpos=pos`` takes that path), bit for bit, with or without
+    QK-norm, grouped heads, bf16 autocast, with and without a gradient."""
+    over = dict(n_head=4, n_kv_head=kv_heads, pos_emb="rope", qk_norm=qk_norm, qkv_bias=True)
+    cfg = ModelConfig(kind="gpt", vocab_size=13, seq_len=24, n_layer=1, d_model=32, **over)
+    g = torch.Generator().manual_seed(kv_heads)
+    attn = build_model(cfg).blocks[0].attn
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    x = torch.randn(2, 9, 32, generator=g)
+    pos = positions(cfg, torch.randperm(20, generator=g)[:9].repeat(2, 1))
+    cast = torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bf16")
+    outs, grads = [], []
+    for qpos in (None, pos):
+        attn.zero_grad()
+        xi = x.clone().requires_grad_(True)
+        with cast:
+            q, k, v = attn.project(xi, pos, qpos=qpos)
+            with torch.no_grad():  # decoding: the joined rotation whether normed or not
+                outs.append(attn.project(x, pos, qpos=qpos))
+        outs.append((q, k, v))
+        (q.float().square().sum() + (k.float() * 1.5).sum() + v.float().sum()).backward()
+        grads.append([xi.grad] + [p.grad for p in attn.parameters() if p.grad is not None])
+    for a, b in zip(outs[0] + outs[1], outs[2] + outs[3], strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+    for a, b in zip(grads[0], grads[1], strict=True):
+        assert torch.equal(a, b)
+
+
 def test_grouped_heads_are_repeated_where_no_fused_kernel_takes_them() -> None:
     """On the CPU (and in fp32, or with a mask tensor) ``enable_gqa`` would run SDPA's unfused
     math kernel: the heads are repeated instead."""

@@ -13,6 +13,8 @@ Design choices:
 
 * Attention is split into :meth:`Attention.project` and :meth:`Attention.attend` so that
   the two streams of ARMD and the KV cache reuse the same weights and code.
+* Queries and keys at the same positions are rotated in one call over their heads side by
+  side (decoding is bound by kernel launches; the numbers are those of two calls).
 * A row with nothing to attend to (the first block under a strict mask) gives a zero output
   on every backend: we let it attend to key 0 and multiply the result by zero, instead of
   relying on how a kernel treats a fully masked row.
@@ -87,9 +89,23 @@ class Attention(nn.Module):
         if packing is not None:
             qkv = packing.unpack(qkv)
         q, k, v = qkv.split((self.q_width, self.kv_width, self.kv_width), dim=-1)
-        q = self._rotate(self._heads(q, self.n_head, self.q_norm), pos if qpos is None else qpos)
-        k = self._rotate(self._heads(k, self.n_kv_head, self.k_norm), pos)
-        return q, k, self._heads(v, self.n_kv_head)
+        H, Hkv = self.n_head, self.n_kv_head
+        normed = not isinstance(self.q_norm, nn.Identity)
+        if not self.rope or qpos is not None or (normed and torch.is_grad_enabled()):
+            q = self._rotate(self._heads(q, H, self.q_norm), pos if qpos is None else qpos)
+            k = self._rotate(self._heads(k, Hkv, self.k_norm), pos)
+            return q, k, self._heads(v, Hkv)
+        # queries and keys at the same positions: their heads side by side, (B, H + Hkv, T,
+        # D), rotated at once: the same numbers, half the rotation's kernels (four, and two
+        # casts under autocast). Normed, the heads are joined first (one copy): worth it
+        # where launches bound the pass (decoding), not in training (a copy of q and k, and
+        # the gains' gradients summed in another order)
+        if normed:
+            qk = torch.cat([self._heads(q, H, self.q_norm), self._heads(k, Hkv, self.k_norm)], 1)
+        else:
+            qk = self._heads(qkv[..., : self.q_width + self.kv_width], H + Hkv)
+        q, k = self._rotate(qk, pos).split((H, Hkv), dim=1)
+        return q, k, self._heads(v, Hkv)
 
     def project_q(self, x: Tensor, pos: Positions, packing: Packing | None = None) -> Tensor:
         """Queries only (the ARMD query stream reads the content stream's keys and values)."""
