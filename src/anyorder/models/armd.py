@@ -303,15 +303,23 @@ class ARMD(AnyOrderLM):
                 continue
             attn = block.attn
             xn = block.norm1(x)
-            k, v = attn.project_kv(xn[:, :nc], pos_c, None if P is None else P.content)
+            last = i == self.l2s - 1  # the last content update is never read: query rows only
+            q = None
+            if P is None:  # every row's projection at once (one product, one rotation), the
+                # content rows' keys and values taken from it (the GPU's passes: launch-bound)
+                q, k, v = attn.project(xn, pos)
+                k, v = k[:, :, :C], v[:, :, :C]
+                q = q[:, :, C:] if last else q
+            else:
+                k, v = attn.project_kv(xn[:, :nc], pos_c, P.content)
             k, v = cache.content.write(i, k, v)  # (B, H, Lc + C, D)
-            if i == self.l2s - 1:  # the last content update is never read: query rows only
+            if last:
                 x, xn, rows_pos, rows_mask = x[:, nc:], xn[:, nc:], pos_g, mask_g
                 rows_pk = None if P is None else P.query
             else:
                 rows_pos, rows_mask = pos, mask
             if k.shape[2] > 0:
-                q = attn.project_q(xn, rows_pos, rows_pk)
+                q = attn.project_q(xn, rows_pos, rows_pk) if q is None else q
                 x = x + attn.attend(q, k, v, rows_mask, packing=rows_pk)
             elif attn.proj.bias is not None:  # nothing to read: the projection of zeros
                 x = x + attn.proj.bias.to(x.dtype)
