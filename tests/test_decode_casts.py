@@ -210,19 +210,49 @@ def test_a_captured_pass_casts_no_weight_under_autocast(kind, sampler, monkeypat
     assert cast_off >= replays_off * 2 * model.cfg.n_layer  # qkv, proj, MLP of each layer
 
 
-def test_the_copies_are_autocasts_casts_and_views_read_their_rows() -> None:
-    model = _model("aogpt", "padded", 1)
+def test_the_copies_are_autocasts_casts_and_views_of_them_read_their_rows() -> None:
+    """A copy is autocast's cast of its parameter; the padded head and ARMD's query-only
+    and key-value-only projections take their rows of the copy (a view of a parameter is
+    not looked up: compiled passes trace no ``_base``)."""
+    model = _model("armd", "padded", 1)
     c = casts.Casts(model, torch.bfloat16)
-    head = model.head.weight
     for p, copy in c.copies.values():
         assert c.of(p) is copy and torch.equal(copy, p.to(torch.bfloat16))
-    assert c.of(model.tgt_emb.weight) is model.tgt_emb.weight  # a table: not copied
-    rows = head[: model.cfg.vocab_size]  # the padded head's first rows: a view
-    assert torch.equal(c.of(rows), rows.to(torch.bfloat16))
-    cols = head[2:5, 3:9]
-    assert torch.equal(c.of(cols), cols.to(torch.bfloat16))
-    other = torch.randn(3, 4)
-    assert c.of(other) is other and c.of(None) is None
+    assert c.of(model.tok_emb.weight) is not model.tok_emb.weight  # the tied head reads it
+    rows = model.head.weight[:3]
+    assert c.of(rows) is rows and c.of(None) is None  # a view: itself
+    x = torch.randn(2, 5, model.cfg.d_model)
+    attn = model.blocks[0].attn
+    d = attn.q_width
+    for fn, rows in ((model.head, slice(0, model.cfg.vocab_size)),
+                     (attn.project_q, slice(0, d)), (attn.project_kv, slice(d, None))):  # fmt: skip
+        with torch.autocast("cpu", torch.bfloat16), casts.reading(c), _reads() as seen:
+            fn(x) if fn is model.head else fn(x, torch.arange(5).repeat(2, 1))
+        weight = model.head.weight if fn is model.head else attn.qkv.weight
+        assert seen and all(t.dtype == torch.bfloat16 for t in seen)
+        assert any(torch.equal(t, weight[rows].to(torch.bfloat16)) for t in seen)
+
+
+class _reads:
+    """The weights ``F.linear`` is given within."""
+
+    def __enter__(self):
+        import torch.nn.functional as F
+
+        self.real, self.seen = F.linear, []
+
+        def spy(x, w, b=None):
+            self.seen.append(w)
+            return self.real(x, w, b)
+
+        F.linear = spy
+        return self.seen
+
+    def __exit__(self, *exc):
+        import torch.nn.functional as F
+
+        F.linear = self.real
+        return False
 
 
 def test_no_copy_of_what_no_pass_casts() -> None:

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from anyorder.config import ModelConfig
 from anyorder.errors import ConfigError
+from anyorder.layers import casts
 from anyorder.layers.flex import _load_flex
 from anyorder.layers.linear import Linear, linear, weight_and_bias
 from anyorder.layers.masks import Mask, Packing, PreparedMask
@@ -110,7 +111,7 @@ class Attention(nn.Module):
     def project_q(self, x: Tensor, pos: Positions, packing: Packing | None = None) -> Tensor:
         """Queries only (the ARMD query stream reads the content stream's keys and values)."""
         d = self.q_width
-        weight, bias = weight_and_bias(self.qkv)  # LoRA's adapters included
+        weight, bias = map(casts.cast, weight_and_bias(self.qkv))  # LoRA's adapters included
         q = linear(x, weight[:d], None if bias is None else bias[:d])
         q = q if packing is None else packing.unpack(q)
         return self._rotate(self._heads(q, self.n_head, self.q_norm), pos)
@@ -120,7 +121,7 @@ class Attention(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Keys and values only (the rows whose queries nobody reads)."""
         d = self.q_width
-        weight, bias = weight_and_bias(self.qkv)
+        weight, bias = map(casts.cast, weight_and_bias(self.qkv))
         kv = linear(x, weight[d:], None if bias is None else bias[d:])
         k, v = (kv if packing is None else packing.unpack(kv)).split(self.kv_width, dim=-1)
         return self._rotate(self._heads(k, self.n_kv_head, self.k_norm), pos), self._heads(

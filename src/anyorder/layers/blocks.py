@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from anyorder.config import ModelConfig
+from anyorder.layers import casts
 from anyorder.layers.adaln import AdaLN, Modulation, TargetCondition
 from anyorder.layers.attention import Attention, KVHook
 from anyorder.layers.linear import Linear, linear
@@ -102,8 +103,9 @@ class Head(Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.used == self.out_features:
             return super().forward(x)
-        bias = self.bias[: self.used] if self.bias is not None else None
-        return linear(x, self.weight[: self.used], bias)  # views of the first rows: no copy
+        weight, bias = casts.cast(self.weight), casts.cast(self.bias)  # a decode's casts
+        bias = bias[: self.used] if bias is not None else None
+        return linear(x, weight[: self.used], bias)  # views of the first rows: no copy
 
 
 def init_normal(tensor: Tensor, std: float, cfg: ModelConfig) -> None:

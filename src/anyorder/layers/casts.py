@@ -13,7 +13,8 @@ products read two. Weights that require no gradient were cast at every product e
 :class:`Casts` makes each of the model's floating-point parameters in autocast's dtype
 once, when a decode begins (``sampling/passes.py``), and within :func:`reading` the layers
 read those copies: :func:`~anyorder.layers.linear.linear` its weight and bias, RMSNorm its
-gain. A copy is ``weight.to(dtype)``, the very cast autocast makes (round to nearest), so
+gain, the padded head and ARMD's query-only and key-value-only projections the rows they
+take of theirs. A copy is ``weight.to(dtype)``, the very cast autocast makes (round to nearest), so
 the products and the logits are those of autocast's own casts, bit for bit (tested). The
 copies live as long as the decode (its graphs read them) and cost at most half of the fp32
 weights' memory while it runs (token tables and AO-GPT's adaLN are not copied: no pass
@@ -46,19 +47,13 @@ class Casts:
                     self.copies[id(p)] = (p, p.detach().to(dtype))
 
     def of(self, t: Tensor | None) -> Tensor | None:
-        """The copy of ``t`` (a parameter, or a view of one: the head's first rows, the
-        query rows of a fused projection), or ``t`` itself where none was made."""
-        if t is None:
-            return None
+        """The copy of the parameter ``t``, or ``t`` itself where none was made (a view
+        of a parameter is not looked up: take the copy of the parameter, then the view, as
+        the padded head and ARMD's query-only projection do)."""
+        if not isinstance(t, nn.Parameter):  # views and products: never copied (and a
+            return t  # compiled pass cannot take the id of a tensor it made)
         entry = self.copies.get(id(t))
-        if entry is not None and entry[0] is t:
-            return entry[1]
-        base = t._base
-        entry = None if base is None else self.copies.get(id(base))
-        if entry is None or entry[0] is not base or entry[1].stride() != base.stride():
-            return t
-        offset = t.storage_offset() - base.storage_offset()
-        return entry[1].as_strided(t.shape, t.stride(), offset)
+        return entry[1] if entry is not None and entry[0] is t else t
 
 
 def _read_by_passes(model: nn.Module) -> list[Tensor]:
@@ -115,6 +110,12 @@ def reading(casts: Casts | None) -> Iterator[None]:
 def current() -> Casts | None:
     """The casts this thread's layers read now."""
     return _here.casts
+
+
+def cast(t: Tensor | None) -> Tensor | None:
+    """The copy of the parameter ``t`` this thread's decode reads, or ``t``."""
+    casts = _here.casts
+    return t if casts is None else casts.of(t)
 
 
 def gain(weight: Tensor, dtype: torch.dtype) -> Tensor:
