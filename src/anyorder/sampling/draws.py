@@ -157,9 +157,8 @@ def sample_logits(
 def _draw(flat: Tensor, generator, temperature: float, top_k, top_p) -> Tensor:
     """One draw per row of (R, V) logits, in float64."""
     x = flat.double()
-    if x.data_ptr() == flat.data_ptr():  # already float64: do not divide the caller's
-        x = x.clone()
-    x.div_(temperature)
+    if temperature != 1.0:  # a launch saved at the default (x / 1 is x); never in place
+        x = x / temperature  # (float64 logits would be the caller's own)
     probs = filter_logits(x, top_k, top_p).softmax(dim=-1)
     if generator is not None and generator.device != probs.device:
         probs = probs.to(generator.device)
