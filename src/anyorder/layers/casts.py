@@ -14,8 +14,9 @@ products read two. Weights that require no gradient were cast at every product e
 once, when a decode begins (``sampling/passes.py``), and within :func:`reading` the layers
 read those copies: :func:`~anyorder.layers.linear.linear` its weight and bias, RMSNorm its
 gain, the padded head and ARMD's query-only and key-value-only projections the rows they
-take of theirs. A copy is ``weight.to(dtype)``, the very cast autocast makes (round to nearest), so
-the products and the logits are those of autocast's own casts, bit for bit (tested). The
+take of theirs. A copy is ``weight.to(dtype)``, the very cast autocast makes (round to
+nearest), so the products and the logits are those of autocast's own casts, bit for bit
+(tested). The
 copies live as long as the decode (its graphs read them) and cost at most half of the fp32
 weights' memory while it runs (token tables and AO-GPT's adaLN are not copied: no pass
 casts them), what autocast's cache holds in an eager decode; a device too full for them
@@ -120,9 +121,5 @@ def cast(t: Tensor | None) -> Tensor | None:
 
 def gain(weight: Tensor, dtype: torch.dtype) -> Tensor:
     """A norm's gain in ``dtype``: the decode's copy where it has one in that dtype."""
-    casts = _here.casts
-    if casts is not None and casts.dtype == dtype:
-        copy = casts.of(weight)
-        if copy.dtype == dtype:
-            return copy
-    return weight.to(dtype)
+    copy = cast(weight)
+    return copy if copy.dtype == dtype else weight.to(dtype)
