@@ -725,6 +725,26 @@ def test_parse_template_errors(template: str, message: str) -> None:
         parse_template(template, BYTES, max_len=16)
 
 
+def test_a_template_over_the_context_is_refused_before_it_is_built() -> None:
+    """5,900 holes of the context's width fit in a 64 KiB request: they are counted, not
+    laid out as 48 million ids (about 700 MB) before the length check refuses them."""
+    import tracemalloc
+
+    template = "[MASK:8192]" * 5900
+    tracemalloc.start()
+    try:
+        with pytest.raises(SamplingError) as e:
+            parse_template(template, BYTES, max_len=8192)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(e.value) == (
+        "the template is 48332800 tokens, longer than the model's context (8192); shorten "
+        "the text or the holes"
+    )
+    assert peak < 10_000_000
+
+
 @pytest.mark.parametrize("kind", ["aogpt", "armd", "mdm"])
 def test_infill_never_changes_the_known_text(kind: str) -> None:
     model = tiny_model(kind, vocab_size=257, seq_len=64)

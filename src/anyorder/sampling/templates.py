@@ -59,15 +59,17 @@ def parse_template(
     """
     ids: list[int] = []
     known: list[bool] = []
-    holes = 0
+    holes = total = 0  # total: the template's length, counted past max_len but not laid out
     i = 0
     while True:
         j = text.find("[MASK", i)
         literal = text[i:] if j < 0 else text[i:j]
         if literal:
             piece = tokenizer.encode(literal)
-            ids += piece
-            known += [True] * len(piece)
+            total += len(piece)
+            if max_len is None or total <= max_len:
+                ids += piece
+                known += [True] * len(piece)
         if j < 0:
             break
         m = _HOLE.match(text, j)
@@ -94,15 +96,17 @@ def parse_template(
                 f"hole [MASK:{shown}] is longer than the model's context ({max_len} tokens)"
             )
         size = int(digits)
-        ids += [0] * size
-        known += [False] * size
+        total += size
+        if max_len is None or total <= max_len:  # thousands of wide holes fit in 64 KiB
+            ids += [0] * size
+            known += [False] * size
         holes += 1
         i = m.end()
     if holes == 0:
         raise SamplingError("the template has no hole; mark the text to fill with [MASK:n]")
-    if max_len is not None and len(ids) > max_len:
+    if max_len is not None and total > max_len:
         raise SamplingError(
-            f"the template is {len(ids)} tokens, longer than the model's context ({max_len}); "
+            f"the template is {total} tokens, longer than the model's context ({max_len}); "
             "shorten the text or the holes"
         )
     return torch.tensor(ids, dtype=torch.long), torch.tensor(known, dtype=torch.bool)
