@@ -620,6 +620,7 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     ),  # fmt: skip
     # issue 24: lenient inputs made strict
     "infill-hole-non-ascii-digit": (["sample", "run", "--infill", "a[MASK:\u0663]b"], {}, None),
+    "sample-text-not-utf8": (["sample", "run", "--prompt", "a\udcffb"], {}, None),
     "data-not-utf8": (
         [*TRAIN, "data.source=corpus/latin1.txt", *FRESH],
         {},

@@ -334,12 +334,29 @@ def _sample_json(
     return out
 
 
+def _check_utf8(flag: str, text: str | None) -> None:
+    """Refuse an argument whose bytes are not UTF-8 (Python holds them as surrogates): a
+    tokenizer would change them to ``?`` or fail."""
+    from anyorder.errors import SamplingError
+
+    try:
+        (text or "").encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = text[e.start]  # argv's byte 0xNN is the surrogate U+DCNN (surrogateescape)
+        what = f"byte 0x{ord(char) - 0xDC00:02x}" if "\udc80" <= char <= "\udcff" else repr(char)
+        raise SamplingError(
+            f"{flag} is not UTF-8 text ({what} at character {e.start}); pass the text in UTF-8"
+        ) from None
+
+
 def _check_lengths(args: argparse.Namespace) -> None:
     """The controls, and the length flags against the mode (a template or a chat answer
     takes its length elsewhere)."""
     from anyorder import bounds
     from anyorder.errors import SamplingError
 
+    for flag, text in (("--prompt", args.prompt), ("--infill", args.infill), ("--chat", args.chat)):
+        _check_utf8(flag, text)
     bounds.check_controls(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         num_samples=args.num_samples, seed=args.seed, steps=args.steps, length=args.length,
