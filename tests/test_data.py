@@ -399,6 +399,22 @@ def test_byte_tokenizer(tmp_path):
     assert isinstance(load_tokenizer("bytes"), ByteTokenizer)
 
 
+def test_lone_surrogates_become_question_marks_in_every_tokenizer():
+    """A str holding a lone surrogate (argv bytes that are not UTF-8, a Python caller's
+    '\\ud800') is encoded as ByteTokenizer documents, with ``?``: the subword tokenizers
+    raised TypeError from the tokenizers library (a traceback from Model.generate)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from anyorder.data.tokenizers import HFTokenizer
+
+    bpe = load_tokenizer("bpe:300", ["hello world <|endoftext|> " * 20])
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe.tok, eos_token="<|endoftext|>")
+    hf = HFTokenizer(fast, name="hf", spec="hf")
+    for tok in (ByteTokenizer(), bpe, hf):
+        for text in ("a\ud800b", "hello \udcff <|endoftext|> \udfff"):
+            assert tok.encode(text) == tok.encode(text.encode("utf-8", "replace").decode())
+
+
 def test_bpe_trained_saved_and_reloaded(tmp_path):
     texts = list(iter_documents("builtin:pydoc", max_documents=30))
     tok = load_tokenizer("bpe:512", texts)

@@ -101,6 +101,11 @@ def _encode_ordinary(
     return ids
 
 
+def _replaced(text: str) -> str:
+    """``text`` with each lone surrogate (which the tokenizers library refuses) as ``?``."""
+    return text.encode("utf-8", errors="replace").decode("utf-8")
+
+
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255 and EOS = 256: no files, no training, no download."""
 
@@ -175,7 +180,12 @@ class HFTokenizer:
         self._literal = self._plain(self._eos_text[:1]) + self._plain(self._eos_text[1:])
 
     def _plain(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False))
+        try:
+            return list(self.tok.encode(text, add_special_tokens=False))
+        except TypeError:  # a lone surrogate: "?", as ByteTokenizer encodes it
+            if not isinstance(text, str):
+                raise
+            return list(self.tok.encode(_replaced(text), add_special_tokens=False))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens ([CLS]/[SEP] are not added)."""
@@ -262,7 +272,12 @@ class BPETokenizer:
         )
 
     def _plain(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        try:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        except TypeError:  # a lone surrogate: "?", as ByteTokenizer encodes it
+            if not isinstance(text, str):
+                raise
+            return self.tok.encode(_replaced(text), add_special_tokens=False).ids
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no EOS appended)."""
