@@ -509,6 +509,7 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "speculative-with-steps": (["sample", "run", "--speculative", "4", "--steps", "8"], {}, None),
     "speculative-zero": (["sample", "run", "--speculative", "0"], {}, None),
     "eval-targets-zero": (["eval", "run", "--ensemble", "2", "--targets", "0"], {}, None),
+    "eval-gen-sweep-empty": (["eval", "run", "--suite", "gen", "--steps", ","], {}, None),
     "eval-out-is-file": (["eval", "run", "--out", "cfg.yaml"], {}, None),
     "eval-lm-eval-no-tasks": (["eval", "run", "--suite", "lm-eval"], {}, None),
     "eval-lm-eval-model-args": (

@@ -125,9 +125,16 @@ def _numbers(text: str | None, kind: type, name: str) -> list:
     if text is None:
         return [None]
     try:
-        return [kind(v) for v in text.split(",") if v.strip()]
+        values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise ConfigError(f"--{name} {text!r}: give comma-separated numbers") from None
+    if not values:  # a sweep of no rows: an empty table written over the last one
+        example = "8,16" if kind is int else "0.8,1.0"
+        raise ConfigError(
+            f"--{name} {text!r} holds no number; give comma-separated numbers, e.g. {example} "
+            f"(or leave --{name} out)"
+        )
+    return values
 
 
 def _check_ensemble_memory(args: argparse.Namespace, n: int, device) -> None:
