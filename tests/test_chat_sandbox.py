@@ -114,6 +114,8 @@ SNIPPETS = [
     ".content }}{% endfilter %}{% generation %}g{% endgeneration %}",
     "{{ dict(a=1) }}{{ {'b': [1, (2, 3)]} }}{{ 'a,b'|replace(',', ';') }}{{ 'abc'.replace('b', "
     "'xx') }}{{ ','.join(['a', 'b']) }}{{ 'A<'|e }}{{ none }}{{ true }}{{ 'x'.encode() * 2 }}",
+    "{{ [1, 2.5, 0.1, 0.2]|sum }}{{ [[1], [2]]|sum(start=[]) }}{{ [(1,), (2,)]|sum(start=(0,)) }}"
+    "{{ messages|map(attribute='content')|map('length')|sum }}{{ [{'n': 1}]|sum(attribute='n') }}",
 ]
 
 
@@ -171,6 +173,8 @@ ATTACKS = {
         "{{ ('x' * 99999).replace('x', 'y' * 99999) }}",
         SIZE.format(what="a call of replace"),
     ),
+    # one filter call of quadratic work (each + copies the running list): 13 minutes
+    "sum-of-lists": ("{{ ('x' * 999999) | batch(1) | sum(start=[]) }}", WORK),
     "power": ("{{ 10 ** 10000000 }}", r"'\*\*' would make an integer of more than 16384 bits"),
     "macro-tree": (
         "{% macro m(n) %}{% if n > 0 %}{{ m(n - 1) }}{{ m(n - 1) }}{% endif %}{% endmacro %}"
