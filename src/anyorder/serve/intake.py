@@ -108,9 +108,12 @@ def request_size(head: bytes, head_len: int) -> int:
             lengths.append(value.strip(b" \t\r"))  # as guard.content_length reads it
         elif name == b"transfer-encoding":
             chunked = True
-    if chunked or len(lengths) != 1 or not re.fullmatch(rb"[0-9]{1,10}", lengths[0]):
+    if chunked or len(lengths) != 1 or not re.fullmatch(rb"[0-9]+", lengths[0]):
         return head_len
-    return head_len + int(lengths[0])
+    digits = lengths[0].lstrip(b"0") or b"0"  # zeros in front count for nothing, as in
+    if len(digits) > 10:  # guard.content_length; a longer length: the handler's 413
+        return head_len
+    return head_len + int(digits)
 
 
 class Intake:
