@@ -689,6 +689,10 @@ def test_dispatch_errors() -> None:
         sample(armd, N, streams=5)
     with pytest.raises(SamplingError, match="the strided order needs a number of streams"):
         sample(armd, N, order="strided")
+    for streams in (2.0, True):  # a TypeError from torch; True ran as S=1
+        message = f"streams S={streams} must be a whole number, at least 1 (S tokens per pass"
+        with pytest.raises(SamplingError, match=re.escape(message)):
+            sample(armd, N, streams=streams)
     with pytest.raises(SamplingError, match="length n=17 must lie in 1..16"):
         sample(armd, 17)
     with pytest.raises(SamplingError, match="steps=0 must be at least 1"):

@@ -25,6 +25,7 @@ Design choices:
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -196,6 +197,11 @@ def strided(batch: int, n: int, streams: int, device: torch.device | str | None 
     (``n=8, S=2``: positions ``[0,4 | 1,5 | 2,6 | 3,7]``). The ``S`` heads are generated one
     at a time (blocks ``0..S-1``); after that each group of ``S`` is one block.
     """
+    if isinstance(streams, bool) or not isinstance(streams, numbers.Integral):
+        raise ConfigError(
+            f"streams S={shown(streams)} must be a whole number, at least 1 (S tokens per pass "
+            f"after the S stream heads); pick S among the divisors of {n}"
+        )
     if streams < 1:
         raise ConfigError(
             f"streams S={shown(streams)} must be at least 1 (S tokens per pass after the S "
