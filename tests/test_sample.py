@@ -729,6 +729,29 @@ def test_parse_template_errors(template: str, message: str) -> None:
         parse_template(template, BYTES, max_len=16)
 
 
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        (
+            "[MASK:3" + "x" * 60000 + "]",
+            "bad hole '[MASK:3xxxxxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxxxxxxxxxxx]' at character "
+            "0; write [MASK:n] with a whole number n >= 1",
+        ),
+        (
+            "a[MASK:3" + "x" * 60000 + "[MASK:2]",
+            "holes overlap at character 1 of the template ('[MASK:3xxxxxxxxxxxxxxxxxxxx..."
+            "xxxxxxxxxxxxxxxxxxxx[MASK:2]'); put them side by side, e.g. [MASK:3][MASK:2]",
+        ),
+    ],
+)
+def test_a_bad_hole_is_quoted_cut(template: str, message: str) -> None:
+    """The text up to the next "]" was quoted whole: a 60,000-character error line (and a
+    60 KB answer from anyorder serve)."""
+    with pytest.raises(SamplingError) as e:
+        parse_template(template, BYTES, max_len=16)
+    assert str(e.value) == message
+
+
 def test_a_template_over_the_context_is_refused_before_it_is_built() -> None:
     """5,900 holes of the context's width fit in a 64 KiB request: they are counted, not
     laid out as 48 million ids (about 700 MB) before the length check refuses them."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from anyorder.errors import SamplingError
+from anyorder.errors import SamplingError, preview
 from anyorder.models.base import AnyOrderLM
 from anyorder.sampling.samplers import sample
 
@@ -80,14 +80,14 @@ def parse_template(
                 raise SamplingError(
                     f"unterminated hole at character {j} of the template; close it as [MASK:n]"
                 )
+            hole = preview(text[j : close + 1])  # cut: the next "]" may be 60,000 characters on
             if 0 <= text.find("[MASK", j + 1) < close:
                 raise SamplingError(
-                    f"holes overlap at character {j} of the template ({text[j : close + 1]!r}); "
+                    f"holes overlap at character {j} of the template ({hole}); "
                     "put them side by side, e.g. [MASK:3][MASK:2]"
                 )
             raise SamplingError(
-                f"bad hole {text[j : close + 1]!r} at character {j}; write [MASK:n] with a "
-                "whole number n >= 1"
+                f"bad hole {hole} at character {j}; write [MASK:n] with a whole number n >= 1"
             )
         # int() refuses thousands of digits: judge a long number by its length first
         if max_len is not None and (len(digits) > 18 or int(digits) > max_len):
