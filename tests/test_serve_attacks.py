@@ -464,6 +464,31 @@ def test_huge_numbers_are_refused_in_one_short_line(server) -> None:
     info_within_a_second(server)
 
 
+def test_long_values_and_names_are_quoted_cut(server) -> None:
+    """A field of the wrong type, an unknown mode or unknown field names were quoted whole:
+    a 60 KB one-line answer echoing the body. Now 80 characters of each (a mode: 60), with
+    the length."""
+    x = "x" * 60000
+    cases = [
+        ({"mode": x}, f"mode '{'x' * 27}...{'x' * 28}' is unknown; use one of l2r, random, "
+         "strided, lemma1"),
+        ({"length": x}, f"field 'length' must be a whole number, not \"{'x' * 79}... (60002 "
+         "characters)"),
+        ({"seed": [1] * 20000}, f"field 'seed' must be a whole number, not [{'1, ' * 26}"
+         "1... (60000 characters)"),
+        ({"chat": {"a": x}}, f"field 'chat' must be true or false, not {{\"a\": \"{'x' * 73}... "
+         "(60009 characters)"),
+        ({x: 1}, f"unknown field(s) {'x' * 80}... (60000 characters); known: text, mode, "),
+        ({f"a{i}": 1 for i in range(5000)}, "unknown field(s) a0, a1, a10, a100, a1000 and "
+         "4995 more; known: text, mode, "),
+    ]  # fmt: skip
+    for body, message in cases:
+        status, got = error_of(ask(server, post(json.dumps(body).encode())))
+        assert status == 400 and got.startswith(message), (str(body)[:40], got[:300])
+        assert len(got) < 400, (str(body)[:40], len(got))
+    info_within_a_second(server)
+
+
 def test_static_files_do_not_reach_the_disk(server) -> None:
     for path in (
         "/static/../guard.py",

@@ -38,6 +38,7 @@ from torch import Tensor
 from anyorder import bounds
 from anyorder.data.chat_template import render_deadline
 from anyorder.errors import CheckpointError, SamplingError, preview
+from anyorder.serve.guard import cut  # a client's name or value, cut: a body holds 64 KiB
 from anyorder.serve.rounds import Rounds, piece
 
 if TYPE_CHECKING:
@@ -178,7 +179,9 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
     names = [f.name for f in fields(GenRequest)]
     unknown = sorted(set(body) - set(names))
     if unknown:
-        raise SamplingError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(names)}")
+        listed = ", ".join(cut(name) for name in unknown[:5])
+        listed += f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise SamplingError(f"unknown field(s) {listed}; known: {', '.join(names)}")
     values = {}
     for name, value in body.items():
         if value is None and name in _OPTIONAL:
@@ -189,7 +192,7 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
             want = "a string" if _TYPES[name] == (str,) else "a number"
             want = "a whole number" if _TYPES[name] == (int,) else want
             want = "true or false" if flag else want
-            raise SamplingError(f"field {name!r} must be {want}, not {json.dumps(value)}")
+            raise SamplingError(f"field {name!r} must be {want}, not {cut(json.dumps(value))}")
         if isinstance(value, str) and not _encodable(value):
             raise SamplingError(
                 f"field {name!r} is not valid Unicode (it holds an unpaired surrogate such as "
@@ -204,7 +207,7 @@ def parse_request(body: Any, limits: Limits) -> GenRequest:
         values[name] = value
     req = GenRequest(**values)
     if req.mode not in MODES:
-        raise SamplingError(f"mode {req.mode!r} is unknown; use one of {', '.join(MODES)}")
+        raise SamplingError(f"mode {preview(req.mode)} is unknown; use one of {', '.join(MODES)}")
     if req.mode == "strided" and req.streams is None:
         raise SamplingError("mode strided needs the number of streams S (field streams)")
     if req.mode == "lemma1" and req.steps is None:
