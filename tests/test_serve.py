@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import torch
 
 from anyorder.checkpoint.exporting import save_pretrained
 from anyorder.data import ByteTokenizer
+from anyorder.errors import SamplingError
 from anyorder.interop.hub import load_any
 from anyorder.sample import decode_text, parse_template, sample
 from anyorder.serve import App, Limits, make_server
@@ -391,6 +393,27 @@ def test_cli_serve(exports, tmp_path, monkeypatch, capsys) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_port_in_use_or_a_bad_host_is_one_line(exports, capsys) -> None:
+    """The refusal to listen named the fix only in theory: socketserver closes the server it
+    could not bind, and that close read the intake not made yet (AttributeError, a
+    traceback, for every port in use and every --host that does not resolve)."""
+    from anyorder.cli import main
+
+    folder = str(exports["armd"].path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", folder, "--port", str(port), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err == (
+        f"anyorder serve: error: cannot listen on 127.0.0.1:{port} (Address already in use); "
+        "pick another --host or --port\n"
+    )
+    app = App(exports["armd"], Limits())
+    with pytest.raises(SamplingError, match=r"^cannot listen on a\.\.b:0 \(.+\); pick another "):
+        make_server(app, "a..b", 0)
 
 
 # ----------------------------------------------------------------------------- the browser

@@ -415,7 +415,8 @@ class _Server(HTTPServer):
 
     def server_close(self) -> None:
         super().server_close()
-        self.intake.close()
+        if hasattr(self, "intake"):  # socketserver closes a server it could not bind too
+            self.intake.close()
 
 
 def make_server(
