@@ -526,6 +526,7 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     ),
     "serve-port-out-of-range": (["serve", "run", "--port", "99999"], {}, None),
     "serve-time-limit-infinite": (["serve", "run", "--time-limit", "inf"], {}, None),
+    "serve-host-empty": (["serve", "run", "--host", ""], {}, None),
     "serve-max-draft-out-of-range": (["serve", "run", "--max-draft", "0"], {}, None),
     "config-empty-file": (["train", "empty.yaml"], {}, None),
     "tokenizer-hub-unreachable": (

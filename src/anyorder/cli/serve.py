@@ -57,6 +57,11 @@ def run_serve(args: argparse.Namespace) -> int:
             f"--max-draft {args.max_draft} must lie in 1..{MAX_DRAFT} (the largest K, in tokens "
             "per pass, a speculative request may ask for)"
         )
+    if not args.host.strip():  # the empty address is every interface, with no authentication
+        raise ConfigError(
+            "--host is empty (an unset shell variable?); give an address such as 127.0.0.1 "
+            "(this machine only), or 0.0.0.0 for every interface"
+        )
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port} must lie in 0..65535 (0: any free port)")
     limits = Limits(
