@@ -346,6 +346,20 @@ def test_oversized_and_malformed_headers(server) -> None:
     info_within_a_second(server)
 
 
+def test_a_malformed_request_line_is_quoted_cut(server) -> None:
+    """http.server's refusal quotes the request line: 60 KB of NUL bytes came back as a
+    300 KB answer, a 60 KB version as a 60 KB one. Now 80 characters and the length."""
+    for request, message in (
+        (b"\x00" * 60000 + b"\r\n\r\n", "Bad request syntax ('" + "\\x00" * 14 + "\\x0... "
+         "(240023 characters); send one well-formed HTTP request"),
+        (b"GET / HTTP/" + b"1" * 60000 + b".1\r\nHost: 127.0.0.1\r\n\r\n", "Bad request "
+         "version ('HTTP/" + "1" * 53 + "... (60031 characters); send one well-formed HTTP "
+         "request"),
+    ):  # fmt: skip
+        assert error_of(ask(server, request)) == (400, message)
+    info_within_a_second(server)
+
+
 def test_header_lines_up_to_100_are_taken(server) -> None:
     """docs/serve.md: more than 100 header lines get 431. http.client counts the blank line
     that ends them among its 100, so the old server refused exactly 100 (431 "Too many

@@ -172,7 +172,7 @@ class _Handler(BaseHTTPRequestHandler):
         """http.server's own refusals (a malformed request line, too many headers, a request
         line too long) as JSON, like every other answer."""
         self.close_connection = True
-        short = message or self.responses.get(code, ("error",))[0]
+        short = cut(message or self.responses.get(code, ("error",))[0])  # it quotes the line
         with contextlib.suppress(OSError):
             self._error(code, f"{short}; send one well-formed HTTP request")
 
