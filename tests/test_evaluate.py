@@ -535,6 +535,23 @@ def test_generative_perplexity_matches_the_hf_model(tmp_path: Path) -> None:
     assert score.entropy == pytest.approx(float(ent.mean()))
 
 
+def test_an_exported_gpt_judge_cuts_text_to_its_own_context(tmp_path: Path) -> None:
+    """An anyorder export given as --judge loads through transformers, whose config names
+    its context seq_len: the judge took 1024 for it, cut nothing, and eval --suite gen
+    failed after all its sampling with "sequence of 111 tokens is longer than the model's
+    context (model.seq_len=64); shorten it" (bytes re-encoded as U+FFFD grow threefold)."""
+    from anyorder.checkpoint.exporting import save_pretrained
+    from anyorder.evaluation.genppl import HFJudge, generative_perplexity
+
+    folder = save_pretrained(tiny_model("gpt", vocab_size=257, seq_len=16), tmp_path / "judge",
+                             ByteTokenizer())  # fmt: skip
+    judge = HFJudge(str(folder))
+    assert judge.max_len == 16
+    samples = torch.full((2, 16), 0xFF)  # each byte decodes to U+FFFD: 48 bytes for the judge
+    score = generative_perplexity(samples, ByteTokenizer(), judge)
+    assert score.truncated == 2 and score.scored_tokens == 2 * 15
+
+
 def test_reference_gen_protocol_is_the_mean_per_sample_ppl_of_the_ids_as_generated(
     tmp_path: Path,
 ) -> None:

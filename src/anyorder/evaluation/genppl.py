@@ -184,8 +184,11 @@ class HFJudge:
         self.eos_id = tok.eos_token_id
         self.bos_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         cfg = model.config
-        self.max_len = int(
-            getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", 1024)
+        self.max_len = int(  # an anyorder export's config calls its context seq_len
+            getattr(cfg, "n_positions", None)
+            or getattr(cfg, "max_position_embeddings", None)
+            or getattr(cfg, "seq_len", None)
+            or 1024
         )
 
     def encode(self, text: str) -> list[int]:
