@@ -132,6 +132,32 @@ def test_constructs_render_as_transformers_does(world, snippet):
     assert render_messages(messages, tok, add_generation_prompt=True) == want
 
 
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("{{ ", "cannot render the conversation (TemplateSyntaxError: unexpected 'end of "
+         "template'); fix the template or remove it from the tokenizer's files"),
+        ("{% include 'x' %}", "cannot render the conversation (TypeError: no loader for this "
+         "environment specified); fix the template or remove it from the tokenizer's files"),
+        ("{{ undefined_macro() }}", "cannot render the conversation (UndefinedError: "
+         "'undefined_macro' is undefined); fix the template or remove it from the tokenizer's "
+         "files"),
+        ("{{ raise_exception('roles must alternate') }}", "refused the conversation "
+         "(TemplateError: roles must alternate); check the roles' order"),
+    ],
+)  # fmt: skip
+def test_a_broken_template_is_named_as_broken(world, template, message):
+    """A template that does not compile or fails by itself was reported as refusing the
+    conversation, with the fix "check the roles' order"; only its raise_exception is that."""
+    from anyorder.errors import DataError
+
+    tok = load_tokenizer(str(world / "tok"))
+    tok.tok.chat_template = template
+    with pytest.raises(DataError) as e:
+        render_messages(CONVERSATIONS[0], tok, add_generation_prompt=True)
+    assert str(e.value) == f"the chat template of tokenizer {tok.spec!r} {message}"
+
+
 def _limit_memory() -> None:  # a regression must not take the shared machine's memory
     resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
 

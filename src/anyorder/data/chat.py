@@ -116,10 +116,17 @@ def render_messages(
             f"the chat template of tokenizer {tokenizer.spec!r} was stopped: {e}; use a "
             "template that renders within these bounds"
         ) from None
-    except Exception as e:  # a template's own raise_exception (e.g. roles out of turn)
-        raise DataError(
-            f"the chat template of tokenizer {tokenizer.spec!r} refused the conversation "
-            f"({_first_line(e)}); check the roles' order"
+    except Exception as e:
+        from jinja2.exceptions import TemplateError
+
+        if type(e) is TemplateError:  # its own raise_exception (e.g. roles out of turn)
+            raise DataError(
+                f"the chat template of tokenizer {tokenizer.spec!r} refused the conversation "
+                f"({_first_line(e)}); check the roles' order"
+            ) from None
+        raise DataError(  # it does not compile, or fails by itself
+            f"the chat template of tokenizer {tokenizer.spec!r} cannot render the conversation "
+            f"({_first_line(e)}); fix the template or remove it from the tokenizer's files"
         ) from None
     # The template writes its special tokens as text (<|im_start|>, <|begin_of_text|>):
     # they must become their ids, and nothing may be added around them.
