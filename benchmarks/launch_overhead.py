@@ -10,7 +10,8 @@ each sampler, at the ``tiny`` preset, batch 8, n = 256 by default, this prints
   GPU: ``view``, ``expand``, ``slice``, ``empty``, ...; see :func:`launches_kernel`), on the
   CPU's path (which packs the real entries of mostly padded passes: fewer matmul rows,
   more index ops) and on the GPU's path (``gpu launch``: no packing, as CUDA runs it, and
-  what a CUDA graph captures);
+  what a CUDA graph captures; each RMSNorm counted as the one fused kernel CUDA runs, where
+  the CPU runs six: :func:`fused_norms`);
 * ``x gpt``: ``gpu launch`` over that of the left-to-right GPT's sequential decoding;
 * ``syncs/pass`` and ``gpu syncs`` (per pass) inside the decode loop, on the CPU's path and
   on the GPU's: ops and calls that would make the host wait for the device (``item``,
@@ -36,7 +37,9 @@ each sampler, at the ``tiny`` preset, batch 8, n = 256 by default, this prints
   passes as CUDA graphs (``graphs="emulate"`` on the GPU's path: the replay's bookkeeping
   without a graph): the host's launches, a replay counted as the one launch it is on a GPU
   (the eager draws and the first pass of each graph, its warm-up, as they are), and the
-  kernels the replays run (the graphs' nodes: device time, not host time).
+  kernels the replays run (the graphs' nodes: device time, not host time), over all the
+  passes and over the replays alone (``a replay``: a steady pass, what a long decode
+  runs; its ``x gpt`` is over gpt's replay).
 
 The training rows count one forward + backward of ``model.loss`` (per step).
 
@@ -44,6 +47,7 @@ The training rows count one forward + backward of ``model.loss`` (per step).
     python benchmarks/launch_overhead.py --samplers aogpt-seq,armd-lemma1
     python benchmarks/launch_overhead.py --no-train --json /tmp/ops.json
     python benchmarks/launch_overhead.py --no-train --dtype bf16    # as CUDA decodes by default
+    python benchmarks/launch_overhead.py --no-train --preset small --seq-len 64  # paper size
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from anyorder import build_model, orders, preset
@@ -110,9 +115,20 @@ class Counter(TorchDispatchMode):
         self.in_replay = False  # inside an emulated CUDA graph replay (see replays_counted)
         self.replays = 0
         self.graph_kernels = 0  # kernels the replays ran: the graphs' nodes
+        self.paused = False  # inside an op counted as the one kernel CUDA runs for it
+
+    def fused(self, name: str) -> None:
+        """Count one kernel-launching op that the CPU runs as several (:func:`fused_norms`)."""
+        self.ops += 1
+        if self.in_replay:
+            self.graph_kernels += 1
+        else:
+            self.launches += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         name = func.overloadpacket.__name__
         self.ops += 1
         if launches_kernel(func):
@@ -223,10 +239,37 @@ def measure(fn: Callable[[], int]) -> dict:
 
 
 @contextlib.contextmanager
+def fused_norms():
+    """Count ``F.rms_norm`` as the one kernel CUDA runs for it (``aten._fused_rms_norm``,
+    torch >= 2.8, fp32 or with the gain in the input's dtype, as ``RMSNorm`` passes it):
+    the CPU has no fused kernel and runs six (pow, mean, add, rsqrt, mul, mul), which would
+    count the 17 norms of a tiny pass as 102 launches instead of 17."""
+    real = F.rms_norm
+
+    def one(x, normalized_shape, weight=None, eps=None):
+        modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+        counter = next((m for m in modes if isinstance(m, Counter)), None)
+        if counter is None or counter.paused:
+            return real(x, normalized_shape, weight, eps)
+        counter.paused = True
+        try:
+            return real(x, normalized_shape, weight, eps)
+        finally:
+            counter.paused = False
+            counter.fused("rms_norm")
+
+    F.rms_norm = one
+    try:
+        yield
+    finally:
+        F.rms_norm = real
+
+
+@contextlib.contextmanager
 def gpu_path():
     """Decode as on a GPU: never pack, bucket the key levels (both live in the plan; before
     the sampling package, the packing threshold was in ``anyorder.sample``), no prepacked
-    weights."""
+    weights, the norms counted as CUDA's fused kernels (:func:`fused_norms`)."""
     try:
         import anyorder.sampling.plan as where
     except ImportError:
@@ -244,7 +287,7 @@ def gpu_path():
     except ImportError:
         use_prepacked = None
     try:
-        with use_prepacked(False) if use_prepacked else contextlib.nullcontext():
+        with use_prepacked(False) if use_prepacked else contextlib.nullcontext(), fused_norms():
             yield
     finally:
         where._PACK_BELOW, where.BUCKET_ON_CPU = saved
@@ -332,6 +375,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--seq-len", type=int, default=256, help="n")
+    ap.add_argument(
+        "--preset",
+        default="tiny",
+        help="model size (small: the papers' 12 x 768, vocabulary 50,257, as the issue's GPU "
+        "rows; the counts grow with the layers, not with the width)",
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--samplers", default=None, help="comma-separated names (default: all)")
     ap.add_argument("--no-train", action="store_true", help="leave out the training rows")
@@ -350,7 +399,7 @@ def main() -> None:
     models = {}
     for kind in ("gpt", "aogpt", "armd"):
         torch.manual_seed(0)
-        models[kind] = build_model(preset("tiny", kind=kind, seq_len=n)).eval()
+        models[kind] = build_model(preset(args.preset, kind=kind, seq_len=n)).eval()
     table = samplers(n)
     names = args.samplers.split(",") if args.samplers else list(table)
     rows = {}
@@ -384,6 +433,10 @@ def main() -> None:
             rows[name].update(
                 graph_launches_per_pass=captured["launches_per_pass"],
                 graph_kernels_per_pass=captured["graph_kernels_per_pass"],
+                graph_replays=captured["replays"],
+                graph_kernels_per_replay=captured["graph_kernels_per_pass"]
+                * captured["passes"]
+                / max(captured["replays"], 1),
                 graph_loop_syncs=captured["loop_syncs"],
             )
         rows[name].update(
@@ -415,24 +468,29 @@ def main() -> None:
             )  # fmt: skip
             model.eval()
     ref = rows.get("gpt-seq", {}).get("gpu_launches_per_pass")
-    print(f"\ntiny preset, batch {B}, n = {n}, {args.dtype}: per forward pass (training: per step)")
+    ref_replay = rows.get("gpt-seq", {}).get("graph_kernels_per_replay")
+    what = f"{args.preset} preset, batch {B}, n = {n}, {args.dtype}"
+    print(f"\n{what}: per forward pass (training: per step)")
     head = (
         f"{'sampler':30s} {'passes':>6s} {'ops/pass':>9s} {'launch/pass':>11s} "
         f"{'gpu launch':>10s} {'x gpt':>6s} {'syncs/pass':>10s} {'gpu syncs':>9s} "
         f"{'setup syncs':>11s} "
-        f"{'shapes':>6s} {'gpu shapes':>10s} {'graph launch':>12s} {'graph kernels':>13s}"
+        f"{'shapes':>6s} {'gpu shapes':>10s} {'graph launch':>12s} {'graph kernels':>13s} "
+        f"{'a replay':>8s} {'x gpt':>6s}"
     )
     print(head)
     print("-" * len(head))
     for name, r in rows.items():
         gpu = r["gpu_launches_per_pass"]
         ratio = f"{gpu / ref:6.2f}" if ref and "train" not in name else ""
+        replay = r.get("graph_kernels_per_replay")
+        replay_ratio = f"{replay / ref_replay:6.2f}" if replay and ref_replay else ""
         print(
             f"{name:30s} {r['passes']:6d} {r['ops_per_pass']:9.1f} {r['launches_per_pass']:11.1f} "
             f"{gpu:10.1f} {ratio:>6s} {r['loop_syncs_per_pass']:10.2f} "
             f"{r['gpu_loop_syncs_per_pass']:9.2f} {r['setup_syncs']:11d} "
             f"{r['shapes']:6d} {r['gpu_shapes']:10d} {_num(r.get('graph_launches_per_pass'))} "
-            f"{_num(r.get('graph_kernels_per_pass'), 13)}"
+            f"{_num(r.get('graph_kernels_per_pass'), 13)} {_num(replay, 8)} {replay_ratio:>6s}"
         )
         if "gpu_count_reads" in r:
             print(
@@ -477,7 +535,7 @@ def main() -> None:
     for c in checks:
         print(f"  {c['target']:66s} {c['measured']!s:>8.8s}  {c['verdict']}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(preset="tiny", batch=B, n=n, dtype=args.dtype, torch=torch.__version__)
+    meta = dict(preset=args.preset, batch=B, n=n, dtype=args.dtype, torch=torch.__version__)
     args.json.write_text(json.dumps(dict(meta=meta, rows=rows, targets=checks), indent=1))
     print(f"wrote {args.json}")
 

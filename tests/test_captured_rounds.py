@@ -316,3 +316,36 @@ def test_the_counts_are_read_every_eight_passes_or_when_the_decode_may_end(
     assert host.reads - host.end_checks <= host.passes // 8
     if host.passes > 2:  # reads only from the third pass (two passes late): at least one
         assert made[0].reads == host.passes - rounds.HostCounts.lag
+
+
+def test_the_gpu_count_takes_each_rmsnorm_as_the_one_fused_kernel_cuda_runs() -> None:
+    """``launch_overhead.py``'s GPU path counts ``F.rms_norm`` as one kernel (CUDA's fused
+    ``_fused_rms_norm``; the CPU runs it as pow, mean, add, rsqrt, mul, mul), inside a
+    replay as one graph kernel, and the pass computes what it computed uncounted."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from anyorder.layers.norm import RMSNorm
+    from launch_overhead import Counter, fused_norms
+
+    model = tiny_model("gpt", seq_len=16, vocab_size=11).eval()
+    calls = []
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.register_forward_hook(lambda *_: calls.append(1))
+    x = torch.randint(0, 11, (2, 16), generator=torch.Generator().manual_seed(0))
+    plain, fused, replayed = Counter(), Counter(), Counter()
+    with torch.no_grad():
+        with plain:
+            a = model(x)
+        norms = len(calls)
+        with fused_norms(), fused:
+            b = model(x)
+        replayed.in_replay = True
+        with fused_norms(), replayed:
+            model(x)
+    assert norms >= 9 and len(calls) == 3 * norms  # 2 layers x 4 (QK-norm), the final one
+    assert torch.equal(a, b)
+    assert plain.launches - fused.launches == 5 * norms
+    assert replayed.launches == 0 and replayed.graph_kernels == fused.launches
