@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -359,6 +360,31 @@ def test_source_errors(tmp_path):
         iter_documents(f"hf:{tmp_path / 'nowhere'}")
     with pytest.raises(DataError, match="needs a dataset name"):
         iter_documents("hf:")
+
+
+def test_a_named_pipe_among_the_sources_is_refused_not_opened(tmp_path):
+    # opening a FIFO blocks until a writer comes: the build would hang for ever
+    write_txt(tmp_path / "a", ["hello world"])
+    os.mkfifo(tmp_path / "pipe.txt")
+    with pytest.raises(DataError) as e:
+        iter_documents(str(tmp_path / "*.txt"))
+    assert str(e.value) == (
+        f"data.source glob {str(tmp_path / '*.txt')!r} matches {str(tmp_path / 'pipe.txt')!r}, "
+        "a named pipe (FIFO), not a file; remove it or narrow the pattern"
+    )
+    with pytest.raises(DataError) as e:
+        iter_documents(str(tmp_path / "pipe.txt"))
+    assert str(e.value) == (
+        f"data.source {str(tmp_path / 'pipe.txt')!r} is a named pipe (FIFO), not a file; give "
+        "a file, folder or glob of .txt/.jsonl/.parquet files"
+    )
+    with pytest.raises(DataError) as e:
+        iter_documents("/dev/null")
+    assert str(e.value) == (
+        "data.source '/dev/null' is a device, not a file; give a file, folder or glob of "
+        ".txt/.jsonl/.parquet files"
+    )
+    assert [d for d in iter_documents(str(tmp_path))] == ["hello world"]  # a folder skips it
 
 
 def test_corpus_too_small(tmp_path):

@@ -31,6 +31,7 @@ import glob as globlib
 import itertools
 import json
 import os
+import stat
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -194,6 +195,22 @@ def _files_under(folder: Path) -> list[Path]:
     )
 
 
+def _special_kind(path: Path) -> str | None:
+    """What ``path`` is when it exists and is neither a regular file nor a folder (a named
+    pipe, a socket, a device), else None. Only ``stat`` is asked: nothing is opened."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"
+
+
 def resolve_files(source: str) -> list[Path]:
     """The files of a local source (file, folder searched recursively, or glob), sorted.
 
@@ -208,6 +225,12 @@ def resolve_files(source: str) -> list[Path]:
             if p.is_dir():
                 files += _files_under(p)
             elif p.suffix.lower() in TEXT_SUFFIXES:
+                special = _special_kind(p)
+                if special:  # never opened: a named pipe would block the build for ever
+                    raise DataError(
+                        f"data.source glob {source!r} matches {match!r}, {special}, not a "
+                        "file; remove it or narrow the pattern"
+                    )
                 files.append(p)
         if not files:
             raise DataError(
@@ -230,6 +253,12 @@ def resolve_files(source: str) -> list[Path]:
                 "data.source at another folder"
             )
         return files
+    special = _special_kind(path)
+    if special:
+        raise DataError(
+            f"data.source {source!r} is {special}, not a file; give a file, folder or glob of "
+            f"{kinds} files"
+        )
     raise DataError(
         f"data.source {source!r} does not exist; give an existing file, folder or glob of "
         f"{kinds} files, builtin:pydoc, builtin:stdlib, builtin:synthetic or hf:NAME"
