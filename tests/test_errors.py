@@ -332,6 +332,14 @@ def _export_config_infinity(folder: Path) -> None:
     assert '"norm_eps": Infinity' in path.read_text()
 
 
+def _export_config_overflow(folder: Path) -> None:
+    _good_export(folder)
+    path = folder / "good" / "config.json"
+    text = path.read_text()
+    assert '"mlp_ratio": 4.0' in text
+    path.write_text(text.replace('"mlp_ratio": 4.0', '"mlp_ratio": 1e400'))  # JSON; read as inf
+
+
 def _export_config_seq_len(folder: Path) -> None:
     _good_export(folder)
     _edit_json(folder / "good" / "config.json", lambda c: {**c, "seq_len": 1e9})
@@ -708,6 +716,7 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     ),
     "export-config-nested": (["sample", "good"], {}, _export_config_nested),
     "export-config-infinity": (["sample", "good"], {}, _export_config_infinity),
+    "export-config-overflow": (["sample", "good"], {}, _export_config_overflow),
     "export-config-seq-len-float": (["sample", "good"], {}, _export_config_seq_len),
     "export-config-seq-len-huge": (["sample", "good"], {}, _export_config_seq_len_huge),
     "export-no-checksum": (["sample", "good"], {}, _export_no_checksum),

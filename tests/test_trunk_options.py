@@ -387,6 +387,11 @@ def test_static_cache_holds_key_value_heads_only() -> None:
          "model.rope_low_freq_factor=4.0 must be below model.rope_high_freq_factor=4.0"),
         (dict(kind="armd", rope_scaling_type="llama3", rope_factor=0.0),
          "model.rope_factor=0.0 must be a positive number"),
+        # infinite: the hidden width overflows, the norms and rotations compute nothing useful
+        (dict(mlp_ratio=math.inf), "model.mlp_ratio=inf must be a positive number"),
+        (dict(kind="armd", norm_eps=math.inf), "model.norm_eps=inf must be a positive number"),
+        (dict(kind="armd", rope_base=math.inf), "model.rope_base=inf must be a positive number"),
+        (dict(init_std=math.inf), "model.init_std=inf must be a finite number >= 0"),
     ],
 )  # fmt: skip
 def test_inconsistent_trunk_options_are_refused(over, message) -> None:

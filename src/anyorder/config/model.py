@@ -141,12 +141,12 @@ class ModelConfig:
             "mlp_ratio", "norm_eps", "rope_base", "rope_factor", "rope_low_freq_factor",
             "rope_high_freq_factor",
         ):  # fmt: skip
-            if not getattr(self, name) > 0:  # NaN too
+            if not 0 < getattr(self, name) < math.inf:  # NaN too; 1e400 in a config.json
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be a positive number")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
-        if not self.init_std >= 0:
-            raise ConfigError(f"model.init_std={self.init_std} must be >= 0")
+        if not 0 <= self.init_std < math.inf:
+            raise ConfigError(f"model.init_std={self.init_std} must be a finite number >= 0")
         if self.kind not in MODEL_KINDS:
             raise ConfigError(
                 f"model.kind={preview(self.kind)} is not a model; use one of "
