@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -153,3 +154,24 @@ def test_recomputing_step_flops_add_the_blocks_forward() -> None:
         if kind == "gpt":  # by hand: q/k/v and output projections, attention, SwiGLU (192)
             per_layer = 2 * 64 * (64 + 2 * 32) + 2 * 64 * 64 + 4 * 64 * 64 + 3 * 2 * 64 * 192
             assert extra == 4 * per_layer
+
+
+def test_rope_tables_of_a_huge_context_are_refused_before_anything_is_built(monkeypatch):
+    """A RoPE model's weights do not grow with seq_len, but its rotary tables (cos and sin,
+    and the two joined, in fp32) do: a config.json claiming a context of 10**12 built the
+    model and then tried to allocate terabytes at the first forward."""
+    import anyorder.memory
+
+    monkeypatch.setattr(anyorder.memory, "machine_memory", lambda device="cpu": 10**9)
+    cfg = ModelConfig(kind="armd", vocab_size=257, n_layer=2, n_head=4, d_model=64)
+    build_model(dataclasses.replace(cfg, seq_len=4096))  # 4 MB of tables: fine
+    huge = dataclasses.replace(cfg, seq_len=10**12)
+    with pytest.raises(ConfigError) as e:
+        build_model(huge)
+    params = param_estimate(huge)
+    assert str(e.value) == (
+        f"the model's config asks for at least {params:,} parameters and RoPE tables for "
+        "1,000,000,000,000 positions (256.0 TB in fp32: 2 layers x 64, vocabulary 257, "
+        "context 1,000,000,000,000), more than this machine's 1.0 GB; check model.seq_len, "
+        "model.d_model, model.n_layer and model.vocab_size"
+    )

@@ -122,9 +122,16 @@ def _block_params(cfg: ModelConfig) -> int:
     return 2 * _norm_params(cfg, d) + attn + mlp
 
 
+def rope_table_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the RoPE tables a model of ``cfg`` computes at its first forward
+    (:func:`anyorder.layers.rope.positions`): cos and sin of every position, and the two
+    joined, in fp32. They grow with ``seq_len`` alone (the weights do not); 0 without RoPE."""
+    return 16 * cfg.rope_rows * cfg.d_head if cfg.positional == "rope" else 0
+
+
 def check_model_memory(cfg: ModelConfig) -> None:
-    """Refuse a model whose fp32 weights and tables alone cannot fit in this machine's
-    memory, before it is built: a config's size (say a ``seq_len`` of 10**15 in a damaged
+    """Refuse a model whose fp32 weights and tables (RoPE's too) alone cannot fit in this
+    machine's memory, before it is built: a config's size (say a ``seq_len`` of 10**15 in a damaged
     or hand-edited config.json) would otherwise surface as an allocator error far from its
     cause, or as an out-of-memory blamed on the request.
 
@@ -133,11 +140,14 @@ def check_model_memory(cfg: ModelConfig) -> None:
     """
     have = machine_memory("cpu")
     params = param_estimate(cfg)
-    if have is None or 4 * params <= have:
+    need = 4 * params + rope_table_bytes(cfg)
+    if have is None or need <= have:
         return
+    tables = f" and RoPE tables for {cfg.rope_rows:,} positions" if cfg.positional == "rope" else ""
     raise ConfigError(
-        f"the model's config asks for at least {params:,} parameters ({format_bytes(4 * params)}"
-        f" in fp32: {cfg.n_layer} layers x {cfg.d_model}, vocabulary {cfg.vocab_size:,}, "
+        f"the model's config asks for at least {params:,} parameters{tables} ("
+        f"{format_bytes(need)} in fp32: {cfg.n_layer} layers x {cfg.d_model}, vocabulary "
+        f"{cfg.vocab_size:,}, "
         f"context {cfg.seq_len:,}), more than this machine's {format_bytes(have)}; check "
         "model.seq_len, model.d_model, model.n_layer and model.vocab_size"
     )
