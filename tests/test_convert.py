@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -201,6 +202,36 @@ def test_sources_we_cannot_convert_are_named(tmp_path, tiny_gpt2) -> None:
     (bare / "model.safetensors").symlink_to(folder / "model.safetensors")
     with pytest.raises(CheckpointError, match="activation 'relu' is not supported"):
         convert_gpt2(bare, "gpt")
+
+
+@pytest.mark.parametrize("value", ["x", 1.5, True, math.inf])
+def test_a_gpt2_bos_token_id_that_is_not_a_token_id_is_refused(tmp_path, tiny_gpt2, value):
+    """A string crashed with a ValueError traceback, 1e400 (JSON for infinity) with an
+    OverflowError; 1.5 and true were read as ids 1."""
+    folder, _ = tiny_gpt2
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    cfg = json.loads((src / "config.json").read_text())
+    text = json.dumps({**cfg, "bos_token_id": "@"}).replace('"@"', json.dumps(value))
+    (src / "config.json").write_text(text.replace("Infinity", "1e400"))
+    with pytest.raises(ConfigError) as e:
+        convert_gpt2(src, "gpt")
+    assert str(e.value) == (
+        f"the GPT-2 config's bos_token_id is {value!r}, not a token id; pass --bos-id with "
+        "the token the model starts from"
+    )
+
+
+def test_a_gpt2_bos_token_id_of_zero_is_kept(tmp_path, tiny_gpt2) -> None:
+    """0 is a token id (it used to fall back to 50256, as a missing id does)."""
+    folder, _ = tiny_gpt2
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "bos_token_id": 0}))
+    assert convert_gpt2(src, "gpt").info["bos_id"] == 0
+    (src / "config.json").write_text(json.dumps({**cfg, "bos_token_id": None}))
+    assert convert_gpt2(src, "gpt").info["bos_id"] == EOS
 
 
 # ----------------------------------------------------------------------------- tokenizer, CLI

@@ -51,7 +51,7 @@ from anyorder.checkpoint.exporting import save_pretrained
 from anyorder.config import ModelConfig
 from anyorder.data.untrusted import open_regular, refuse_links_out, refuse_special_files
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
-from anyorder.interop.families import MAX_SEQ, positive_number, whole_number
+from anyorder.interop.families import MAX_SEQ, bos_of, positive_number, whole_number
 from anyorder.interop.hub import resolve_folder
 from anyorder.interop.source import INDEX_NAME, Source, read_source_json
 
@@ -418,13 +418,8 @@ def convert_gpt2(
 
     ckpt = source if isinstance(source, GPT2Checkpoint) else read_gpt2(source)
     cfg = model_config_from_gpt2(ckpt.config, kind, seq_len=seq_len, l2s=l2s, target_dim=target_dim)
-    if bos_id is None:
-        bos_id = int(ckpt.config.get("bos_token_id") or GPT2_EOS)
-    if not 0 <= bos_id < cfg.vocab_size:
-        raise ConfigError(
-            f"BOS id {bos_id} is outside the vocabulary (0..{cfg.vocab_size - 1}); pass "
-            "--bos-id with the id of the GPT-2's end-of-text token"
-        )
+    fix = "the id of the GPT-2's end-of-text token"
+    bos_id = bos_of(ckpt.config, bos_id, cfg.vocab_size, "GPT-2", default=GPT2_EOS, fix=fix)
     torch.manual_seed(seed)
     model = build_model(cfg)
     load_gpt2_weights(model, ckpt, bos_id)

@@ -196,6 +196,44 @@ def whole_number(
     return value
 
 
+def bos_of(
+    config: dict[str, Any],
+    bos_id: int | None,
+    vocab: int,
+    family: str,
+    *,
+    default: int | None = None,
+    fix: str = "an id of the model's vocabulary",
+) -> int:
+    """The BOS id: ``bos_id`` (``--bos-id``), else the config's ``bos_token_id`` (the first
+    of a list), else ``default``.
+
+    Raises:
+        ConfigError: no id, an id that is not a whole number, or one outside the vocabulary.
+    """
+    if bos_id is None:
+        bos_id = config.get("bos_token_id")
+        if isinstance(bos_id, list):
+            bos_id = bos_id[0] if bos_id else None
+        if bos_id is None:
+            bos_id = default
+    if bos_id is None:
+        raise ConfigError(
+            f"the {family} config names no bos_token_id; pass --bos-id with the token the "
+            "model starts from (Qwen: its end-of-text id)"
+        )
+    if isinstance(bos_id, bool) or not isinstance(bos_id, int):
+        raise ConfigError(
+            f"the {family} config's bos_token_id is {bos_id!r}, not a token id; pass --bos-id "
+            "with the token the model starts from"
+        )
+    if not 0 <= bos_id < vocab:
+        raise ConfigError(
+            f"BOS id {bos_id} is outside the vocabulary (0..{vocab - 1}); pass --bos-id with {fix}"
+        )
+    return int(bos_id)
+
+
 def _number(params: dict[str, Any], key: str, where: str) -> float:
     """A positive finite number of ``params`` (``where`` names the dict in the message)."""
     if key not in params:

@@ -41,6 +41,7 @@ from anyorder.data.untrusted import refuse_special_files
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
 from anyorder.interop.convert import Converted, fit_query_mlp
 from anyorder.interop.families import (
+    bos_of,
     ending_at,
     family_of,
     model_config_from_hf,
@@ -79,29 +80,6 @@ def _read_config(folder: Path, source: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise CheckpointError(f"{folder / CONFIG_NAME} does not hold a JSON object")
     return config
-
-
-def _bos_of(config: dict[str, Any], bos_id: int | None, vocab: int, family: str) -> int:
-    if bos_id is None:
-        bos_id = config.get("bos_token_id")
-        if isinstance(bos_id, list):
-            bos_id = bos_id[0] if bos_id else None
-    if bos_id is None:
-        raise ConfigError(
-            f"the {family} config names no bos_token_id; pass --bos-id with the token the "
-            "model starts from (Qwen: its end-of-text id)"
-        )
-    if isinstance(bos_id, bool) or not isinstance(bos_id, int):
-        raise ConfigError(
-            f"the {family} config's bos_token_id is {bos_id!r}, not a token id; pass --bos-id "
-            "with the token the model starts from"
-        )
-    if not 0 <= bos_id < vocab:
-        raise ConfigError(
-            f"BOS id {bos_id} is outside the vocabulary (0..{vocab - 1}); pass --bos-id with "
-            "an id of the model's vocabulary"
-        )
-    return int(bos_id)
 
 
 def _tokenizer(folder: Path, spec: str | None, vocab: int, stops: list[int]):
@@ -241,7 +219,7 @@ def convert_family(
     cfg = model_config_from_hf(
         config, kind, seq_len=seq_len, l2s=l2s, target_dim=target_dim, source=str(source)
     )
-    bos = _bos_of(config, bos_id, cfg.vocab_size, fam.name)
+    bos = bos_of(config, bos_id, cfg.vocab_size, fam.name)
     generation = read_source_json(folder, "generation_config.json")
     stops = source_eos_ids(config, generation, cfg.vocab_size)
     tok = _tokenizer(folder, tokenizer, cfg.vocab_size, stops)
