@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 
@@ -394,6 +395,44 @@ def test_local_layout_through_the_protocol(tmp_path: Path) -> None:
         load_corpus("lm1b", tok, 8, root)
     with pytest.raises(DataError, match="unknown zero-shot dataset 'wt2'"):
         load_corpus("wt2", tok, 8, root)
+
+
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ('["x"]', "line 2 holds list, not an object with field 'text'"),
+        ('"hello"', "line 2 holds str, not an object with field 'text'"),
+        ('{"text": 5}', "line 2: field 'text' holds int, not text"),
+        ('{"text": null}', "line 2: field 'text' holds NoneType, not text"),
+        ('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}",
+         "line 2 nests too deep for a JSON reader"),
+    ],
+)  # fmt: skip
+def test_a_local_test_set_record_of_the_wrong_shape_is_one_error(tmp_path, line, problem):
+    """Each of these crashed with a traceback (TypeError, AttributeError, RecursionError)."""
+    root = write_layout(tmp_path / "zs")
+    path = root / "lambada" / "lambada_test.jsonl"
+    path.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(DataError) as e:
+        load_texts(dataset("lambada"), root)
+    assert str(e.value) == (
+        f"{path} could not be read as jsonl with field 'text' ({problem}); fix the file or "
+        "the layout"
+    )
+
+
+def test_a_named_pipe_in_a_local_test_set_is_refused_not_opened(tmp_path):
+    """Reading it blocked the evaluation for ever."""
+    root = write_layout(tmp_path / "zs")
+    pipe = root / "wikitext2" / "wiki.test.raw.txt"
+    pipe.unlink()
+    os.mkfifo(pipe)
+    with pytest.raises(DataError) as e:
+        load_texts(dataset("wikitext2"), root)
+    assert (
+        str(e.value)
+        == f"{pipe} is a named pipe (FIFO), not a file; replace it with the file itself"
+    )
 
 
 def test_hub_path_reads_a_local_folder_offline(tmp_path: Path, monkeypatch) -> None:

@@ -52,6 +52,7 @@ Design choices:
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from anyorder.data.untrusted import open_regular
 from anyorder.errors import DataError
 from anyorder.evaluation.detokenize import (  # noqa: F401 (re-exported: the protocol's detokenizers)
     lambada_detokenize,
@@ -186,6 +188,36 @@ def dataset(name: str) -> ZeroShotSet:
     return DATASETS[name]
 
 
+class _BadRecord(ValueError):
+    """A JSON line that is not a record with the field's text (its message says which)."""
+
+
+def _json_rows(lines: Iterable[str], field: str) -> list[str]:
+    """The text of ``field`` in each JSON line (blank lines skipped).
+
+    Raises:
+        KeyError: a record without the field.
+        ValueError: a line that is not JSON; :class:`_BadRecord`: not an object, nested too
+            deep, or a field that is not text.
+    """
+    rows: list[str] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except RecursionError:
+            raise _BadRecord(f"line {n} nests too deep for a JSON reader") from None
+        if not isinstance(record, dict):
+            kind = type(record).__name__
+            raise _BadRecord(f"line {n} holds {kind}, not an object with field {field!r}")
+        text = record[field]
+        if not isinstance(text, str):
+            raise _BadRecord(f"line {n}: field {field!r} holds {type(text).__name__}, not text")
+        rows.append(text)
+    return rows
+
+
 def _local_rows(folder: Path, field: str) -> list[str]:
     files = sorted(
         p for p in folder.iterdir() if p.suffix in (".txt", ".jsonl", ".json", ".parquet")
@@ -196,21 +228,25 @@ def _local_rows(folder: Path, field: str) -> list[str]:
         )
     rows: list[str] = []
     for path in files:
+        f = open_regular(path)  # never a named pipe (it would block for ever) or a device
+        if f is None:
+            continue  # a dangling link
         try:
-            if path.suffix == ".txt":
-                text = path.read_text(encoding="utf-8")
-                rows += [line if line.strip() else "" for line in text.splitlines(keepends=True)]
-            elif path.suffix == ".parquet":
-                import pyarrow.parquet as pq
+            with f:
+                if path.suffix == ".txt":
+                    text = f.read().decode("utf-8")
+                    rows += [t if t.strip() else "" for t in text.splitlines(keepends=True)]
+                elif path.suffix == ".parquet":
+                    import pyarrow.parquet as pq
 
-                rows += [str(v) for v in pq.read_table(path, columns=[field]).column(field)]
-            else:
-                with path.open(encoding="utf-8") as f:
-                    rows += [json.loads(line)[field] for line in f if line.strip()]
+                    rows += [str(v) for v in pq.read_table(f, columns=[field]).column(field)]
+                else:
+                    rows += _json_rows(io.TextIOWrapper(f, encoding="utf-8"), field)
         except (KeyError, ValueError, OSError) as e:
+            why = str(e) if isinstance(e, _BadRecord) else f"{type(e).__name__}: {e}"
             raise DataError(
                 f"{path} could not be read as {path.suffix[1:]} with field {field!r} "
-                f"({type(e).__name__}: {e}); fix the file or the layout"
+                f"({why}); fix the file or the layout"
             ) from None
     return rows
 
