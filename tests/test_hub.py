@@ -78,6 +78,20 @@ def test_folder_is_uploadable_as_is(tmp_path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
+def test_an_exports_training_config_does_not_choose_where_eval_writes(tmp_path) -> None:
+    """training_config.yaml comes with a downloaded folder: its data.cache_dir (a folder of
+    the machine that trained) made `anyorder eval` write the data cache there, wherever it
+    pointed. The cache goes to this machine's cache home; the rest of the run is kept."""
+    model = tiny_model("gpt", vocab_size=257)
+    run = RunConfig(model=model.cfg)
+    run.data.cache_dir = str(tmp_path / "their-cache")
+    run.data.source = "builtin:stdlib"
+    folder = save_pretrained(model, tmp_path / "m", ByteTokenizer(), run_config=run)
+    assert "their-cache" in (folder / "training_config.yaml").read_text()
+    config = from_pretrained(folder).config
+    assert config.data.cache_dir == "auto" and config.data.source == "builtin:stdlib"
+
+
 def test_export_replaces_an_earlier_export_but_nothing_else(tmp_path) -> None:
     a, b = tiny_model("gpt", seed=1), tiny_model("gpt", seed=2)
     folder = save_pretrained(a, tmp_path / "m")

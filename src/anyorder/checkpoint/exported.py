@@ -52,7 +52,7 @@ from anyorder.checkpoint.weights import (
     header_problem,
     read_header_shapes,
 )
-from anyorder.config import MODEL_KINDS, ModelConfig, RunConfig
+from anyorder.config import MODEL_KINDS, DataConfig, ModelConfig, RunConfig
 from anyorder.data import sha256_file
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
 
@@ -314,6 +314,9 @@ def _read_run_config(folder: Path, model_cfg: ModelConfig) -> RunConfig:
         except ConfigError as e:
             raise CheckpointError(f"{path} is not a config this version reads ({e})") from None
         cfg.model = model_cfg
+        # a folder of the machine that trained, and the export may come from anyone: this
+        # machine's cache home, not a path the folder chooses, takes `anyorder eval`'s data
+        cfg.data.cache_dir = DataConfig.cache_dir
         return cfg
     cfg = RunConfig(model=model_cfg)
     if (folder / TOKENIZER_DIR).is_dir():  # data for `eval`: tokenized as the model reads it
