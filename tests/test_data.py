@@ -464,6 +464,15 @@ def test_bpe_trained_saved_and_reloaded(tmp_path):
         load_tokenizer("bpe:512")
     with pytest.raises(DataError, match="vocabulary size"):
         load_tokenizer("bpe:big", texts)
+    # past 64 bits the trainer crashed with an OverflowError traceback; past 32 the ids
+    # could not be stored in the shards (uint32)
+    for spec in ("bpe:99999999999999999999", "bpe:4294967297"):
+        with pytest.raises(DataError) as e:
+            load_tokenizer(spec, texts)
+        assert str(e.value) == (
+            f"tokenizer {spec!r}: the vocabulary must hold at most 4294967296 tokens (ids are "
+            "stored as 32-bit integers), e.g. data.tokenizer=bpe:8192"
+        )
 
 
 def test_prepare_with_bpe(tmp_path):

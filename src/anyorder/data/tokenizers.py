@@ -331,6 +331,11 @@ def _parse_bpe(spec: str) -> int:
         ) from None
     if vocab < 257:
         raise DataError(f"tokenizer {spec!r}: the vocabulary must hold at least 257 tokens")
+    if vocab > 2**32:  # beyond 64 bits the trainer itself overflows
+        raise DataError(
+            f"tokenizer {spec!r}: the vocabulary must hold at most {2**32} tokens (ids are "
+            "stored as 32-bit integers), e.g. data.tokenizer=bpe:8192"
+        )
     return vocab
 
 
