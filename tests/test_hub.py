@@ -171,6 +171,29 @@ def test_corrupt_weights_are_named(tmp_path) -> None:
         from_pretrained(folder)
 
 
+@pytest.mark.parametrize("dim", ["1e400", "1.5", '"12"', "-1", "true"])
+def test_a_safetensors_header_shape_that_is_not_a_size_is_refused(tmp_path, dim) -> None:
+    """1e400 (JSON for infinity) crashed with an OverflowError traceback; 1.5, "12" and true
+    were read as sizes."""
+    import struct
+
+    folder = save_pretrained(tiny_model("gpt"), tmp_path / "m")
+    weights = folder / "model.safetensors"
+    raw = weights.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    header["norm_f.weight"]["shape"] = ["@"]
+    text = json.dumps(header).replace('"@"', dim).encode()
+    text += b" " * (-len(text) % 8)
+    weights.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+    with pytest.raises(CheckpointError) as e:
+        from_pretrained(folder)
+    assert str(e.value) == (
+        f"{weights} is corrupt (its safetensors header: tensor 'norm_f.weight' has shape "
+        f"[{json.loads(dim)!r}], not a list of sizes); export or download it again"
+    )
+
+
 def test_weights_of_another_shape_are_refused(tmp_path) -> None:
     folder = save_pretrained(tiny_model("gpt", d_model=64), tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())

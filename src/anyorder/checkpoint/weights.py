@@ -140,6 +140,21 @@ def check_finite(state: Mapping[str, Tensor], path: str | Path, fix: str) -> Non
 _MAX_HEADER = 100 * 2**20  # a safetensors header larger than this is not one of ours
 
 
+def _sizes(name: str, shape: Any) -> tuple[int, ...]:
+    """A header entry's ``shape``: a list of whole numbers >= 0 (JSON's 1e400 reads as
+    infinity, 1.5 and "12" as nothing safetensors writes).
+
+    Raises:
+        ValueError: anything else.
+    """
+    ok = isinstance(shape, list) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    )
+    if not ok:
+        raise ValueError(f"tensor {name!r} has shape {shape!r}, not a list of sizes")
+    return tuple(shape)
+
+
 def read_header_shapes(path: str | Path, fix: str = "") -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes from a safetensors file's header (nothing else is read).
 
@@ -154,9 +169,7 @@ def read_header_shapes(path: str | Path, fix: str = "") -> dict[str, tuple[int, 
             if not 0 < n <= min(size - 8, _MAX_HEADER):
                 raise ValueError(f"a header of {n} bytes in a file of {size}")
             header = json.loads(f.read(n))
-        shapes = {
-            k: tuple(int(d) for d in v["shape"]) for k, v in header.items() if k != "__metadata__"
-        }
+        shapes = {k: _sizes(k, v["shape"]) for k, v in header.items() if k != "__metadata__"}
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
         raise CheckpointError(
             f"{path} is corrupt (its safetensors header: {_first_line(e)}){fix}"
