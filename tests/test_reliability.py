@@ -299,6 +299,20 @@ def test_a_half_written_metrics_row_is_dropped_on_resume(tmp_path):
     assert path.read_text().endswith("\n") and len(path.read_text().splitlines()) == 2
 
 
+def test_a_damaged_metrics_row_is_dropped_on_resume_not_a_crash(tmp_path):
+    """A row whose step is not a whole number (null, text, 1e400, a list, JSON nested 100,000
+    deep) crashed the resume with a TypeError/ValueError/OverflowError/RecursionError
+    traceback; it is dropped as a half-written row is."""
+    path = tmp_path / "metrics.jsonl"
+    damaged = ['{"step": null}', '{"step": "x"}', '{"step": 1e400}', '{"step": true}', "[1]"]
+    damaged.append("[" * 100_000 + "]" * 100_000)
+    rows = ['{"step": 1, "loss": 2.0}', *damaged, '{"step": 2, "loss": 1.5}']
+    path.write_text("".join(r + "\n" for r in rows))
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    MetricsLog(tmp_path, True, resume_step=1, seed=5).close()
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+
+
 def test_prune_leaves_no_half_deleted_checkpoint(workdir, reference):
     # keep_last=2: only the last two complete checkpoints, no temporary folders
     names = sorted(p.name for p in (reference / ck.CHECKPOINTS).iterdir())

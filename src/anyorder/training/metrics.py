@@ -119,12 +119,14 @@ def _append(path: Path, data: bytes) -> None:
 
 
 def _step_of_row(line: str) -> int | None:
-    """The step of a metrics row, or None for a blank or partial (killed mid-write) line."""
+    """The step of a metrics row, or None for a blank or partial (killed mid-write) line, or
+    a damaged one (its step not a whole number, or JSON nested past the reader's depth)."""
     try:
         row = json.loads(line)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
-    return int(row.get("step", 0)) if isinstance(row, dict) else None
+    step = row.get("step", 0) if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
