@@ -131,25 +131,27 @@ def rope_table_bytes(cfg: ModelConfig) -> int:
 
 def check_model_memory(cfg: ModelConfig) -> None:
     """Refuse a model whose fp32 weights and tables (RoPE's too) alone cannot fit in this
-    machine's memory, before it is built: a config's size (say a ``seq_len`` of 10**15 in a damaged
-    or hand-edited config.json) would otherwise surface as an allocator error far from its
-    cause, or as an out-of-memory blamed on the request.
+    machine's memory, before it is built: a config's size (say a ``seq_len`` of 10**15 in a
+    damaged or hand-edited config.json) would otherwise surface as an allocator error far
+    from its cause, or as an out-of-memory blamed on the request. The message names the RoPE
+    tables where they are the larger part.
 
     Raises:
         ConfigError: the estimate, the machine's memory and the fields that set it.
     """
     have = machine_memory("cpu")
     params = param_estimate(cfg)
-    need = 4 * params + rope_table_bytes(cfg)
+    rope = rope_table_bytes(cfg)
+    need = 4 * params + rope
     if have is None or need <= have:
         return
-    tables = f" and RoPE tables for {cfg.rope_rows:,} positions" if cfg.positional == "rope" else ""
+    tables = f" and RoPE tables for {cfg.rope_rows:,} positions" if rope > 4 * params else ""
     raise ConfigError(
-        f"the model's config asks for at least {params:,} parameters{tables} ("
-        f"{format_bytes(need)} in fp32: {cfg.n_layer} layers x {cfg.d_model}, vocabulary "
-        f"{cfg.vocab_size:,}, "
-        f"context {cfg.seq_len:,}), more than this machine's {format_bytes(have)}; check "
-        "model.seq_len, model.d_model, model.n_layer and model.vocab_size"
+        f"the model's config asks for at least {params:,} parameters{tables} "
+        f"({format_bytes(need)} in fp32: {cfg.n_layer} layers x {cfg.d_model}, vocabulary "
+        f"{cfg.vocab_size:,}, context {cfg.seq_len:,}), more than this machine's "
+        f"{format_bytes(have)}; check model.seq_len, model.d_model, model.n_layer and "
+        "model.vocab_size"
     )
 
 
