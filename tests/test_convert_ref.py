@@ -199,6 +199,14 @@ def _damaged(tmp_path: Path, case: str) -> tuple[Path, str]:
         good["model_args"]["n_embd"] = 32
     elif case == "model-args-type":
         good["model_args"]["n_head"] = "2"
+    elif case == "model-int-weight":  # cast silently to floats before
+        key = "_orig_mod.transformer.h.0.ln_1.weight"
+        good["model"][key] = good["model"][key].to(torch.int32)
+    elif case == "ema-bool-tensor":
+        sp = good["ema_model"]["shadow_params"]
+        sp[0] = sp[0] > 0
+    elif case == "model-int-key":  # crashed with an AttributeError traceback
+        good["model"][5] = torch.zeros(3)
     elif case == "missing-weight":
         del good["model"]["_orig_mod.transformer.h.1.adaLN.1.weight"]
         good["ema_model"]["shadow_params"].pop(-7)
@@ -221,6 +229,17 @@ ERRORS = [
     ("model-args-width", "model_args claim n_embd=32, but the weights hold 64 wte columns"),
     ("model-args-type", "model_args\\['n_head'\\] is '2', not a positive integer"),
     ("missing-weight", "the weights lack 'transformer.h.1.adaLN.1.weight'"),
+    (
+        "model-int-weight",
+        "weight 'transformer.h.0.ln_1.weight' holds torch.int32 values, not "
+        "floating point; the checkpoint is damaged: download it again",
+    ),
+    (
+        "ema-bool-tensor",
+        "EMA tensor 0 holds torch.bool values, not floating point; the EMA is "
+        "damaged: use --weights raw or download it again",
+    ),
+    ("model-int-key", "'model' is not a state dict of tensors; it is damaged"),
     ("sigma-as-aogpt", "is a sigmagpt-ref checkpoint, not aogpt-ref; convert it with --from"),
 ]
 

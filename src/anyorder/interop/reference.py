@@ -225,10 +225,18 @@ def read_reference(source: str | Path, fmt: str | None = None) -> ReferenceCheck
             "checkpoint (a dict with model, model_args, ema_model); give a ckpt_N.pt"
         )
     model = obj["model"]
-    if not isinstance(model, dict) or not all(isinstance(v, Tensor) for v in model.values()):
+    if not isinstance(model, dict) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in model.items()
+    ):
         raise CheckpointError(f"{where}: 'model' is not a state dict of tensors; it is damaged")
     state = {k.removeprefix(_PREFIX): v for k, v in model.items()}
     state = {k: v for k, v in state.items() if not _BUFFER.match(k)}
+    for key, t in state.items():  # a cast to float32 would make numbers of anything
+        if not t.is_floating_point():
+            raise CheckpointError(
+                f"{where}: weight {key!r} holds {t.dtype} values, not floating point; the "
+                "checkpoint is damaged: download it again"
+            )
     found = detect_format(state)
     if found is None:
         raise CheckpointError(
@@ -248,6 +256,12 @@ def read_reference(source: str | Path, fmt: str | None = None) -> ReferenceCheck
                 "damaged: use --weights raw or download it again"
             )
         ema = list(shadow)
+        for i, t in enumerate(ema):
+            if not t.is_floating_point():
+                raise CheckpointError(
+                    f"{where}: EMA tensor {i} holds {t.dtype} values, not floating point; the "
+                    "EMA is damaged: use --weights raw or download it again"
+                )
     iter_num, rate = obj.get("iter_num"), obj.get("ema_rate")
     args = _model_args(obj["model_args"], where)
     _check_claims(args, state, where)
