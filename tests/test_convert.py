@@ -234,6 +234,56 @@ def test_a_gpt2_bos_token_id_of_zero_is_kept(tmp_path, tiny_gpt2) -> None:
     assert convert_gpt2(src, "gpt").info["bos_id"] == EOS
 
 
+def _bin_folder(path, hf, edit=None):
+    """A GPT-2 folder whose weights are a torch.save'd pytorch_model.bin, ``edit``ed."""
+    path.mkdir()
+    hf.config.save_pretrained(str(path))
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    torch.save(edit(state) if edit else state, path / "pytorch_model.bin")
+    return path
+
+
+def _with(**items):
+    return lambda state: {**state, **items}
+
+
+def _int_ln(state):
+    key = "transformer.h.0.ln_1.weight"
+    return {**state, key: (state[key] * 10).to(torch.int32)}
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        # cast silently into float weights of nonsense
+        (_int_ln, "weight 'transformer.h.0.ln_1.weight' is stored as torch.int32; convert "
+         "reads float32, bfloat16 and float16 weights: save the checkpoint in one of those"),
+        # AttributeError tracebacks
+        (lambda s: {**s, 5: torch.zeros(3)},
+         "{bin} holds the key 5, not a tensor name; download the checkpoint again"),
+        (_with(extra=5), "{bin} holds 'extra': int, not a tensor; download the checkpoint again"),
+        (lambda s: [1, 2],
+         "{bin} holds list, not a state dict of tensors; download the checkpoint again"),
+    ],
+)  # fmt: skip
+def test_pytorch_model_bin_of_anything_but_float_tensors_is_refused(
+    tmp_path, tiny_gpt2, edit, message
+):
+    folder, hf = tiny_gpt2
+    src = _bin_folder(tmp_path / "bin", hf, edit)
+    with pytest.raises(CheckpointError) as e:
+        convert_gpt2(src, "gpt")
+    assert str(e.value) == message.format(bin=src / "pytorch_model.bin")
+
+
+def test_pytorch_model_bin_converts(tmp_path, tiny_gpt2) -> None:
+    folder, hf = tiny_gpt2
+    conv = convert_gpt2(_bin_folder(tmp_path / "bin", hf), "gpt")
+    x = torch.randint(0, 50257, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close(conv.model(x), gpt2_logits(hf, x)[:, :20], rtol=0, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- tokenizer, CLI
 
 

@@ -53,7 +53,7 @@ from anyorder.data.untrusted import open_regular, refuse_links_out, refuse_speci
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
 from anyorder.interop.families import MAX_SEQ, bos_of, positive_number, whole_number
 from anyorder.interop.hub import resolve_folder
-from anyorder.interop.source import INDEX_NAME, Source, read_source_json
+from anyorder.interop.source import INDEX_NAME, Source, checked_state, read_source_json
 
 if TYPE_CHECKING:
     from anyorder.data import Tokenizer
@@ -120,11 +120,12 @@ def _read_tensors(folder: Path) -> dict[str, Tensor]:
         f = open_regular(path, CheckpointError)
         try:
             with f:
-                return dict(torch.load(f, map_location="cpu", weights_only=True))
+                obj = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:
             raise CheckpointError(
                 f"{path} cannot be read ({_first_line(e)}); download the checkpoint again"
             ) from None
+        return checked_state(obj, path, _MASKS)
     raise CheckpointError(
         f"{str(folder)!r} holds no weights (model.safetensors, model.safetensors.index.json or "
         "pytorch_model.bin); give a folder saved by transformers' save_pretrained"

@@ -253,3 +253,33 @@ def write_safetensors(
             if list(t.shape) != shape or t.dtype != dtype:  # a bug, not a user error
                 raise AssertionError(f"{name}: {tuple(t.shape)} {t.dtype}, not {shape} {dtype}")
             f.write(t.contiguous().view(-1).view(torch.uint8).numpy().data)
+
+
+def checked_state(obj: Any, path: Path, skip: tuple[str, ...] = ()) -> dict[str, Tensor]:
+    """``obj`` (a ``torch.load`` of ``path``) as a state dict of float32, bfloat16 or float16
+    tensors, names ending in ``skip`` (buffers) left out: what the safetensors reader
+    (:class:`Source`) takes, so that nothing is cast into numbers silently.
+
+    Raises:
+        CheckpointError: not a dict, a key that is not text, a value that is not a tensor,
+            or a tensor of another dtype.
+    """
+    if not isinstance(obj, dict):
+        kind = type(obj).__name__
+        raise CheckpointError(f"{path} holds {kind}, not a state dict of tensors; {_AGAIN}")
+    out: dict[str, Tensor] = {}
+    for key, t in obj.items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"{path} holds the key {key!r}, not a tensor name; {_AGAIN}")
+        if not isinstance(t, Tensor):
+            kind = type(t).__name__
+            raise CheckpointError(f"{path} holds {key[:120]!r}: {kind}, not a tensor; {_AGAIN}")
+        if key.endswith(skip) and t.dim() != 1:
+            continue
+        if t.dtype not in _ST_DTYPES:
+            raise CheckpointError(
+                f"weight {key[:120]!r} is stored as {t.dtype}; convert reads float32, bfloat16 "
+                "and float16 weights: save the checkpoint in one of those"
+            )
+        out[key] = t
+    return out
