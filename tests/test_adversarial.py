@@ -280,6 +280,33 @@ def test_an_ema_entry_removed_from_the_manifest_is_an_error(trained, tmp_path) -
     assert ck.latest_checkpoint(w / "run") == ckpt  # nothing was trained or saved
 
 
+@pytest.mark.parametrize("field", ["position", "epoch", "tokens_seen"])
+def test_a_state_pt_holding_infinity_for_a_count_is_damaged_not_a_crash(trained, tmp_path, field):
+    """The manifest made to match an edited state.pt (a foreign run folder): infinity where a
+    count belongs ended the resume in an OverflowError traceback."""
+    import hashlib
+
+    import torch
+
+    w = _copy(trained, tmp_path / "w")
+    ckpt = ck.latest_checkpoint(w / "run")
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    (state["sampler"] if field != "tokens_seen" else state)[field] = float("inf")
+    torch.save(state, ckpt / "state.pt")
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    raw = (ckpt / "state.pt").read_bytes()
+    manifest["files"]["state.pt"] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    out = cli(w, "train", "cfg.yaml", "--no-progress", "train.ema=0.9", "train.steps=4")
+    assert out.returncode == 2
+    rel = ckpt.relative_to(w)
+    assert one_line(out) == (
+        f"anyorder train: error: {rel / 'state.pt'} is damaged (OverflowError: cannot convert "
+        f"float infinity to integer); delete {rel} and use an earlier checkpoint"
+    )
+    assert ck.latest_checkpoint(w / "run") == ckpt  # nothing was trained or saved
+
+
 # ----------------------------------------------------------------------------- 6. disk full
 
 

@@ -275,8 +275,11 @@ def restore_state(parts: RunParts, resume_from: Path) -> tuple[int, int]:
             set_rng_state(rngs[env.rank], parts.loss_gen, env.device)
         else:  # another number of processes: exact only for the shared generators
             print0(f"resuming {len(rngs)} process(es) as {env.world_size}: per-rank RNGs reseeded")
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+    except (
+        KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError,
+    ) as e:  # fmt: skip
         # keys of the right names holding the wrong content: an edited or foreign state.pt
+        # (int() of an infinity is an OverflowError)
         raise CheckpointError(
             f"{resume_from / ckpt_mod.STATE_FILE} is damaged ({type(e).__name__}: "
             f"{str(e).strip()[:120]}); delete {resume_from} and use an earlier checkpoint"
