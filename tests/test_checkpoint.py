@@ -230,6 +230,19 @@ def test_truncated_file_is_detected(tmp_path):
         ck.load_model(path)
 
 
+def test_a_huge_manifest_is_refused_before_it_is_read(tmp_path):
+    """A sparse manifest.json of a terabyte was read whole (a MemoryError traceback)."""
+    cfg = _config("armd", tmp_path)
+    path = _save(tmp_path / "run", 2, cfg, _model(cfg))
+    os.truncate(path / "manifest.json", 1 << 40)
+    with pytest.raises(CheckpointError) as e:
+        ck.load_model(path)
+    assert str(e.value) == (
+        f"{path / 'manifest.json'} is 1,099,511,627,776 bytes, more than a manifest holds; "
+        f"the checkpoint is damaged: delete {path} and use an earlier checkpoint"
+    )
+
+
 def test_missing_paths(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist; give a run folder"):
         ck.load_model(tmp_path / "nope")

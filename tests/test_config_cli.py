@@ -70,6 +70,22 @@ def test_an_unknown_option_among_overrides_suggests_the_closest_option(tmp_path,
     )
 
 
+def test_a_huge_config_file_is_refused_before_it_is_read(tmp_path) -> None:
+    """A sparse config file of a terabyte (a checkpoint's config.yaml, an export's
+    training_config.yaml) was read whole: a MemoryError traceback."""
+    import os
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text("train: {steps: 3}\n")
+    os.truncate(path, 1 << 40)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == (
+        f"config file {str(path)!r} is 1,099,511,627,776 bytes, more than a run config holds "
+        "(a few KB); give the YAML file of the run"
+    )
+
+
 def test_help_comes_from_field_docstrings() -> None:
     docs = field_docs(ModelConfig)
     assert docs["target_dim"].startswith("aogpt: width of the target-position embedding")

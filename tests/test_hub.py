@@ -194,6 +194,22 @@ def test_a_safetensors_header_shape_that_is_not_a_size_is_refused(tmp_path, dim)
     )
 
 
+def test_a_huge_config_json_is_refused_before_it_is_read(tmp_path) -> None:
+    """A sparse config.json of a terabyte (nothing on disk) was read whole: a MemoryError
+    traceback, or as many gigabytes of memory as the machine would give."""
+    import os
+
+    folder = save_pretrained(tiny_model("gpt"), tmp_path / "m")
+    os.truncate(folder / "config.json", 1 << 40)
+    assert not is_exported(folder)
+    with pytest.raises(CheckpointError) as e:
+        from_pretrained(folder)
+    assert str(e.value) == (
+        f"{folder / 'config.json'} is unreadable (ValueError: 1,099,511,627,776 bytes, more "
+        "than an export's config.json holds); export again"
+    )
+
+
 def test_weights_of_another_shape_are_refused(tmp_path) -> None:
     folder = save_pretrained(tiny_model("gpt", d_model=64), tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())

@@ -72,13 +72,26 @@ STORED_DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes an export stores its weights in: ``torch_dtype`` in ``config.json``."""
 
 
+MAX_CONFIG_BYTES = 16 << 20
+"""At most this many bytes in an export's ``config.json`` (ours hold about 1 KB): a larger
+one (a sparse file of a terabyte takes no disk) is refused before it is read."""
+
+
+def _config_text(path: Path) -> str:
+    """The text of a ``config.json``, refused (ValueError) past :data:`MAX_CONFIG_BYTES`."""
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{size:,} bytes, more than an export's {CONFIG_NAME} holds")
+    return path.read_text()
+
+
 def is_exported(path: str | Path) -> bool:
     """Whether ``path`` is a folder holding an exported anyorder model (its ``config.json``)."""
     cfg = Path(path) / CONFIG_NAME
     if not cfg.is_file():
         return False
     try:
-        return json.loads(cfg.read_text()).get("model_type") == MODEL_TYPE
+        return json.loads(_config_text(cfg)).get("model_type") == MODEL_TYPE
     except (OSError, ValueError, AttributeError, RecursionError):
         return False
 
@@ -115,7 +128,7 @@ def read_export_config(folder: str | Path) -> dict[str, Any]:
             "write one with anyorder export or anyorder convert"
         )
     try:
-        config = json.loads(path.read_text(), parse_constant=_no_constant)
+        config = json.loads(_config_text(path), parse_constant=_no_constant)
     except (OSError, ValueError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else _first_line(e)[:200]
         raise CheckpointError(f"{path} is unreadable ({why}); export again") from None

@@ -108,6 +108,12 @@ def read_manifest(ckpt: str | Path) -> dict[str, Any]:
     """
     path = Path(ckpt) / MANIFEST
     try:
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:  # a sparse file of a terabyte takes no disk
+            raise CheckpointError(
+                f"{path} is {size:,} bytes, more than a manifest holds; the checkpoint is "
+                f"damaged: delete {ckpt} and use an earlier checkpoint"
+            )
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         if not Path(ckpt).is_dir():
@@ -132,6 +138,9 @@ def read_manifest(ckpt: str | Path) -> dict[str, Any]:
     return manifest
 
 
+MAX_MANIFEST_BYTES = 16 << 20
+"""At most this many bytes in a ``manifest.json`` (ours hold about 1 KB): a larger one is
+refused before it is read."""
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 

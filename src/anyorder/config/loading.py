@@ -41,6 +41,9 @@ MAX_NODES = 10_000
 config is about a hundred."""
 MAX_DEPTH = 32
 """The deepest nesting a config may have; a run config is three levels deep."""
+MAX_CONFIG_FILE_BYTES = 16 << 20
+"""The largest config file read (a run config is a few KB): a larger one, a sparse file of a
+terabyte say, is refused before it is read."""
 
 
 def _strict_loader() -> type:
@@ -342,6 +345,12 @@ def load_config(
         path = Path(source)
         if not path.is_file():
             raise ConfigError(_not_a_file(path))
+        size = path.stat().st_size
+        if size > MAX_CONFIG_FILE_BYTES:  # never read whole (a sparse file takes no disk)
+            raise ConfigError(
+                f"config file {str(path)!r} is {size:,} bytes, more than a run config holds "
+                "(a few KB); give the YAML file of the run"
+            )
         try:
             loaded = read_yaml(_decode(path.read_bytes(), path), f"config file {str(path)!r}")
         except yaml.YAMLError as e:
