@@ -387,6 +387,29 @@ def test_a_named_pipe_among_the_sources_is_refused_not_opened(tmp_path):
     assert [d for d in iter_documents(str(tmp_path))] == ["hello world"]  # a folder skips it
 
 
+def test_a_jsonl_line_past_the_bound_is_refused_not_read_whole(tmp_path, monkeypatch):
+    """A .jsonl line was read whole: a sparse file of a terabyte (nothing on disk, no newline)
+    took memory until a MemoryError traceback. Lines are read up to a bound."""
+    from anyorder.data import files
+    from anyorder.data.chat import detect_chat
+
+    monkeypatch.setattr(files, "MAX_LINE_CHARS", 1 << 20)
+    path = tmp_path / "huge.jsonl"
+    path.write_text('{"text": "fine"}\n')
+    with open(path, "r+") as f:
+        f.truncate(1 << 40)  # the rest: NUL bytes, one line of a terabyte
+    assert not detect_chat(str(path))
+    with pytest.raises(DataError) as e:
+        list(iter_documents(str(path)))
+    assert str(e.value) == (
+        f"{path}:2 is longer than 1,048,576 characters, more than a record holds; fix the "
+        "file (one JSON record a line)"
+    )
+    small = tmp_path / "ok.jsonl"
+    small.write_text('{"text": "' + "x" * 1000 + '"}\n{"text": "y"}')  # no final newline
+    assert list(iter_documents(str(small))) == ["x" * 1000, "y"]
+
+
 def test_corpus_too_small(tmp_path):
     src = write_txt(tmp_path / "tiny", ["hello", "world"])
     with pytest.raises(

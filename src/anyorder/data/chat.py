@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from anyorder.data.files import bounded_lines
 from anyorder.data.sources import (
     _first_line,
     _hf_local,
@@ -267,10 +268,10 @@ def detect_chat(source: str) -> bool:
         return False
     try:
         with open(files[0], encoding="utf-8") as f:
-            for line in f:
+            for _, line in bounded_lines(f, files[0]):
                 if line.strip():
                     return is_chat_record(json.loads(line))
-    except (OSError, ValueError, RecursionError):  # a bad first line: the reader names it
+    except (OSError, ValueError, RecursionError, DataError):  # the reader names a bad line
         return False
     return False
 

@@ -31,13 +31,13 @@ import glob as globlib
 import itertools
 import json
 import os
-import stat
 import sys
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from anyorder.data.files import bounded_lines, special_kind
 from anyorder.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -195,22 +195,6 @@ def _files_under(folder: Path) -> list[Path]:
     )
 
 
-def _special_kind(path: Path) -> str | None:
-    """What ``path`` is when it exists and is neither a regular file nor a folder (a named
-    pipe, a socket, a device), else None. Only ``stat`` is asked: nothing is opened."""
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return None
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return None
-    if stat.S_ISFIFO(mode):
-        return "a named pipe (FIFO)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"
-
-
 def resolve_files(source: str) -> list[Path]:
     """The files of a local source (file, folder searched recursively, or glob), sorted.
 
@@ -225,7 +209,7 @@ def resolve_files(source: str) -> list[Path]:
             if p.is_dir():
                 files += _files_under(p)
             elif p.suffix.lower() in TEXT_SUFFIXES:
-                special = _special_kind(p)
+                special = special_kind(p)
                 if special:  # never opened: a named pipe would block the build for ever
                     raise DataError(
                         f"data.source glob {source!r} matches {match!r}, {special}, not a "
@@ -253,7 +237,7 @@ def resolve_files(source: str) -> list[Path]:
                 "data.source at another folder"
             )
         return files
-    special = _special_kind(path)
+    special = special_kind(path)
     if special:
         raise DataError(
             f"data.source {source!r} is {special}, not a file; give a file, folder or glob of "
@@ -269,7 +253,7 @@ def jsonl_records(path: Path) -> Iterator[tuple[Any, str]]:
     """The records of a ``.jsonl`` file with where each stands (``path:line``), blank lines
     skipped; a line that is not JSON stops with one line naming it."""
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+        for lineno, line in bounded_lines(f, path):
             if not line.strip():
                 continue
             try:

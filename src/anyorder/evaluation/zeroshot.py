@@ -57,10 +57,11 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
+from anyorder.data.files import bounded_lines
 from anyorder.data.untrusted import open_regular
 from anyorder.errors import DataError
 from anyorder.evaluation.detokenize import (  # noqa: F401 (re-exported: the protocol's detokenizers)
@@ -192,16 +193,17 @@ class _BadRecord(ValueError):
     """A JSON line that is not a record with the field's text (its message says which)."""
 
 
-def _json_rows(lines: Iterable[str], field: str) -> list[str]:
+def _json_rows(lines: TextIO, field: str, path: Path) -> list[str]:
     """The text of ``field`` in each JSON line (blank lines skipped).
 
     Raises:
         KeyError: a record without the field.
+        DataError: a line past :data:`~anyorder.data.files.MAX_LINE_CHARS`.
         ValueError: a line that is not JSON; :class:`_BadRecord`: not an object, nested too
             deep, or a field that is not text.
     """
     rows: list[str] = []
-    for n, line in enumerate(lines, 1):
+    for n, line in bounded_lines(lines, path):  # never a line of gigabytes read whole
         if not line.strip():
             continue
         try:
@@ -241,7 +243,7 @@ def _local_rows(folder: Path, field: str) -> list[str]:
 
                     rows += [str(v) for v in pq.read_table(f, columns=[field]).column(field)]
                 else:
-                    rows += _json_rows(io.TextIOWrapper(f, encoding="utf-8"), field)
+                    rows += _json_rows(io.TextIOWrapper(f, encoding="utf-8"), field, path)
         except (KeyError, ValueError, OSError) as e:
             why = str(e) if isinstance(e, _BadRecord) else f"{type(e).__name__}: {e}"
             raise DataError(
