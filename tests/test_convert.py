@@ -276,6 +276,27 @@ def test_pytorch_model_bin_of_anything_but_float_tensors_is_refused(
     assert str(e.value) == message.format(bin=src / "pytorch_model.bin")
 
 
+def test_a_pytorch_model_bin_with_a_compressed_record_is_refused(tmp_path, tiny_gpt2) -> None:
+    """torch.load unpacks a record whole: a file of a megabyte could unpack gigabytes."""
+    import zipfile
+
+    folder, hf = tiny_gpt2
+    src = _bin_folder(tmp_path / "bin", hf)
+    path = src / "pytorch_model.bin"
+    packed = tmp_path / "packed.bin"
+    with zipfile.ZipFile(path) as zin, zipfile.ZipFile(packed, "w") as out:
+        for info in zin.infolist():
+            out.writestr(info.filename, zin.read(info.filename), zipfile.ZIP_DEFLATED)
+    packed.replace(path)
+    with pytest.raises(CheckpointError) as e:
+        convert_gpt2(src, "gpt")
+    assert str(e.value).startswith(f"{path} cannot be read as a torch checkpoint (its record ")
+    assert str(e.value).endswith(
+        "and torch.save compresses none); the file is damaged or not a .pt: download the "
+        "checkpoint again"
+    )
+
+
 def test_pytorch_model_bin_converts(tmp_path, tiny_gpt2) -> None:
     folder, hf = tiny_gpt2
     conv = convert_gpt2(_bin_folder(tmp_path / "bin", hf), "gpt")

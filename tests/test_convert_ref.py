@@ -181,6 +181,21 @@ def _damaged(tmp_path: Path, case: str) -> tuple[Path, str]:
         return path, "aogpt-ref"
     if case == "sigma-as-aogpt":
         return SIGMA, "aogpt-ref"
+    if case == "named-pipe":  # opening it blocked the command for ever
+        os.mkfifo(path)
+        return path, "aogpt-ref"
+    if case == "compressed-record":  # 10 MB unpacked from 10 kB: a bomb's way
+        import zipfile
+
+        with zipfile.ZipFile(AO) as src, zipfile.ZipFile(path, "w") as out:
+            for info in src.infolist():
+                data = src.read(info.filename)
+                if info.filename.endswith("data.pkl"):
+                    data += b"\0" * 10_000_000
+                    out.writestr(info.filename, data, compress_type=zipfile.ZIP_DEFLATED)
+                else:
+                    out.writestr(info, data)
+        return path, "aogpt-ref"
     bad: object = good
     if case == "not-a-dict":
         bad = good["model"]["_orig_mod.lm_head.bias"]
@@ -240,6 +255,13 @@ ERRORS = [
         "damaged: use --weights raw or download it again",
     ),
     ("model-int-key", "'model' is not a state dict of tensors; it is damaged"),
+    ("named-pipe", "'.*ckpt_1.pt' is a named pipe \\(FIFO\\), not a file; give the ckpt_N.pt file"),
+    (
+        "compressed-record",
+        "cannot be read as a torch checkpoint \\(its record 'ckpt_1234/data"
+        ".pkl' is compressed, 10,0[0-9,]+ bytes unpacked, and torch.save compresses none\\); "
+        "the file is damaged or not a .pt: download it again",
+    ),
     ("sigma-as-aogpt", "is a sigmagpt-ref checkpoint, not aogpt-ref; convert it with --from"),
 ]
 

@@ -16,8 +16,9 @@ Design choices:
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
@@ -129,6 +130,33 @@ STATE_KEYS = ("optimizer", "step", "sampler", "order_generator", "rng")
 """What every ``state.pt`` holds (:func:`anyorder.training.state.restore_state` reads them)."""
 
 
+def refuse_packed_records(file: Path | BinaryIO, where: str, fix: str) -> None:
+    """Refuse a ``torch.save`` zip archive holding a compressed record, before ``torch``
+    reads it: ``torch.save`` compresses none, and ``torch.load`` unpacks a record whole into
+    memory (a file of a megabyte unpacked a gigabyte). Not a zip archive (the legacy format,
+    or a damaged file): left to ``torch.load``. A file object is read from its start and
+    left there.
+
+    Raises:
+        CheckpointError: the first compressed record, with its unpacked size.
+    """
+    try:
+        with zipfile.ZipFile(file) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        infos = []
+    finally:
+        if not isinstance(file, Path):
+            file.seek(0)
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(
+                f"{where} cannot be read as a torch checkpoint (its record "
+                f"{info.filename[:80]!r} is compressed, {info.file_size:,} bytes unpacked, and "
+                f"torch.save compresses none); the file is damaged or not a .pt: {fix}"
+            )
+
+
 def load_plain(path: Path, fix: str) -> Any:
     """``torch.load(weights_only=True)`` (memory-mapped when the file allows it), with one
     :class:`CheckpointError` for every way the file can be wrong. Nothing in the file runs:
@@ -139,6 +167,7 @@ def load_plain(path: Path, fix: str) -> Any:
         fix: what to do, said at the end of a message about a damaged file.
     """
     where = repr(str(path))
+    refuse_packed_records(path, where, fix)
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)

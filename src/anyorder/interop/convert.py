@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from anyorder.checkpoint.exporting import save_pretrained
+from anyorder.checkpoint.load import refuse_packed_records
 from anyorder.config import ModelConfig
 from anyorder.data.untrusted import open_regular, refuse_links_out, refuse_special_files
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
@@ -118,6 +119,7 @@ def _read_tensors(folder: Path) -> dict[str, Tensor]:
     if path.exists():
         refuse_links_out(folder, path, "download the checkpoint again", CheckpointError)
         f = open_regular(path, CheckpointError)
+        refuse_packed_records(f, str(path), "download the checkpoint again")  # a zip bomb
         try:
             with f:
                 obj = torch.load(f, map_location="cpu", weights_only=True)

@@ -43,6 +43,7 @@ from torch import Tensor
 from anyorder.checkpoint.exporting import save_pretrained
 from anyorder.checkpoint.load import load_plain
 from anyorder.config import VARIANTS, ModelConfig, expand_model_values
+from anyorder.data.files import special_kind
 from anyorder.errors import AnyorderError, CheckpointError, ConfigError
 from anyorder.interop.convert import Converted
 from anyorder.interop.reference_names import our_name, their_name
@@ -137,6 +138,9 @@ def resolve_source(spec: str | Path, cache_dir: str | Path | None = None) -> Pat
         )
     if path.is_dir():
         raise CheckpointError(f"{text!r} is a folder; give the ckpt_N.pt file inside it")
+    special = special_kind(path)
+    if special:  # never opened: a named pipe blocks until a writer comes
+        raise CheckpointError(f"{text!r} is {special}, not a file; give the ckpt_N.pt file")
     return path
 
 
