@@ -155,6 +155,20 @@ def test_training_writes_no_data_cache_into_the_working_folder(tmp_path) -> None
     assert f"({key})" in out.stdout  # and where it reads from
 
 
+def test_a_file_name_with_a_newline_or_an_escape_stays_on_one_line(tmp_path) -> None:
+    """A data file named with a newline split the error over two lines, and a terminal
+    escape in a name reached the terminal; both are written escaped."""
+    (tmp_path / "config.yaml").write_text(CONFIG)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a\nb\x1b[2J.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    out = cli(tmp_path, "train", "config.yaml", "--no-progress", "data.source=corpus")
+    assert one_line(out) == (
+        "anyorder train: error: corpus/a\\nb\\x1b[2J.txt is not UTF-8 text (byte 0xe9 at "
+        "offset 3); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or remove it from "
+        "data.source"
+    )
+
+
 # ----------------------------------------------------------------------------- closed pipes
 
 

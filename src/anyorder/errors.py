@@ -12,13 +12,18 @@ import sys
 from collections.abc import Iterable
 from typing import TextIO
 
+_ESCAPED = {c: f"\\x{c:02x}" for c in (*range(32), 127) if c != 9} | {10: "\\n", 13: "\\r"}
+"""Control characters (a tab aside) as ``print_line`` writes them: escaped."""
+
 
 def print_line(text: str, stream: TextIO | None = None) -> None:
     """``text`` and its newline to ``stream`` (stderr) in one write, flushed: the lines of
     processes that share the stream (torchrun's ranks) never run into each other (``print``
-    writes the newline apart, and another rank's line came in between)."""
+    writes the newline apart, and another rank's line came in between). Control characters
+    in ``text`` (a newline or a terminal escape in a file name it quotes) are written
+    escaped (``\\n``, ``\\x1b``): one line, and nothing for the terminal to act on."""
     out = sys.stderr if stream is None else stream
-    out.write(text + "\n")
+    out.write(text.translate(_ESCAPED) + "\n")
     out.flush()
 
 
