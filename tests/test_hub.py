@@ -210,6 +210,31 @@ def test_a_huge_config_json_is_refused_before_it_is_read(tmp_path) -> None:
     )
 
 
+def test_a_head_the_config_ties_but_the_file_holds_apart_is_refused(tmp_path) -> None:
+    """config.json ties the head to the embedding, the file holds a head.weight of its own
+    (a hand-made or converted file): the head was ignored silently, the model another one."""
+    from safetensors.torch import load_file, save_file
+
+    folder = save_pretrained(tiny_model("gpt"), tmp_path / "m")
+    weights = folder / "model.safetensors"
+    state = load_file(str(weights))
+    save_file({**state, "head.weight": state["tok_emb.weight"] + 1}, str(weights))
+    config = json.loads((folder / "config.json").read_text())
+    config["weights_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as e:
+        from_pretrained(folder)
+    assert str(e.value) == (
+        f"{weights} does not fit the model config.json describes (not equal to the weight "
+        "the config ties them to: head.weight)"
+    )
+    save_file({**state, "head.weight": state["tok_emb.weight"].clone()}, str(weights))
+    config["weights_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = from_pretrained(folder)  # an equal copy is the tie written twice: fine
+    assert loaded.model.head.weight is loaded.model.tok_emb.weight
+
+
 def test_weights_of_another_shape_are_refused(tmp_path) -> None:
     folder = save_pretrained(tiny_model("gpt", d_model=64), tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())

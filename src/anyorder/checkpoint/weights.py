@@ -211,9 +211,12 @@ def fit_state(model: nn.Module, state: dict[str, Tensor]) -> str:
         "" when every key is there with the right shape, else a short description of the
         missing, unexpected and wrongly shaped keys (for the caller's error message).
     """
+    untied = []  # a copy the file holds of a tied weight must be that weight
     for alias, canonical in tied_aliases(model).items():
         if alias not in state and canonical in state:
             state[alias] = state[canonical]
+        elif canonical in state and not torch.equal(state[alias], state[canonical]):
+            untied.append(alias)
     want = model.state_dict()
     missing = sorted(set(want) - set(state))
     unexpected = sorted(set(state) - set(want))
@@ -232,6 +235,7 @@ def fit_state(model: nn.Module, state: dict[str, Tensor]) -> str:
             ("unexpected", unexpected),
             ("shape", wrong),
             ("not floating point", kind),
+            ("not equal to the weight the config ties them to", sorted(untied)),
         )
         if names
     )
