@@ -160,12 +160,13 @@ def test_a_file_name_with_a_newline_or_an_escape_stays_on_one_line(tmp_path) -> 
     escape in a name reached the terminal; both are written escaped."""
     (tmp_path / "config.yaml").write_text(CONFIG)
     (tmp_path / "corpus").mkdir()
-    (tmp_path / "corpus" / "a\nb\x1b[2J.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    name = "a\nb\x1b[2J\u2028\x85.txt"
+    (tmp_path / "corpus" / name).write_bytes("caf\xe9 au lait".encode("latin-1"))
     out = cli(tmp_path, "train", "config.yaml", "--no-progress", "data.source=corpus")
     assert one_line(out) == (
-        "anyorder train: error: corpus/a\\nb\\x1b[2J.txt is not UTF-8 text (byte 0xe9 at "
-        "offset 3); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or remove it from "
-        "data.source"
+        "anyorder train: error: corpus/a\\nb\\x1b[2J\\u2028\\x85.txt is not UTF-8 text (byte "
+        "0xe9 at offset 3); convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8) or remove it "
+        "from data.source"
     )
 
 

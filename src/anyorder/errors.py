@@ -12,8 +12,11 @@ import sys
 from collections.abc import Iterable
 from typing import TextIO
 
-_ESCAPED = {c: f"\\x{c:02x}" for c in (*range(32), 127) if c != 9} | {10: "\\n", 13: "\\r"}
-"""Control characters (a tab aside) as ``print_line`` writes them: escaped."""
+_ESCAPED = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160)) if c != 9} | {
+    10: "\\n", 13: "\\r", 0x2028: "\\u2028", 0x2029: "\\u2029",
+}  # fmt: skip
+"""Control characters (C0 but the tab, DEL, C1) and the Unicode line and paragraph
+separators, as ``print_line`` writes them: escaped."""
 
 
 def print_line(text: str, stream: TextIO | None = None) -> None:
