@@ -41,11 +41,18 @@ def randomize_adaln(model, seed: int = 0) -> None:
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.3)
 
 
-def test_rotary_tables_give_exactly_apply_rope() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_rotary_tables_give_exactly_apply_rope(dtype) -> None:
+    """In every dtype (bf16 and fp16 promoted by the products, not cast first), and under
+    autocast, as a decode runs it."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, 5, 8, generator=g)
+    x = (torch.randn(2, 3, 5, 8, generator=g) * 4).to(dtype)
     pos = torch.stack([torch.randperm(5, generator=g) for _ in range(2)]) * 7
-    assert torch.equal(rotate(x, rotary(pos, 8, 10000.0)), apply_rope(x, *rope_angles(pos, 8, 1e4)))
+    want = apply_rope(x, *rope_angles(pos, 8, 1e4))
+    assert want.dtype == dtype
+    assert torch.equal(rotate(x, rotary(pos, 8, 10000.0)), want)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(rotate(x, rotary(pos, 8, 10000.0)), want)
 
 
 def _attention(seed: int = 0) -> Attention:

@@ -79,13 +79,27 @@ def rotary(pos: Tensor, head_dim: int, base: float, scale: RopeScale = None) -> 
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def rotate(x: Tensor, tables: Rotary) -> Tensor:
     """:func:`apply_rope` with :func:`rotary` tables: the same numbers (``a + (-b)`` is
-    ``a - b`` exactly in floating point), fewer kernels and no angles recomputed per layer."""
+    ``a - b`` exactly in floating point), fewer kernels and no angles recomputed per layer.
+    A bf16 or fp16 ``x`` against fp32 tables (autocast) is not cast first: the products
+    promote it to fp32 in their own kernels (exactly, as the cast would), one launch fewer
+    (not under an autocast of another dtype: its ``cat`` refuses the input's)."""
     cos, sin = tables
-    xf = x.float()
+    xf = x if _promoted(x, cos) else x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
+
+
+def _promoted(x: Tensor, cos: Tensor) -> bool:
+    """Whether :func:`rotate` may leave the fp32 cast of ``x`` to its products."""
+    if x.dtype not in _HALF or cos.dtype != torch.float32:
+        return False
+    device = x.device.type
+    return not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) == x.dtype
 
 
 def slice_positions(pos: Positions, start: int, stop: int) -> Positions:
