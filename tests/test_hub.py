@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +91,22 @@ def test_an_exports_training_config_does_not_choose_where_eval_writes(tmp_path) 
     assert "their-cache" in (folder / "training_config.yaml").read_text()
     config = from_pretrained(folder).config
     assert config.data.cache_dir == "auto" and config.data.source == "builtin:stdlib"
+
+
+def test_an_exports_data_is_tokenized_by_the_tokenizer_it_holds(tmp_path) -> None:
+    """training_config.yaml names the tokenizer of the run that trained (``bpe:300``, trained
+    again on whatever the data is now, or a path of that machine); an export that holds its
+    tokenizer has ``anyorder eval``'s data tokenized by it, as the model reads."""
+    from anyorder.data import load_tokenizer
+
+    model = tiny_model("gpt", vocab_size=257)
+    run = RunConfig(model=model.cfg)
+    run.data.tokenizer = "bpe:300"
+    folder = save_pretrained(model, tmp_path / "m", ByteTokenizer(), run_config=run)
+    assert "bpe:300" in (folder / "training_config.yaml").read_text()
+    config = from_pretrained(folder).config
+    assert Path(config.data.tokenizer) == (folder / "tokenizer").resolve()
+    assert load_tokenizer(config.data.tokenizer).encode("ab") == [97, 98]
 
 
 def test_export_replaces_an_earlier_export_but_nothing_else(tmp_path) -> None:

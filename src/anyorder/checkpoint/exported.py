@@ -330,8 +330,10 @@ def _read_run_config(folder: Path, model_cfg: ModelConfig) -> RunConfig:
         # a folder of the machine that trained, and the export may come from anyone: this
         # machine's cache home, not a path the folder chooses, takes `anyorder eval`'s data
         cfg.data.cache_dir = DataConfig.cache_dir
-        return cfg
-    cfg = RunConfig(model=model_cfg)
-    if (folder / TOKENIZER_DIR).is_dir():  # data for `eval`: tokenized as the model reads it
+    else:
+        cfg = RunConfig(model=model_cfg)
+    # data for `eval`: tokenized as the model reads it (the run's own spec, bpe:N or a path
+    # of the machine that trained, would tokenize anew)
+    if (folder / TOKENIZER_DIR).is_dir():
         cfg.data.tokenizer = str((folder / TOKENIZER_DIR).resolve())
     return cfg
