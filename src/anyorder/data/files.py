@@ -21,6 +21,20 @@ MAX_LINE_CHARS = 1 << 28
 """The longest line of a ``.jsonl`` file read (256 Mi characters: one record a line)."""
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+)
+
+
+def kind_of(mode: int) -> str:
+    """What a ``stat`` mode that is not a regular file's is, in words."""
+    return next((name for test, name in _KINDS if test(mode)), "a special file")
+
+
 def special_kind(path: Path) -> str | None:
     """What ``path`` is when it exists and is neither a regular file nor a folder (a named
     pipe, a socket, a device), else None. Only ``stat`` is asked: nothing is opened."""
@@ -28,13 +42,7 @@ def special_kind(path: Path) -> str | None:
         mode = path.stat().st_mode
     except OSError:
         return None
-    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
-        return None
-    if stat.S_ISFIFO(mode):
-        return "a named pipe (FIFO)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else kind_of(mode)
 
 
 def bounded_lines(f: TextIO, path: Path | str) -> Iterator[tuple[int, str]]:

@@ -29,6 +29,7 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from anyorder.data.files import kind_of
 from anyorder.data.sources import _first_line
 from anyorder.errors import AnyorderError, DataError
 
@@ -53,18 +54,9 @@ TOKENIZER_FILES = (
 )
 """The files of a folder that loading its tokenizer may read."""
 
-_KINDS = (
-    (stat.S_ISDIR, "a folder"),
-    (stat.S_ISFIFO, "a named pipe (FIFO)"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a device"),
-    (stat.S_ISBLK, "a device"),
-)
-
 
 def _not_regular(path: Path, mode: int) -> str:
-    what = next((name for test, name in _KINDS if test(mode)), "a special file")
-    return f"{path} is {what}, not a file; replace it with the file itself"
+    return f"{path} is {kind_of(mode)}, not a file; replace it with the file itself"
 
 
 def open_regular(path: Path, error: type[AnyorderError] = DataError) -> BinaryIO | None:
