@@ -65,6 +65,40 @@ def test_each_pass_commits_the_most_confident_position(kind):
             assert tops[int(order[t])] >= max(tops.values()) - 1e-5
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 3), J=st.integers(0, 9), V=st.integers(1, 40), seed=st.integers(0, 99),
+    temperature=st.sampled_from([1.0, 0.7, 1.6]), bf16=st.booleans(), limit=st.integers(1, 300),
+)  # fmt: skip
+def test_a_score_is_the_largest_probability_of_its_conditional(
+    B, J, V, seed, temperature, bf16, limit
+):
+    """The confidence of a column is the largest probability of softmax(logits / T), as a
+    float64 softmax gives it, whatever the chunks of columns (a draw's bound, any size
+    here), the dtype of the logits (bf16 under autocast) and the temperature; -inf off the
+    candidates; equal logits, equal scores."""
+    import anyorder.sampling.draws as draws
+    from anyorder.sampling.confidence import _confidence
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, J, V, generator=g) * 4
+    if J > 1:
+        logits[:, 1] = logits[:, 0]  # a tie
+    if bf16:
+        logits = logits.bfloat16()
+    candidate = torch.rand(B, J, generator=g) < 0.7
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(draws, "DRAW_ELEMENTS", limit)
+        got = _confidence(logits, temperature, candidate)
+    want = (logits.double() / temperature).softmax(dim=-1).amax(dim=-1)
+    assert got.dtype == torch.float32 and got.shape == (B, J)
+    assert torch.equal(torch.isinf(got), ~candidate) and bool((got[~candidate] < 0).all())
+    torch.testing.assert_close(got[candidate].double(), want[candidate], atol=1e-6, rtol=1e-6)
+    if J > 1:
+        both = candidate[:, 0] & candidate[:, 1]
+        assert torch.equal(got[both, 0], got[both, 1])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_speculative_confidence_is_exact_for_the_order_chosen(kind, K):

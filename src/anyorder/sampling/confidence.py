@@ -41,11 +41,10 @@ from anyorder.errors import SamplingError
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.sampling.draws import (
-    DRAW_ELEMENTS,
-    DRAW_ELEMENTS_GPU,
     SampleResult,
     check_controls,
     current_top_p_rule,
+    draw_limit,
 )
 from anyorder.sampling.graphs import RoundRunner, capture_report, resolve_mode
 from anyorder.sampling.rounds import Engine, HostCounts, Round, arange, const, extend
@@ -56,18 +55,22 @@ from anyorder.sampling.verify import AheadRandoms, LiveRandoms, Randoms, accept,
 
 def _confidence(logits: Tensor, temperature: float, candidate: Tensor) -> Tensor:
     """(B, J) the largest probability of each column's conditional; -inf off ``candidate``.
-    ``exp(max - logsumexp)`` in chunks of columns, so that the float32 temporaries stay
-    within the draws' bound (scoring every position of a (16, 2048) pass over GPT-2's
-    vocabulary would be 6.6 GB at once)."""
+    The max of one float32 softmax (one fused kernel on a GPU, the cast included), in
+    chunks of columns, so that the float32 temporaries stay within the draws' bound
+    (scoring every position of a (16, 2048) pass over GPT-2's vocabulary would be 6.6 GB at
+    once); a typical GPU pass is one chunk."""
     B, J, V = logits.shape
-    limit = DRAW_ELEMENTS if logits.device.type == "cpu" else DRAW_ELEMENTS_GPU
-    step = max(1, limit // max(B * V, 1))
+    step = max(1, draw_limit(logits.device) // max(B * V, 1))
     parts = []
     for j in range(0, J, step):
-        x = logits[:, j : j + step].float() / temperature
-        parts.append((x.amax(dim=-1) - x.logsumexp(dim=-1)).exp())
-    top = torch.cat(parts, dim=1) if parts else logits.new_zeros(B, 0, dtype=torch.float)
-    return top.masked_fill(~candidate, float("-inf"))
+        x = logits[:, j : j + step]
+        if temperature != 1.0:  # a kernel saved at the default (x / 1 is x)
+            x = x.float() / temperature
+        parts.append(torch.softmax(x, dim=-1, dtype=torch.float32).amax(dim=-1))
+    if not parts:
+        return logits.new_full((B, 0), float("-inf"), dtype=torch.float)
+    top = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return torch.where(candidate, top, const(float("-inf"), logits.device))
 
 
 def _most(score: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -125,6 +125,15 @@ whole (32, 512, 50257) draw was 6.6 GB per float64 tensor, and top-p sorts two o
 DRAW_ELEMENTS_GPU = 1 << 26
 """The same on a GPU (512 MB): a typical pass (batch 8, 64 queries, GPT-2's vocabulary) is
 one chunk, so the draw adds no launches per pass; only huge requests are split."""
+GPU_CHUNKS_ON_CPU = False
+"""Chunk a CPU tensor as a GPU one (:data:`DRAW_ELEMENTS_GPU`): how the launch proxy
+(``benchmarks/launch_overhead.py``) counts the GPU's kernels on a CPU."""
+
+
+def draw_limit(device: torch.device) -> int:
+    """The elements a draw (or a score) handles at once on ``device``."""
+    cpu = device.type == "cpu" and not GPU_CHUNKS_ON_CPU
+    return DRAW_ELEMENTS if cpu else DRAW_ELEMENTS_GPU
 
 
 def sample_logits(
@@ -143,8 +152,7 @@ def sample_logits(
         return logits.argmax(dim=-1)  # draw over the vocabulary (the generator is unused)
     V = logits.shape[-1]
     flat = logits.reshape(-1, V)
-    limit = DRAW_ELEMENTS if logits.device.type == "cpu" else DRAW_ELEMENTS_GPU
-    rows = max(1, limit // V)
+    rows = max(1, draw_limit(logits.device) // V)
     if flat.shape[0] <= rows:
         return _draw(flat, generator, temperature, top_k, top_p).view(logits.shape[:-1])
     out = torch.empty(flat.shape[0], dtype=torch.long, device=logits.device)

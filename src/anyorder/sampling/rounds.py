@@ -72,15 +72,16 @@ class Round:
         self.queries = (self.targets >= 0).sum(dim=1)
 
 
-_CONSTANTS: dict[tuple[int, int, str], Tensor] = {}
+_CONSTANTS: dict[tuple, Tensor] = {}
 
 
-def const(value: int, device: torch.device | str) -> Tensor:
-    """A 0-dim long tensor of ``value`` on ``device``, made once: ``torch.where(c, x, 5)``
-    fills a new one at every call, a kernel launch on a GPU (never written to)."""
+def const(value: int | float, device: torch.device | str) -> Tensor:
+    """A 0-dim tensor of ``value`` on ``device`` (long for an int, float32 for a float),
+    made once: ``torch.where(c, x, 5)`` fills a new one at every call, a kernel launch on a
+    GPU (never written to)."""
     if torch.compiler.is_compiling():  # a compiled pass folds it (a memo would be guarded)
         return torch.tensor(value, device=device)
-    key = (value, 0, str(device))
+    key = (value, type(value).__name__, str(device))  # 1 and 1.0 are one dict key
     found = _CONSTANTS.get(key)
     if found is None:
         found = _CONSTANTS[key] = torch.tensor(value, device=device)
