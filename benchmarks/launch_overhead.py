@@ -269,7 +269,8 @@ def fused_norms():
 def gpu_path():
     """Decode as on a GPU: never pack, bucket the key levels (both live in the plan; before
     the sampling package, the packing threshold was in ``anyorder.sample``), no prepacked
-    weights, the norms counted as CUDA's fused kernels (:func:`fused_norms`)."""
+    weights, draws and confidence scores in the GPU's chunks, the norms counted as CUDA's
+    fused kernels (:func:`fused_norms`)."""
     try:
         import anyorder.sampling.plan as where
     except ImportError:
@@ -282,6 +283,12 @@ def gpu_path():
         rounds = None
     if rounds is not None:
         rounds.STATIC_ON_CPU = True
+    try:  # draws and scores chunked as on a GPU (a paper-size pass is one chunk there)
+        import anyorder.sampling.draws as draws
+    except ImportError:
+        draws = None
+    if draws is not None:
+        draws.GPU_CHUNKS_ON_CPU = True
     try:  # a GPU never reads prepacked weights (the CPU's, layers/linear.py)
         from anyorder.layers.linear import use_prepacked
     except ImportError:
@@ -293,6 +300,8 @@ def gpu_path():
         where._PACK_BELOW, where.BUCKET_ON_CPU = saved
         if rounds is not None:
             rounds.STATIC_ON_CPU = False
+        if draws is not None:
+            draws.GPU_CHUNKS_ON_CPU = False
 
 
 def autocast(dtype: str, cache: bool = True) -> contextlib.AbstractContextManager:

@@ -349,3 +349,35 @@ def test_the_gpu_count_takes_each_rmsnorm_as_the_one_fused_kernel_cuda_runs() ->
     assert torch.equal(a, b)
     assert plain.launches - fused.launches == 5 * norms
     assert replayed.launches == 0 and replayed.graph_kernels == fused.launches
+
+
+def test_the_gpu_count_chunks_scores_and_draws_as_a_gpu_does() -> None:
+    """On ``launch_overhead.py``'s GPU path a confidence score and a draw are chunked by the
+    GPU's bound (a paper-size pass is one chunk there), not by the CPU's 32 MB: a score of
+    many columns then costs the kernels of one column; the scores are the same."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from anyorder.sampling import draws
+    from anyorder.sampling.confidence import _confidence
+    from launch_overhead import Counter, gpu_path
+
+    B, V = 2, 1 << 16  # the CPU's bound takes 32 columns at a time
+    g = torch.Generator().manual_seed(0)
+
+    def counted(logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        counter = Counter()
+        with counter:
+            score = _confidence(logits, 1.0, torch.ones(logits.shape[:2], dtype=torch.bool))
+        return counter.launches, score
+
+    one, _ = counted(torch.randn(B, 1, V, generator=g))
+    logits = torch.randn(B, 100, V, generator=g)
+    cpu, cpu_score = counted(logits)
+    with gpu_path():
+        assert draws.draw_limit(torch.device("cpu")) == draws.DRAW_ELEMENTS_GPU
+        gpu, gpu_score = counted(logits)
+    assert draws.draw_limit(torch.device("cpu")) == draws.DRAW_ELEMENTS
+    assert gpu == one < cpu
+    assert torch.equal(cpu_score, gpu_score)
