@@ -730,6 +730,12 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
         {"HF_ENDPOINT": "http://127.0.0.1:CLOSED_PORT"},
         None,
     ),
+    # hostile-input review: flags that did nothing, checks a dry run skipped, long values
+    "sample-infill-no-stop-at-eos": (
+        ["sample", "run", "--infill", "a[MASK:2]b", "--no-stop-at-eos"],
+        {},
+        None,
+    ),
 }
 
 

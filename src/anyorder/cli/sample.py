@@ -62,7 +62,8 @@ def add_sample(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help=(
             "keep the text after the first generated EOS (default: cut there; l2r decoding "
-            "stops; an EOS in the prompt ends nothing)"
+            "stops; an EOS in the prompt ends nothing); not with --infill, whose template fixes "
+            "the length and is never cut"
         ),
     )
     p.add_argument("--json", action="store_true", help="print tokens, orders and pass counts")
@@ -363,6 +364,11 @@ def _check_lengths(args: argparse.Namespace) -> None:
     )  # fmt: skip
     if args.infill is not None and args.length is not None:
         raise SamplingError("--infill takes its length from the template; leave out --length")
+    if args.infill is not None and args.no_stop_at_eos:  # an EOS in a hole ends nothing
+        raise SamplingError(
+            "--no-stop-at-eos has no effect with --infill: the template fixes the length, so "
+            "the filled text is never cut at an EOS; leave out --no-stop-at-eos"
+        )
     if args.chat is not None and args.length is not None:
         raise SamplingError(
             "--chat takes the answer's length from --max-new-tokens; leave out --length"
