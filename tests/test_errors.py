@@ -736,6 +736,13 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
         {},
         None,
     ),
+    "dry-run-out-dir-not-a-run": (
+        [*TRAIN, "--dry-run", "train.out_dir=mine"],
+        {},
+        _user_folder,
+    ),
+    "dry-run-out-dir-is-file": ([*TRAIN, "--dry-run", "train.out_dir=cfg.yaml"], {}, None),
+    "dry-run-out-dir-other-run": ([*TRAIN, "--dry-run", "model.n_layer=3"], {}, None),
 }
 
 

@@ -54,7 +54,10 @@ def add_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume-from", default=None, metavar="PATH", help="resume this checkpoint")
     p.add_argument("--fresh", action="store_true", help="never resume (error if checkpoints)")
     p.add_argument(
-        "--dry-run", action="store_true", help="build everything, take one step, write nothing"
+        "--dry-run",
+        action="store_true",
+        help="build everything, take one step, write nothing (the run folder and the "
+        "checkpoint to resume are checked as the run checks them)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

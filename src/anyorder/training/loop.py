@@ -91,7 +91,9 @@ def train(
             from that checkpoint or run folder.
         dry_run: build everything and take one optimizer step on a small batch; writes
             nothing (data that is not prepared yet goes to a temporary folder, capped at
-            :data:`~anyorder.training.setup.DRY_RUN_DOCUMENTS` documents).
+            :data:`~anyorder.training.setup.DRY_RUN_DOCUMENTS` documents). The run folder
+            and the checkpoint the run would resume are checked as the run checks them (a
+            folder of the user's files, a file, a run of another config), then left alone.
         progress: show a tqdm progress bar on rank 0.
         stop_at: stop after this step as if interrupted (a checkpoint is written); the
             schedule still spans ``train.steps``. For tests and time-sliced jobs.
@@ -117,9 +119,10 @@ def train(
     # before anything is built; a dry run's step takes at most 2 rows
     check_training_memory(cfg, env.world_size, str(env.device), 2 if dry_run else None)
     check_writable_dir(cfg.data.cache_path(), "data.cache_dir")
-    if not dry_run:
-        check_run_folder(cfg.train.out_dir)
-        check_writable_dir(cfg.train.out_dir, "train.out_dir")
+    # a dry run too, reading only: it refuses the run folder the run would refuse
+    check_run_folder(cfg.train.out_dir)
+    check_writable_dir(cfg.train.out_dir, "train.out_dir")
+    if not dry_run:  # a dry run writes no files to spare: find_resume checks it, after the data
         check_resume_early(cfg, resume)
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory())) if dry_run else None
@@ -204,7 +207,8 @@ def _prepare(
     data = prepare_data(cfg, env, dry_run, progress, tmp)
     cfg = resolve_vocab(cfg, data.tokenizer.vocab_size)
     run_dir = Path(cfg.train.out_dir).expanduser()
-    resume_from = None if dry_run else find_resume(cfg, resume, run_dir)
+    found = find_resume(cfg, resume, run_dir)  # a dry run's too: the run's refusals, read only
+    resume_from = None if dry_run else found
     if data.num_blocks("val") == 0 and not dry_run:
         raise ConfigError("validation needs blocks: set data.val_fraction > 0 (e.g. 0.05)")
     return cfg, data, run_dir, resume_from
