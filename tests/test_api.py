@@ -117,6 +117,60 @@ def test_generate_checks_the_type_of_its_controls(exports, controls, message) ->
     assert str(e.value) == message
 
 
+TEXT_ONLY = "must be a str"
+MESSAGES = "must be a str or a list of {'role': ..., 'content': ...} messages"
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        # AttributeError: 'int' object has no attribute 'encode', from the tokenizer, before
+        (lambda m: m.generate(n=8, prompt=123), f"prompt {TEXT_ONLY}, not int (123); pass the "
+         "text as a str"),
+        (lambda m: m.generate(n=8, prompt=[1, 2]), f"prompt {TEXT_ONLY}, not list ([1, 2]); "
+         "pass the text as a str"),
+        (lambda m: m.generate(n=8, prompt=0), f"prompt {TEXT_ONLY}, not int (0); pass the text "
+         "as a str"),  # no prompt at all before: 0 is falsy
+        (lambda m: m.generate(n=8, prompt=b"ab"), f"prompt {TEXT_ONLY}, not bytes (b'ab'); "
+         "decode it first, e.g. .decode('utf-8')"),
+        # TypeError: cannot use a string pattern on a bytes-like object, before
+        (lambda m: m.infill(b"a[MASK:2]"), f"template {TEXT_ONLY}, not bytes (b'a[MASK:2]'); "
+         "decode it first, e.g. .decode('utf-8')"),
+        (lambda m: m.infill(None), f"template {TEXT_ONLY}, not NoneType (None); pass the text "
+         "as a str"),
+        # TypeError: 'int' object is not iterable, before; bytes read as a list of messages
+        (lambda m: m.chat(123), f"prompt_or_messages {MESSAGES}, not int (123); pass the text "
+         "as a str"),
+        (lambda m: m.chat(b"hi"), f"prompt_or_messages {MESSAGES}, not bytes (b'hi'); decode "
+         "it first, e.g. .decode('utf-8')"),
+        (lambda m: m.chat({"role": "user", "content": "hi"}), f"prompt_or_messages {MESSAGES}, "
+         "not dict ({'content': 'hi', 'role': 'user'}); pass one message as a list of one"),
+    ],
+)  # fmt: skip
+def test_text_arguments_are_checked_at_the_api(exports, call, message) -> None:
+    """A prompt that is not text is one clear SamplingError naming the argument, the type
+    given and what is expected, not a TypeError or AttributeError from the tokenizer."""
+    with pytest.raises(SamplingError) as e:
+        call(anyorder.load(exports["armd"]))
+    assert str(e.value) == message
+
+
+def test_score_checks_its_text(exports) -> None:
+    model = anyorder.load(exports["aogpt"])
+    with pytest.raises(ConfigError) as e:
+        model.score(123)
+    assert str(e.value) == "text must be a str, not int (123); pass the text as a str"
+    with pytest.raises(ConfigError) as e:
+        model.score("ab", context=b"x" * 100)
+    assert str(e.value) == (
+        "context must be a str, not bytes (b'" + "x" * 26 + "..." + "x" * 28 + "'); decode it "
+        "first, e.g. .decode('utf-8')"  # a short preview, as reprlib cuts it
+    )
+    assert model.chat([{"role": "user", "content": "hi"}], max_new_tokens=2) == model.chat(
+        "hi", max_new_tokens=2
+    )  # a list of messages and a text both still go
+
+
 def test_score_left_to_right_is_the_exact_nll(exports) -> None:
     model = anyorder.load(exports["aogpt"])
     ids = ByteTokenizer().encode(TEXT)

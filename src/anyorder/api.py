@@ -238,7 +238,8 @@ class Model:
             The decoded texts, prompt included.
 
         Raises:
-            SamplingError: a bad length, controls, or an order the model cannot follow.
+            SamplingError: a bad length or controls, a prompt that is not a str, or an order
+                the model cannot follow.
         """
         from anyorder import bounds
 
@@ -250,7 +251,7 @@ class Model:
         )  # fmt: skip
         n = bounds.check_fit(self.seq_len, length=n, steps=steps)
         prompt_ids = known = None
-        if prompt:
+        if bounds.check_text(prompt, "prompt", optional=True):  # "" is no prompt
             ids = self._encode(prompt)
             prompt_ids, known = bounds.prefix_prompt(ids, n, length=f"n={n}", name="n")
         return self._sample(
@@ -294,7 +295,7 @@ class Model:
             The filled text.
 
         Raises:
-            SamplingError: a malformed template, one longer than the context, bad controls.
+            SamplingError: a template not a str, malformed or too long; bad controls.
         """
         from anyorder import bounds
         from anyorder.sample import parse_template
@@ -302,7 +303,7 @@ class Model:
         if order not in (None, "random", "l2r", "confidence"):
             raise SamplingError(f"order={order!r}: infilling takes random, l2r or confidence")
         bounds.check_controls(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        bounds.check_holes(template, self.seq_len)
+        bounds.check_holes(bounds.check_text(template, "template"), self.seq_len)
         tokens, known = parse_template(template, self._tok(), self.seq_len)
         bounds.check_steps(steps, len(tokens))
         return self._sample(
@@ -342,7 +343,7 @@ class Model:
             The answer's text, without the prompt, the template or the EOS.
 
         Raises:
-            SamplingError: a prompt that leaves no room, bad controls or decoding options.
+            SamplingError: a prompt not a str or list, or with no room; bad controls or options.
         """
         from anyorder import bounds
         from anyorder.checkpoint.loaded import warn_if_not_for_chat
@@ -351,6 +352,7 @@ class Model:
         if order is not None and order not in GENERATE_ORDERS:
             raise SamplingError(f"order={order!r}: use one of {', '.join(GENERATE_ORDERS)}")
         bounds.check_controls(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        bounds.check_text(prompt_or_messages, "prompt_or_messages", messages=True)
         cfg = self.model.cfg
         prompt, known = chat_prompt(
             prompt_or_messages, self._tok(), cfg.seq_len, cfg.vocab_size, max_new_tokens,
@@ -394,11 +396,8 @@ class Model:
 
         model, tok = self.model, self._tok()
         order, sequential = decode_mode(model.kind, order, steps, streams, speculative)
-        stop = (
-            tok.eos_id
-            if stop_at_eos and sequential and order == "l2r" and model.kind != "mdm"
-            else None
-        )
+        l2r = sequential and order == "l2r" and model.kind != "mdm"  # stops at an EOS early
+        stop = tok.eos_id if stop_at_eos and l2r else None
         gen = torch.Generator(model.device).manual_seed(seed)
         controls = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
         with bounds.out_of_memory_as_error(f"num_samples={num_samples} x {n} tokens"):
@@ -460,9 +459,9 @@ class Model:
 
         Raises:
             ConfigError: an order or ensemble the model has no meaning for (any-order on a
-                gpt, an ensemble with ``l2r``), empty text, or a context that does not fit.
+                gpt, an ensemble with ``l2r``), text not a str or empty, a context too long.
         """
-        from anyorder.bounds import check_seed
+        from anyorder.bounds import check_seed, check_text
         from anyorder.evaluation.conditional import (
             check_order,
             combine_windows,
@@ -472,7 +471,8 @@ class Model:
 
         check_order(self.model, order, ensemble, num_orders)
         check_seed(seed)
-        if context is not None:
+        check_text(text, "text", error=ConfigError)
+        if check_text(context, "context", optional=True, error=ConfigError) is not None:
             ctx = self._encode(context)
             ids = self._encode(context + text)[len(ctx) :]
             totals = given_totals(self.model, ctx, ids, order, ensemble, num_orders, seed)

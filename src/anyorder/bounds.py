@@ -22,6 +22,8 @@ Design choices:
   ``[MASK:<5000 digits>]`` is "longer than the context", not Python's int-conversion limit.
 * Names in messages are the JSON/API field names (``num_samples=0``); the CLI flag is the
   same word with dashes.
+* The API's text arguments (a prompt, a template, messages) are checked for their type
+  (:func:`check_text`): the command line and JSON can only give them as strings.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import math
 import numbers
 import re
 from collections.abc import Iterator
+from typing import Any
 
-from anyorder.errors import PREVIEW_CHARS, SamplingError, preview
+from anyorder.errors import PREVIEW_CHARS, AnyorderError, SamplingError, preview
 
 MAX_SEED = 2**63 - 1
 """Largest seed (the int64 range every generator takes)."""
@@ -67,6 +70,36 @@ def _as_float(value: numbers.Real) -> float:
         return float(value)
     except OverflowError:
         return math.inf
+
+
+def check_text(
+    value: object,
+    name: str,
+    *,
+    messages: bool = False,
+    optional: bool = False,
+    error: type[AnyorderError] = SamplingError,
+) -> Any:
+    """A user's text at the API's boundary: a ``str`` (``None`` too with ``optional``; a
+    list of chat messages too with ``messages``, which their reader checks). Returns it.
+    Anything else failed deep inside a tokenizer (``'int' object has no attribute
+    'encode'``), or was taken for something else (``b"hi"`` as a list of messages).
+
+    Raises:
+        error: naming ``name``, the type given and what is expected.
+    """
+    if isinstance(value, str) or (optional and value is None):
+        return value
+    if messages and isinstance(value, (list, tuple)):
+        return value
+    want = "a str or a list of {'role': ..., 'content': ...} messages" if messages else "a str"
+    if isinstance(value, (bytes, bytearray)):
+        fix = "decode it first, e.g. .decode('utf-8')"
+    elif messages and isinstance(value, dict):
+        fix = "pass one message as a list of one"
+    else:
+        fix = "pass the text as a str"
+    raise error(f"{name} must be {want}, not {type(value).__name__} ({preview(value)}); {fix}")
 
 
 def check_seed(seed: object, name: str = "seed") -> int:
