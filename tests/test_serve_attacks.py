@@ -6,6 +6,7 @@ quick; every loop is bounded."""
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import re
@@ -434,7 +435,10 @@ def test_pipelined_requests_get_one_answer(server) -> None:
 
 def test_bad_bodies_get_400(server) -> None:
     cases = [
-        (b'{"text": "\xff\xfe"}', "the body is not JSON ('utf-8' codec can't decode byte 0xff"),
+        (
+            b'{"text": "\xff\xfe"}',
+            "the body is not UTF-8 (byte 0xff at offset 10); send the JSON body in UTF-8",
+        ),
         (b"\xef\xbb\xbf{}", "the body is not JSON (Unexpected UTF-8 BOM"),
         (b'{"temperature": NaN}', "NaN is not a JSON number; send a finite number"),
         (b'{"temperature": -Infinity}', "-Infinity is not a JSON number; send a finite number"),
@@ -447,6 +451,50 @@ def test_bad_bodies_get_400(server) -> None:
     for raw, message in cases:
         status, got = error_of(ask(server, post(raw)))
         assert status == 400 and got.startswith(message), (raw[:40], got)
+    info_within_a_second(server)
+
+
+def test_compressed_or_not_utf8_bodies_are_named(server) -> None:
+    """A gzip body or a UTF-16 one was "the body is not JSON ('utf-8' codec can't decode
+    byte 0x8b ...)": now 415 for any Content-Encoding but identity, and a 400 that names
+    UTF-8 (and the charset the Content-Type names, when it is another)."""
+    body = json.dumps({"text": "é [MASK:2]", "length": 8}, ensure_ascii=False).encode()
+    head = "POST /api/generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+
+    def typed(raw: bytes, content_type: str) -> bytes:
+        fields = f"Content-Type: {content_type}\r\nContent-Length: {len(raw)}\r\n\r\n"
+        return (head + fields).encode() + raw
+
+    compressed = "send the body uncompressed (no Content-Encoding header)"
+    cases = [
+        (post(gzip.compress(body), "Content-Encoding: gzip"), 415, "the body is sent with "
+         f"Content-Encoding gzip, which this server does not read; {compressed}"),
+        (post(body, "Content-Encoding: identity, br"), 415, "the body is sent with "
+         f"Content-Encoding br, which this server does not read; {compressed}"),
+        (post(body, f"Content-Encoding: x{'y' * 200}"), 415, "the body is sent with "
+         f"Content-Encoding x{'y' * 79}... (201 characters), which this server does not "
+         f"read; {compressed}"),
+        # UTF-16 with a BOM, and without one (its ASCII characters hold NUL bytes)
+        (post(body.decode().encode("utf-16")), 400, "the body is not UTF-8 (byte 0xff at "
+         "offset 0); send the JSON body in UTF-8"),
+        (post(body.decode().encode("utf-16-le")), 400, "the body is not UTF-8 (a NUL byte at "
+         "offset 1, as UTF-16 and UTF-32 text hold); send the JSON body in UTF-8"),
+        (typed(body.decode().encode("utf-16-le"), "application/json; charset=UTF-16LE"), 400,
+         "the body is not UTF-8 (a NUL byte at offset 1, as UTF-16 and UTF-32 text hold) and "
+         "its Content-Type names charset=utf-16le; this server reads UTF-8 JSON only: send "
+         "the body in UTF-8 (charset=utf-8)"),
+        (typed(body.decode().encode("latin-1"), 'application/json; charset="latin-1"'), 400,
+         "the body is not UTF-8 (byte 0xe9 at offset 10) and its Content-Type names "
+         "charset=latin-1; this server reads UTF-8 JSON only: send the body in UTF-8 "
+         "(charset=utf-8)"),
+    ]  # fmt: skip
+    for raw, code, message in cases:
+        assert error_of(ask(server, raw)) == (code, message), raw[:120]
+    # identity, and a charset that names UTF-8 or what ASCII text also is, are served
+    for raw in (post(body, "Content-Encoding: identity"),
+                typed(body, "application/json; charset=utf-8"),
+                typed(b'{"length": 8}', "application/json; charset=iso-8859-1")):  # fmt: skip
+        assert ask(server, raw, timeout=60)[0] == 200
     info_within_a_second(server)
 
 

@@ -24,6 +24,9 @@ other sites' scripts. These checks keep those scripts out:
   exactly 100. Each must be ``Name: value``: the email parser http.server uses takes the
   first line that is not (``Name : value``, a folded line) as the start of the body, so
   every header after it would go unseen by these checks.
+* **Content-Encoding**: only identity; a compressed body is refused by name (415), not read
+  as text. **UTF-8**: a body that is not (UTF-16 or Latin-1 text) is named so, with the
+  charset its Content-Type names.
 * **Strict JSON**: ``NaN``/``Infinity`` (not JSON, though Python reads them) and a field
   named twice (which Python resolves by taking the last) are refused.
 * **JSON depth**: a request is one flat object; deeper nesting than :data:`MAX_JSON_DEPTH`
@@ -32,6 +35,7 @@ other sites' scripts. These checks keep those scripts out:
 
 from __future__ import annotations
 
+import email.message
 import email.parser
 import ipaddress
 import json
@@ -131,6 +135,53 @@ def is_json(content_type: str | None) -> bool:
     if not content_type:
         return False
     return content_type.split(";", 1)[0].strip().lower() == "application/json"
+
+
+def body_refusal(headers: Any) -> Refusal | None:
+    """Why a POST body cannot be read, before it is (415), or None: a Content-Type that is
+    not JSON, or a Content-Encoding other than identity (a gzip body read as text was "not
+    JSON", which said nothing of the compression)."""
+    if not is_json(headers.get("Content-Type")):
+        return Refusal(415, "send the body as JSON with Content-Type: application/json")
+    codings = [c.strip() for v in headers.get_all("Content-Encoding") or () for c in v.split(",")]
+    other = [c for c in codings if c and c.lower() != "identity"]
+    if other:
+        return Refusal(
+            415,
+            f"the body is sent with Content-Encoding {cut(', '.join(other))}, which this server "
+            "does not read; send the body uncompressed (no Content-Encoding header)",
+        )
+    return None
+
+
+def body_text(raw: bytes, content_type: str | None) -> str:
+    """The body as text: JSON is UTF-8 (RFC 8259), and a NUL byte is in no JSON text but in
+    every UTF-16 or UTF-32 one of ASCII characters (so one without a BOM is named too).
+
+    Raises:
+        SamplingError: naming the first byte that is not UTF-8 JSON, and a charset other
+            than UTF-8 that the Content-Type names.
+    """
+    nul = raw.find(b"\x00")
+    try:
+        text = raw.decode("utf-8")
+        at = nul
+    except UnicodeDecodeError as e:
+        at = e.start if nul < 0 else min(nul, e.start)
+    if at < 0:
+        return text
+    what = f"byte 0x{raw[at]:02x} at offset {at}"
+    if raw[at] == 0:
+        what = f"a NUL byte at offset {at}, as UTF-16 and UTF-32 text hold"
+    message = email.message.Message()
+    message["Content-Type"] = content_type or ""
+    charset = message.get_content_charset()
+    if charset in (None, "utf-8", "utf8"):
+        raise SamplingError(f"the body is not UTF-8 ({what}); send the JSON body in UTF-8")
+    raise SamplingError(
+        f"the body is not UTF-8 ({what}) and its Content-Type names charset={cut(charset)}; "
+        "this server reads UTF-8 JSON only: send the body in UTF-8 (charset=utf-8)"
+    )
 
 
 def content_length(value: str | None) -> int | None:

@@ -18,8 +18,8 @@ Design choices:
   requests answered at once (503), the time an answer may take to be read. One request per
   connection (HTTP/1.0 style: a pipelined second request is not read). A client that goes
   away stops its generation at the next pass (the write fails) and is logged in one line.
-* Raw requests are checked (Host, Origin, Content-Type, Content-Length, JSON depth) by the
-  pure functions of :mod:`anyorder.serve.guard` before any of them reaches the model.
+* Raw requests are checked (Host, Origin, Content-Type, -Encoding and -Length, UTF-8, JSON
+  depth) by the pure functions of :mod:`anyorder.serve.guard` before the model sees them.
 * Binds ``127.0.0.1`` by default (IPv6 ``::1`` works too): the page is for this machine.
 """
 
@@ -247,8 +247,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_request(self, app: App) -> GenRequest | None:
         """The checked body of a generation request, or None after sending the refusal."""
-        if not serve_guard.is_json(self.headers.get("Content-Type")):
-            self._error(415, "send the body as JSON with Content-Type: application/json")
+        if (refusal := serve_guard.body_refusal(self.headers)) is not None:
+            self._error(refusal.status, str(refusal))  # not JSON, or compressed
             return None
         value = self.headers.get("Content-Length")
         length = serve_guard.content_length(value)
@@ -267,8 +267,9 @@ class _Handler(BaseHTTPRequestHandler):
                         "send one flat JSON object")  # fmt: skip
             return None
         try:
-            return parse_request(serve_guard.strict_json(raw.decode("utf-8")), app.limits)
-        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, a 5000-digit number
+            text = serve_guard.body_text(raw, self.headers.get("Content-Type"))  # UTF-8 or 400
+            return parse_request(serve_guard.strict_json(text), app.limits)
+        except (ValueError, RecursionError) as e:  # not JSON, a 5000-digit number
             reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             self._error(400, f"the body is not JSON ({reason}); send a JSON object")
         except AnyorderError as e:
