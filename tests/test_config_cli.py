@@ -172,3 +172,70 @@ def test_a_model_too_big_for_memory_is_refused_before_anything_is_allocated() ->
     assert build_model(small).num_params() == count_params(small)
     huge = ModelConfig(kind="gpt", n_layer=2, n_head=2, d_model=32, seq_len=2**40)
     assert count_params(huge) > 2**40 * 32  # its position table, counted on meta
+
+
+LONG = "x" * 100_000
+"""A value of 100,000 characters (an argument may hold 128 KiB): quoted whole, it made an
+error line of 100 KB."""
+SHORT = "'" + "x" * 27 + "..." + "x" * 28 + "'"  # anyorder.errors.preview: 60 characters
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    from anyorder.checkpoint.exporting import save_pretrained
+    from anyorder.data import ByteTokenizer
+
+    from conftest import tiny_model
+
+    folder = tmp_path_factory.mktemp("long") / "armd"
+    return save_pretrained(tiny_model("armd", vocab_size=257, seq_len=32), folder, ByteTokenizer())
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["sample", "EXPORT", "--order", LONG], f"anyorder sample: error: argument --order: "
+         f"invalid choice: {SHORT} (choose from 'l2r', 'random', 'strided', 'confidence'); see "
+         "anyorder sample --help"),
+        (["sample", "EXPORT", "--order", "rnadom" + LONG], "anyorder sample: error: argument "
+         f"--order: invalid choice: 'rnadom{'x' * 21}...{'x' * 28}' (choose from 'l2r', "
+         "'random', 'strided', 'confidence'); see anyorder sample --help"),
+        (["sample", "EXPORT", "--top-p", LONG], "anyorder sample: error: argument --top-p: "
+         f"invalid float value: {SHORT}; see anyorder sample --help"),
+        (["sample", "EXPORT", LONG[:200]], f"anyorder sample: error: unrecognized arguments: "
+         f"'{'x' * 27}...{'x' * 28}'; see anyorder sample --help"),
+        (["sample", "EXPORT", "--device", LONG], f"anyorder sample: error: --device={SHORT} is "
+         "not a device; use auto, cpu, cuda or cuda:N"),
+        (["sample", "EXPORT", "--device", "cpu", "--compile-passes", LONG], "anyorder sample: "
+         f"error: compiled passes: backend {SHORT} is not one of torch.compile's ("),
+        (["sample", "/" + "d" * 200 + "/" + "e" * 200], "anyorder sample: error: checkpoint "
+         f"path '/{'d' * 69}...(402 characters)...{'e' * 20}' does not exist; give a run folder "
+         "or a checkpoint folder"),
+        (["eval", "EXPORT", "--device", LONG], f"anyorder eval: error: --device {SHORT} is not "
+         "available here; use auto or cpu"),
+        (["eval", "EXPORT", "--targets", LONG], f"anyorder eval: error: --targets {SHORT}: give "
+         "a number of target slots, or all"),
+        (["eval", "EXPORT", "--suite", "gen", "--steps", LONG], "anyorder eval: error: --steps "
+         f"{SHORT}: give comma-separated numbers"),
+        (["serve", "EXPORT", "--device", "cpu", "--host", LONG], "anyorder serve: error: cannot "
+         f"listen on {'x' * 80}... (100000 characters):8000 ("),
+        (["train", "CONFIG", "--dry-run", f"train.device={LONG}"], "anyorder train: error: "
+         f"train.device={SHORT} is not a device; use auto, cpu, cuda or cuda:N"),
+    ],
+)  # fmt: skip
+def test_long_values_are_quoted_short(argv, message, export, capsys) -> None:
+    """A user's value in a CLI error is quoted as anyorder.errors.preview cuts it (a path as
+    anyorder.atomic.short_path does): one short line, whatever was passed."""
+    from anyorder.cli import main
+
+    from conftest import REPO
+
+    paths = {"EXPORT": str(export), "CONFIG": str(REPO / "configs" / "tiny-armd.yaml")}
+    try:
+        code = main([paths.get(a, a) for a in argv])
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err[:300]
+    assert err.startswith(message), err[:600]
+    assert "x" * 81 not in err and len(err) < 1000, err[:600]  # (a list of backends: 600)

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from anyorder.atomic import short_path
 from anyorder.data import sha256_file
 from anyorder.errors import CheckpointError
 
@@ -84,7 +85,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(
-            f"checkpoint path {str(p)!r} does not exist; give a run folder or a checkpoint folder"
+            f"checkpoint path {short_path(p)} does not exist; give a run folder or a checkpoint "
+            "folder"
         )
     if is_checkpoint(p):
         return p

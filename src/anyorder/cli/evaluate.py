@@ -120,18 +120,19 @@ def add_eval(p: argparse.ArgumentParser) -> None:
 
 
 def _numbers(text: str | None, kind: type, name: str) -> list:
-    from anyorder.errors import ConfigError
+    from anyorder.errors import ConfigError, preview
 
     if text is None:
         return [None]
     try:
         values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ConfigError(f"--{name} {text!r}: give comma-separated numbers") from None
+        raise ConfigError(f"--{name} {preview(text)}: give comma-separated numbers") from None
     if not values:  # a sweep of no rows: an empty table written over the last one
         example = "8,16" if kind is int else "0.8,1.0"
         raise ConfigError(
-            f"--{name} {text!r} holds no number; give comma-separated numbers, e.g. {example} "
+            f"--{name} {preview(text)} holds no number; give comma-separated numbers, e.g. "
+            f"{example} "
             f"(or leave --{name} out)"
         )
     return values
@@ -182,7 +183,7 @@ def _check_eval_args(args: argparse.Namespace) -> None:
 
 def _targets(text: str | None, ensemble: int) -> int | None:
     """``--targets``: a count, ``all`` (None) or the default where an ensemble runs."""
-    from anyorder.errors import ConfigError
+    from anyorder.errors import ConfigError, preview
 
     if text is None:
         return DEFAULT_TARGETS if ensemble > 1 else None
@@ -191,7 +192,9 @@ def _targets(text: str | None, ensemble: int) -> int | None:
     try:
         value = int(text)
     except ValueError:
-        raise ConfigError(f"--targets {text!r}: give a number of target slots, or all") from None
+        raise ConfigError(
+            f"--targets {preview(text)}: give a number of target slots, or all"
+        ) from None
     if value < 1:
         raise ConfigError("--targets must be at least 1")
     return value
@@ -200,16 +203,16 @@ def _targets(text: str | None, ensemble: int) -> int | None:
 def _eval_device(spec: str):
     import torch
 
-    from anyorder.errors import ConfigError
+    from anyorder.errors import ConfigError, preview
 
     name = "cuda" if spec == "auto" and torch.cuda.is_available() else spec
     name = "cpu" if name == "auto" else name
     if not (name == "cpu" or (name.startswith("cuda") and torch.cuda.is_available())):
-        raise ConfigError(f"--device {spec!r} is not available here; use auto or cpu")
+        raise ConfigError(f"--device {preview(spec)} is not available here; use auto or cpu")
     try:
         return torch.device(name)
     except RuntimeError:
-        raise ConfigError(f"--device {spec!r} is not a device; use cpu or cuda:N") from None
+        raise ConfigError(f"--device {preview(spec)} is not a device; use cpu or cuda:N") from None
 
 
 def run_eval(args: argparse.Namespace) -> int:

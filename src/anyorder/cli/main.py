@@ -25,7 +25,7 @@ from anyorder.cli.train import (
     run_info,
     run_train,
 )
-from anyorder.errors import AnyorderError, did_you_mean, print_line
+from anyorder.errors import PREVIEW_CHARS, AnyorderError, did_you_mean, preview, print_line
 
 Command = tuple[
     str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]
@@ -55,12 +55,19 @@ def commands() -> list[Command]:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (exit code 2), like every other error of the CLI, and
-    the closest subcommand or choice suggested for a typo (Python 3.14's ``suggest_on_error``
-    does this; 3.10-3.13 have no such option)."""
+    """argparse with one-line errors (exit code 2), like every other error of the CLI, the
+    closest subcommand or choice suggested for a typo (Python 3.14's ``suggest_on_error``
+    does this; 3.10-3.13 have no such option), and a value it refuses quoted as
+    :func:`~anyorder.errors.preview` cuts it (argparse quotes a 100 KB value whole)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> object:
+        try:
+            return super()._get_value(action, arg_string)
+        except argparse.ArgumentError as e:
+            raise _quoted_short(e, action, arg_string) from None
 
     def _check_value(self, action: argparse.Action, value: object) -> None:
         if action.choices is not None and value not in action.choices:
@@ -69,9 +76,18 @@ class _Parser(argparse.ArgumentParser):
                 choices = ", ".join(repr(c) for c in action.choices)
                 raise argparse.ArgumentError(
                     action,
-                    f"invalid choice: {value!r} (did you mean {close!r}? choose from {choices})",
+                    f"invalid choice: {preview(value)} (did you mean {close!r}? choose from "
+                    f"{choices})",
                 )
-        super()._check_value(action, value)
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:
+            raise _quoted_short(e, action, value) from None
+
+
+def _quoted_short(e: argparse.ArgumentError, action: argparse.Action, value: object):
+    """argparse's error ``e`` with its quote of ``value`` cut (:func:`preview`)."""
+    return argparse.ArgumentError(action, e.message.replace(repr(value), preview(value)))
 
 
 def _unrecognized(parser: argparse.ArgumentParser, words: list[str]) -> NoReturn:
@@ -80,7 +96,8 @@ def _unrecognized(parser: argparse.ArgumentParser, words: list[str]) -> NoReturn
     known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     close = did_you_mean(words[0].split("=", 1)[0], known)
     hint = f" (did you mean {close}?)" if close else ""
-    parser.error(f"unrecognized arguments: {' '.join(words)}{hint}")
+    shown = [w if len(w) <= PREVIEW_CHARS else preview(w) for w in words]
+    parser.error(f"unrecognized arguments: {' '.join(shown)}{hint}")
 
 
 def build_parser() -> argparse.ArgumentParser:

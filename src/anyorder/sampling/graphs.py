@@ -61,10 +61,10 @@ def compiled_passes(backend: str = "inductor") -> Iterator[None]:
     without generating kernels: the tests' quick check)."""
     known = torch._dynamo.list_backends(exclude_tags=())
     if backend not in known:
-        from anyorder.errors import SamplingError
+        from anyorder.errors import SamplingError, preview
 
         raise SamplingError(
-            f"compiled passes: backend {backend!r} is not one of torch.compile's "
+            f"compiled passes: backend {preview(backend)} is not one of torch.compile's "
             f"({', '.join(known)}); use inductor (the default) or aot_eager"
         )
     token = _COMPILE.set(backend)

@@ -434,7 +434,8 @@ def make_server(
         server = _Server((bare, port), app, family)
     except OSError as e:
         raise SamplingError(
-            f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --host or --port"
+            f"cannot listen on {cut(host)}:{port} ({e.strerror or e}); pick another --host or "
+            "--port"
         ) from None
     except OverflowError:
         raise SamplingError(f"--port {port} must lie in 0..65535 (0: any free port)") from None

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from anyorder import checkpoint as ckpt_mod
 from anyorder.config import RunConfig
-from anyorder.errors import AnyorderError, ConfigError
+from anyorder.errors import AnyorderError, ConfigError, preview
 from anyorder.precision import use_bf16
 
 DIST_TIMEOUT_ENV = "ANYORDER_DIST_TIMEOUT_S"
@@ -96,20 +96,21 @@ def resolve_device(name: str, local_rank: int = 0, what: str = "train.device") -
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
         return torch.device("cpu")
+    shown = preview(name)  # a user's value, perhaps of 100,000 characters
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ConfigError(f"{what}={name!r} but CUDA is not available here; use cpu or auto")
+            raise ConfigError(f"{what}={shown} but CUDA is not available here; use cpu or auto")
         try:
             dev = torch.device(f"cuda:{local_rank}") if name == "cuda" else torch.device(name)
         except RuntimeError:
-            raise ConfigError(f"{what}={name!r} is not a device; use cuda or cuda:N") from None
+            raise ConfigError(f"{what}={shown} is not a device; use cuda or cuda:N") from None
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ConfigError(
-                f"{what}={name!r} but this machine has {torch.cuda.device_count()} GPU(s); "
+                f"{what}={shown} but this machine has {torch.cuda.device_count()} GPU(s); "
                 "use cuda or a smaller index"
             )
         return dev
-    raise ConfigError(f"{what}={name!r} is not a device; use auto, cpu, cuda or cuda:N")
+    raise ConfigError(f"{what}={shown} is not a device; use auto, cpu, cuda or cuda:N")
 
 
 @contextlib.contextmanager
