@@ -287,8 +287,9 @@ def test_the_gpu_paths_lean_tables_are_the_general_ones(n, K, rows, seed) -> Non
     """speculative.spec_gpt_table / spec_armd_table (the GPU's passes after the first)
     equal what speculative._round and rounds.gpt_table / armd_table build for the same rows,
     at random sizes, K, counts c, draft counts D and finished rows, every entry."""
+    from anyorder.sampling.lookups import spec_armd_table, spec_gpt_table
     from anyorder.sampling.rounds import armd_table, extend, gpt_table
-    from anyorder.sampling.speculative import _round, spec_armd_table, spec_gpt_table
+    from anyorder.sampling.speculative import _round
 
     g = torch.Generator().manual_seed(seed)
     ext = extend(torch.stack([torch.randperm(n, generator=g) for _ in rows]))

@@ -60,13 +60,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from anyorder.cache import BIG
 from anyorder.errors import SamplingError
 from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.sampling.draws import SampleResult, check_controls, current_top_p_rule
 from anyorder.sampling.graphs import RoundRunner, capture_report, resolve_mode
-from anyorder.sampling.rounds import Engine, HostCounts, Round, arange, const, extend
+from anyorder.sampling.lookups import After, count_codes, lookups
+from anyorder.sampling.rounds import Engine, HostCounts, Round, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.verify import AheadRandoms, LiveRandoms, accept, probabilities
 
@@ -191,10 +191,17 @@ class _Loop:
         self.eng = Engine(model, B, n, k + 2 * K, widths, static=True if mode != "off" else None)
         self.host = HostCounts(np.full(B, k), K, n, self.eng.static, device)
         self.ext = extend(order)
-        self.looked = lookups(self.ext, K)  # what the lean tables read of the orders
         self.tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], 1)
-        self.c = torch.full((B,), k, dtype=torch.long, device=device)
-        self.D = torch.zeros_like(self.c)
+        # the rows' counters, one tensor (a round sets both with one copy): the committed
+        # slots c and the drafts D the next pass verifies
+        self.cD = torch.zeros(2, B, dtype=torch.long, device=device)
+        self.cD[0] = k
+        self.c, self.D = self.cD
+        # the lean rounds' lookups (:mod:`~anyorder.sampling.lookups`): the orders' values,
+        # the pass table's codes per count, what follows the ratio tests per count and m
+        self.values = lookups(self.ext, K) if self.eng.static else None
+        self.codes = count_codes(n, K, self.armd, device) if self.eng.static else None
+        self.after = After(n, K, device)
         self.counts = torch.zeros(2, B, dtype=torch.long, device=device)  # drafted, accepted
         self.p = torch.zeros(B, Kd, V, dtype=torch.float64, device=device)  # drafts' law
         self.drafts = torch.zeros(B, Kd, dtype=torch.long, device=device)
@@ -214,7 +221,7 @@ class _Loop:
 
     def static(self) -> list[Tensor]:
         """The tensors a round updates in place (a captured round keeps their storage)."""
-        kept = [self.c, self.D, self.counts, self.p, self.drafts, self.step, self.tok]
+        kept = [self.cD, self.counts, self.p, self.drafts, self.step, self.tok]
         return kept + [self.step_of] + ([] if self.logits is None else [self.logits])
 
     def decode(self, on_step, on_round) -> int:
@@ -250,15 +257,11 @@ class _Loop:
         n, K, k, eng, ext, tok, c, D = (
             self.n, self.K, self.k, self.eng, self.ext, self.tok, self.c, self.D
         )  # fmt: skip
-        device = self.device
         self.rnd.begin()
-        live = c < n
         start = k if first else 0  # the catch-up's prompt columns are not asked for
-        if eng.static and not first:  # the fixed widths: a leaner table
-            if self.armd:
-                table = spec_armd_table(ext, c, D, live, K, self.looked)
-            else:
-                table = spec_gpt_table(ext, c, D, K, self.looked)
+        if eng.static and not first:  # the fixed widths: the table looked up by the counts
+            codes = self.codes.index_select(0, c)
+            table = self.values.gather(1, codes).view(len(c), -1, 2 * K - 1 + K * self.armd)
             logits = eng.run(ext, None, tok, start, first, reach, table=table)
         else:
             if first:
@@ -271,11 +274,12 @@ class _Loop:
         m, closing = accept(q, self.p, self.drafts, D, self.rnd)
         # a finished row (c = n, D = 0) commits nothing: m <= D is 0, and its closing token
         # and its one "committed" column land in the padding slot n (position n)
-        close_pos = ext.gather(1, (c + m)[:, None])[:, 0]
-        tok.scatter_(1, close_pos[:, None], closing[:, None])
-        jj = arange(logits.shape[1], device)
-        slots = torch.where(jj[None] <= m[:, None], c[:, None] + jj, const(n, device))
-        self.step_of.scatter_(1, ext.gather(1, slots), self.step.expand(slots.shape))
+        after, at = self.after.table[c, m], self.after  # (B, Y): what follows, by (c, m)
+        pos = ext.gather(1, after[:, : at.positions])  # closing | committed | next drafts
+        tok.scatter_(1, pos[:, :1], closing[:, None])
+        J = logits.shape[1]
+        slots = after[:, 1 : 1 + J]
+        self.step_of.scatter_(1, pos[:, 1 : 1 + J], self.step.expand(slots.shape))
         if self.logits is not None:
             V = logits.shape[-1]
             self.logits.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
@@ -283,39 +287,41 @@ class _Loop:
         if self.hooks:
             dslot = (c[:, None] + self.cols).clamp(max=n)
             verified = ext.gather(1, torch.where(self.cols < D[:, None], dslot, n))
-            decided = ext.gather(1, slots[:, :K])  # (B, K), padding n: at most K per pass
+            decided = pos[:, 1 : 1 + min(J, K)]  # (B, K), padding n: at most K per pass
             info = dict(positions=verified, tokens=self.drafts.clone(), accepted=m,
-                        position=close_pos, token=closing, decided=decided)  # fmt: skip
-        self.counts += torch.stack([D, m])  # a finished row's D and m are 0
-        c.add_(m + live)  # m + 1 tokens for a live row, none for a finished one
+                        position=pos[:, 0], token=closing, decided=decided)  # fmt: skip
+        if not first:  # (the first pass verifies no draft)
+            self.counts += after[:, at.counts].T  # a finished row's D and m are 0
+        # c' = c + m + 1 for a live row (none for a finished one); the next drafts (0 once
+        # a row is done)
+        self.cD.copy_(after[:, at.state].T)
         # every entry up to the commit is kept: ARMD's content one short of it (the closing
         # token is written by the next pass)
-        eng.forget(c, (c - 1).clamp(min=0) if self.armd else None)
-        torch.clamp(n - 1 - c, 0, K - 1, out=D)  # the next drafts: 0 once a row is done
-        self._next_drafts(q, m)
+        eng.forget(c, after[:, at.keep_content] if self.armd else None)
+        self._next_drafts(q, after, pos)
         self.step.add_(1)
         if info is not None:
             info["decided_tokens"] = tok.gather(1, info["decided"])
         return info
 
-    def _next_drafts(self, q: Tensor, m: Tensor) -> None:
+    def _next_drafts(self, q: Tensor, after: Tensor, pos: Tensor) -> None:
         """The next round's drafts: this pass's outputs at slots ``c'..c'+D'-1`` (columns
         ``m + 1 + i``), drawn and written into the token buffer; their laws into ``p`` and
         themselves into ``drafts`` (0 past ``D'``: the next pass verifies them as they
         are). A finished row has ``D' = 0``: no draft is real; the padding drafts land in
-        the padding column ``n`` (read by padding entries only)."""
+        the padding column ``n`` (read by padding entries only). ``after``, ``pos``: the
+        round's row of :class:`~anyorder.sampling.lookups.After` and its positions."""
         B, J, V = q.shape
         Kd = self.p.shape[1]
         if Kd == 0:
             return
-        i, device = self.cols, q.device
-        real = i[None] < self.D[:, None]
-        cols = (m[:, None] + arange(Kd + 1, device)[1:]).clamp(max=J - 1)
+        at = self.after
+        cols = after[:, at.cols]
+        if J < 2 * self.K - 1:  # a narrower pass (the first, or the CPU's)
+            cols = cols.clamp(max=J - 1)
         torch.gather(q, 1, cols[..., None].expand(B, Kd, V), out=self.p)
-        torch.mul(self.rnd.pick(self.p), real, out=self.drafts)
-        n = self.ext.shape[1] - 1
-        pos = self.ext.gather(1, torch.where(real, self.c[:, None] + i, const(n, device)))
-        self.tok.scatter_(1, pos, self.drafts)
+        torch.mul(self.rnd.pick(self.p), after[:, at.real], out=self.drafts)
+        self.tok.scatter_(1, pos[:, at.positions - Kd :], self.drafts)
 
 
 ROUND_FIELDS = ("positions", "tokens", "accepted", "position", "token")
@@ -353,93 +359,6 @@ def _round(ext: Tensor, c: Tensor, e: Tensor, cc: Tensor, D: Tensor, K: int, n: 
     ahead = ext.gather(1, (top[:, None] + 1 + i).clamp(0, n - 1))
     targets = torch.where(i < nq[:, None], ahead, -1)
     return Round(e, cc, top, torch.where(active, top, cc), targets)
-
-
-def lookups(ext: Tensor, K: int) -> tuple[Tensor, Tensor, Tensor]:
-    """What the lean tables read of the rows' orders ``ext`` (B, n + 1), made once per
-    decode: ``shifted`` (B, n + 2), column ``i`` the position of slot ``i - 1`` (column 0
-    the BOS's, ``n + 1``; column ``n + 1`` the padding's, ``n``); ``entry`` the same with 0
-    for the BOS and the padding (an entry's position); ``padded`` (B, n + 2K - 1) the order
-    with 0 past slot ``n - 1`` (a column's target, read without clamping)."""
-    B, n = ext.shape[0], ext.shape[1] - 1
-    shifted = torch.cat([ext.new_full((B, 1), n + 1), ext], dim=1)
-    padded = torch.cat([ext[:, :n], ext.new_zeros(B, 2 * K - 1)], dim=1)
-    return shifted, shifted * (shifted < n), padded
-
-
-def _columns(c: Tensor, D: Tensor, K: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The ``2K - 1`` columns of a pass after the first: their slots ``s = c + j``, which are
-    chain entries (``j <= D``) and which are real (``j < D + K``), both only below slot
-    ``n`` (a finished row, ``c = n``, has none; a live row has ``D <= n - 1 - c``)."""
-    device = c.device
-    s = c[:, None] + arange(2 * K - 1, device)[None]
-    inside = s < n
-    chain = (arange(2 * K - 1, device)[None] <= D[:, None]) & inside
-    real = (arange(2 * K - 1, device, start=-K)[None] < D[:, None]) & inside
-    return s, chain, real
-
-
-def spec_gpt_table(
-    ext: Tensor, c: Tensor, D: Tensor, K: int, looked: tuple[Tensor, ...] | None = None
-) -> Tensor:
-    """The AO-GPT table (B, 6, 2K - 1) of a pass after the first, as :func:`_round` and
-    :func:`~anyorder.sampling.rounds.gpt_table` build it (the tests check they agree), in a
-    fifth of the ops: after the first pass every row keeps exactly its committed slots
-    (``e = c``), and column ``j`` of a live row is slot ``c + j`` either way, a chain entry
-    (``j <= D``, its input the token of slot ``c + j - 1``) or a draft query (its input that
-    of slot ``c + D - 1``, as the parallel prediction mask repeats it), real while ``j <
-    D + K`` and ``c + j < n``. ``looked``: :func:`lookups` of ``ext`` (made if None). One
-    launch matters on a GPU: 17 ops instead of ~66."""
-    n = ext.shape[1] - 1
-    device = c.device
-    shifted, entry, padded = lookups(ext, K) if looked is None else looked
-    s, chain, real = _columns(c, D, K, n)
-    top = (c + D)[:, None]
-    # the input slot plus one (column 0: the BOS), the padding's column n + 1 if not real
-    slot = torch.where(real, torch.where(chain, s, top), const(n + 1, device))
-    big = const(BIG, device)
-    limit = torch.where(chain, s, torch.where(real, top, big))
-    keep = torch.where(chain, s, big)
-    target = padded.gather(1, s) * real
-    return torch.stack([shifted.gather(1, slot), entry.gather(1, slot), target, limit, s, keep], 1)
-
-
-def spec_armd_table(
-    ext: Tensor,
-    c: Tensor,
-    D: Tensor,
-    live: Tensor,
-    K: int,
-    looked: tuple[Tensor, ...] | None = None,
-) -> Tensor:
-    """The ARMD table (B, 8, K + 2K - 1) of a pass after the first, as :func:`_round` and
-    :func:`~anyorder.sampling.rounds.armd_table` build it (the tests check they agree), in
-    fewer ops: content rows of slots ``c - 1 .. c + D - 1`` (the closing token of the last
-    round, then the drafts), query rows as :func:`spec_gpt_table`'s columns."""
-    n = ext.shape[1] - 1
-    device = c.device
-    padded = (lookups(ext, K) if looked is None else looked)[2]
-    j = arange(K, device)[None]
-    s = (c - 1)[:, None] + j  # c >= 1 after the first pass
-    creal = (j <= D[:, None]) & live[:, None]
-    cpos = torch.where(creal, padded.gather(1, s), const(n, device))
-    big = const(BIG, device)
-    crank = torch.where(creal, s, big)
-    fixed = [const(v, device).expand_as(s) for v in (0, BIG, 1)]  # constant rows: no kernel
-    content = [cpos, cpos * creal, crank + 1, fixed[0], s, crank, fixed[1], fixed[2]]
-    s, chain, real = _columns(c, D, K, n)
-    lim = torch.where(chain, s, torch.where(real, (c + D)[:, None], big))
-    rows = [
-        const(n, device).expand_as(s),
-        padded.gather(1, s) * real,
-        lim,
-        (real & (lim <= 0)).long(),
-        s,
-        torch.where(chain, s, big),
-        lim,
-        torch.where(real, lim.clamp(min=1), const(1, device)),
-    ]
-    return torch.cat([torch.stack(content, 1), torch.stack(rows, 1)], dim=2)
 
 
 def check_request(draft: int | None, steps: int | None, streams: int | None, order) -> None:

@@ -1,0 +1,202 @@
+"""What a speculative round looks up instead of computing: its tables, indexed by the counts.
+
+After the first pass of a speculative decode (:mod:`anyorder.sampling.speculative`), a row
+that has committed ``c`` slots of its order drafts ``D = min(K - 1, n - 1 - c)`` of them,
+so everything the round's index bookkeeping computes is a function of ``c`` (the pass's
+table), then of ``c`` and the accepted drafts ``m`` (the slots committed, the next drafts'
+slots and columns, the new counters), and of the row's order. On a GPU each small op on a
+(B,) or (B, K) index tensor is a kernel launch, a few microseconds of a replayed round, so
+the round computes none of them: the decode computes them once for every ``c`` (and ``m``),
+and a round looks up its rows' entries with one index op, and the order's part of them with
+one gather of a per-row table of values.
+
+Design choices:
+
+* **Codes, then values.** A pass table's entry is either a number that depends on ``c``
+  alone (a cache slot, a rank limit, ``BIG``) or a lookup in the row's order (an input or
+  a target position). Every entry is stored as a *code*, an index into the row's values
+  (:func:`lookups`): the numbers ``0 .. n + 2K - 1`` themselves, ``BIG``, ``BIG + 1``,
+  then the order's three views. The table of a pass is then ``values.gather(codes[c])``:
+  two kernels, whatever the table holds. The codes are built by the formulas of the
+  general builders (:func:`gpt_codes`, :func:`armd_codes`; the tests check the tables
+  entry for entry against :func:`~anyorder.sampling.rounds.gpt_table` and
+  :func:`~anyorder.sampling.rounds.armd_table`).
+* **After the ratio tests** (:class:`After`): one row of numbers per ``(c, m)``, looked up
+  by one index op; the positions among them come out of one gather of the order.
+* The tables cost ``(n + 1) x (R x (2K - 1))`` and ``(n + 1) x K x (4K + 2)`` int64 entries
+  per decode (a few MB at ``n = 2048``, ``K = 8``), made once, on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from anyorder.cache import BIG
+from anyorder.sampling.rounds import arange
+
+
+def _offsets(n: int, K: int) -> tuple[int, int, int, int, int]:
+    """Where the values of :func:`lookups` start: ``BIG``, ``BIG + 1``, the shifted order,
+    the entry positions, the padded order (the numbers ``0 .. n + 2K - 1`` come first)."""
+    big = n + 2 * K
+    shifted = big + 2
+    return big, big + 1, shifted, shifted + n + 2, shifted + 2 * (n + 2)
+
+
+def lookups(ext: Tensor, K: int) -> Tensor:
+    """(B, W) the values a lean table's codes index, per row of the orders ``ext`` (B,
+    n + 1), made once per decode: the numbers ``0 .. n + 2K - 1``; ``BIG``; ``BIG + 1``;
+    ``shifted`` (n + 2; column ``i`` the position of slot ``i - 1``, column 0 the BOS's,
+    ``n + 1``, column ``n + 1`` the padding's, ``n``); ``entry``, the same with 0 for the
+    BOS and the padding (an entry's position); ``padded`` (n + 2K - 1), the order with 0
+    past slot ``n - 1`` (a column's target)."""
+    B, n = ext.shape[0], ext.shape[1] - 1
+    shifted = torch.cat([ext.new_full((B, 1), n + 1), ext], dim=1)
+    padded = torch.cat([ext[:, :n], ext.new_zeros(B, 2 * K - 1)], dim=1)
+    numbers = torch.arange(n + 2 * K, device=ext.device).expand(B, -1)
+    bigs = torch.tensor([BIG, BIG + 1], device=ext.device).expand(B, -1)
+    return torch.cat([numbers, bigs, shifted, shifted * (shifted < n), padded], dim=1)
+
+
+def columns(c: Tensor, D: Tensor, K: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``2K - 1`` columns of a pass after the first: their slots ``s = c + j``, which are
+    chain entries (``j <= D``) and which are real (``j < D + K``), both only below slot
+    ``n`` (a finished row, ``c = n``, has none; a live row has ``D <= n - 1 - c``)."""
+    device = c.device
+    s = c[:, None] + arange(2 * K - 1, device)[None]
+    inside = s < n
+    chain = (arange(2 * K - 1, device)[None] <= D[:, None]) & inside
+    real = (arange(2 * K - 1, device, start=-K)[None] < D[:, None]) & inside
+    return s, chain, real
+
+
+def gpt_codes(c: Tensor, D: Tensor, K: int, n: int) -> Tensor:
+    """(B, 6, 2K - 1) the codes of the AO-GPT table of a pass after the first (rows of
+    ``c``, ``D``): after the first pass every row keeps exactly its committed slots (``e =
+    c``), and column ``j`` of a live row is slot ``c + j`` either way, a chain entry (``j <=
+    D``, its input the token of slot ``c + j - 1``) or a draft query (its input that of slot
+    ``c + D - 1``, as the parallel prediction mask repeats it), real while ``j < D + K`` and
+    ``c + j < n``."""
+    big, _, shifted, entry, padded = _offsets(n, K)
+    s, chain, real = columns(c, D, K, n)
+    top = (c + D)[:, None]
+    # the input slot plus one (column 0: the BOS), the padding's column n + 1 if not real
+    slot = torch.where(real, torch.where(chain, s, top), n + 1)
+    limit = torch.where(chain, s, torch.where(real, top, big))
+    keep = torch.where(chain, s, big)
+    target = torch.where(real, padded + s, 0)
+    return torch.stack([shifted + slot, entry + slot, target, limit, s, keep], 1)
+
+
+def armd_codes(c: Tensor, D: Tensor, live: Tensor, K: int, n: int) -> Tensor:
+    """(B, 8, K + 2K - 1) the codes of the ARMD table of a pass after the first (``c >=
+    1``): content rows of slots ``c - 1 .. c + D - 1`` (the closing token of the last round,
+    then the drafts), query rows as :func:`gpt_codes`'s columns."""
+    big, big1, _, _, padded = _offsets(n, K)
+    j = arange(K, c.device)[None]
+    s = (c - 1)[:, None] + j
+    creal = (j <= D[:, None]) & live[:, None]
+    cpos = torch.where(creal, padded + s, 0)  # the position, 0 if not real
+    crank = torch.where(creal, s, big)
+    fixed = [torch.full_like(s, v) for v in (0, big, 1)]
+    content = [torch.where(creal, cpos, n), cpos, torch.where(creal, s + 1, big1), fixed[0], s,
+               crank, fixed[1], fixed[2]]  # fmt: skip
+    s, chain, real = columns(c, D, K, n)
+    lim = torch.where(chain, s, torch.where(real, (c + D)[:, None], big))
+    rows = [
+        torch.full_like(s, n),
+        torch.where(real, padded + s, 0),
+        lim,
+        (real & (lim <= 0)).long(),  # sees no content: ARMD's first slot
+        s,
+        torch.where(chain, s, big),
+        lim,
+        torch.where(real, lim.clamp(min=1), 1),  # the content a row averages
+    ]
+    return torch.cat([torch.stack(content, 1), torch.stack(rows, 1)], dim=2)
+
+
+def drafts_of(c: Tensor, K: int, n: int) -> Tensor:
+    """The drafts a row verifies in a pass after the first: ``min(K - 1, n - 1 - c)``."""
+    return (n - 1 - c).clamp(0, K - 1)
+
+
+def count_codes(n: int, K: int, armd: bool, device: torch.device | str) -> Tensor:
+    """(n + 1, F * W) the codes of a pass after the first for every count ``c`` (row 0, a
+    count no such pass sees, repeats row 1)."""
+    c = torch.arange(n + 1, device=device).clamp(min=1)
+    D = drafts_of(c, K, n)
+    codes = armd_codes(c, D, c < n, K, n) if armd else gpt_codes(c, D, K, n)
+    return codes.flatten(1)
+
+
+def table(values: Tensor, codes: Tensor) -> Tensor:
+    """The table (B, F, W) of the ``codes`` (B, F, W) in the rows' ``values``."""
+    return values.gather(1, codes.flatten(1)).view(codes.shape)
+
+
+def spec_gpt_table(ext: Tensor, c: Tensor, D: Tensor, K: int) -> Tensor:
+    """The AO-GPT table (B, 6, 2K - 1) of a pass after the first, as
+    :func:`~anyorder.sampling.speculative._round` and :func:`~anyorder.sampling.rounds.
+    gpt_table` build it (the tests check they agree)."""
+    return table(lookups(ext, K), gpt_codes(c, D, K, ext.shape[1] - 1))
+
+
+def spec_armd_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> Tensor:
+    """The ARMD table (B, 8, K + 2K - 1) of a pass after the first, as
+    :func:`~anyorder.sampling.speculative._round` and :func:`~anyorder.sampling.rounds.
+    armd_table` build it (the tests check they agree)."""
+    return table(lookups(ext, K), armd_codes(c, D, live, K, ext.shape[1] - 1))
+
+
+class After:
+    """What a round does after its ratio tests, for every count ``c`` (0..n) and accepted
+    drafts ``m`` (0..K-1): :attr:`table` (n + 1, K, Y) int64, one row of numbers per
+    ``(c, m)``, looked up at the rows' ``(c, m)`` by one index op. Its columns:
+
+    * :attr:`positions` (a prefix, slots of the order, gathered at once): the closing slot
+      ``c + m``; the ``2K - 1`` columns' slots, ``c + j`` where committed (``j <= m``),
+      else the padding slot ``n``; the next drafts' slots ``c' + i`` (``i < D'``, else
+      ``n``), where ``c' = c + m + 1`` (a finished row: ``c``) and ``D' = min(K - 1,
+      n - 1 - c')``;
+    * :attr:`cols`: the pass's columns the next drafts are drawn from (``m + 1 + i``, at
+      most ``2K - 2``); :attr:`real`: which next drafts are real (1) or padding (0);
+    * :attr:`state`: ``c'``, ``D'``; :attr:`keep_content`: ``max(c' - 1, 0)`` (ARMD's
+      content kept);
+    * :attr:`counts`: the drafts verified and accepted, ``D``, ``m`` (``D`` as after the
+      first pass: that pass verifies none).
+
+    A ``(c, m)`` no round meets (``m > D``) holds slots clamped into the order."""
+
+    def __init__(self, n: int, K: int, device: torch.device | str) -> None:
+        J, Kd = 2 * K - 1, max(K - 1, 0)
+        c = torch.arange(n + 1, device=device)[:, None, None]  # (n + 1, 1, 1)
+        m = torch.arange(K, device=device)[None, :, None]  # (1, K, 1)
+        jj = torch.arange(J, device=device)
+        i = torch.arange(Kd, device=device)
+        c2 = (c + m + (c < n)).clamp(max=n)
+        D2 = drafts_of(c2, K, n)
+        real = i < D2
+        grid = (n + 1, K, 1)
+        parts = [
+            (c + m).clamp(max=n).expand(grid),
+            torch.where(jj <= m, c + jj, n).clamp(max=n),
+            torch.where(real, c2 + i, n).clamp(max=n),
+            (m + 1 + i).clamp(max=J - 1).expand(n + 1, K, Kd),
+            real.long(),
+            c2.expand(grid),
+            D2.expand(grid),
+            (c2 - 1).clamp(min=0).expand(grid),
+            drafts_of(c, K, n).expand(grid),
+            m.expand(grid),
+        ]
+        self.table = torch.cat(parts, dim=2)
+        at = 1 + J + Kd
+        self.positions = at
+        self.cols = slice(at, at + Kd)
+        self.real = slice(at + Kd, at + 2 * Kd)
+        at += 2 * Kd
+        self.state = slice(at, at + 2)
+        self.keep_content = at + 2
+        self.counts = slice(at + 3, at + 5)
