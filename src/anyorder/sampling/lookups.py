@@ -23,8 +23,8 @@ Design choices:
   :func:`~anyorder.sampling.rounds.armd_table`).
 * **After the ratio tests** (:class:`After`): one row of numbers per ``(c, m)``, looked up
   by one index op; the positions among them come out of one gather of the order.
-* The tables cost ``(n + 1) x (R x (2K - 1))`` and ``(n + 1) x K x (4K + 2)`` int64 entries
-  per decode (a few MB at ``n = 2048``, ``K = 8``), made once, on the device.
+* The tables cost ``(n + 1) x F x W`` (a pass table's size) and ``(n + 1) x K x (5K + 5)``
+  int64 entries per decode (a few MB at ``n = 2048``, ``K = 8``), made once, on the device.
 """
 
 from __future__ import annotations
@@ -164,8 +164,9 @@ class After:
       most ``2K - 2``); :attr:`real`: which next drafts are real (1) or padding (0);
     * :attr:`state`: ``c'``, ``D'``; :attr:`keep_content`: ``max(c' - 1, 0)`` (ARMD's
       content kept);
-    * :attr:`counts`: the drafts verified and accepted, ``D``, ``m`` (``D`` as after the
-      first pass: that pass verifies none).
+    * :attr:`moves`: what a pass after the first adds to the rows' counters ``c``, ``D``,
+      the drafts verified and accepted, the pass: ``c' - c``, ``D' - D``, ``D``, ``m``,
+      1 (``D = min(K - 1, n - 1 - c)``, as after the first pass).
 
     A ``(c, m)`` no round meets (``m > D``) holds slots clamped into the order."""
 
@@ -176,7 +177,7 @@ class After:
         jj = torch.arange(J, device=device)
         i = torch.arange(Kd, device=device)
         c2 = (c + m + (c < n)).clamp(max=n)
-        D2 = drafts_of(c2, K, n)
+        D, D2 = drafts_of(c, K, n), drafts_of(c2, K, n)
         real = i < D2
         grid = (n + 1, K, 1)
         parts = [
@@ -188,8 +189,11 @@ class After:
             c2.expand(grid),
             D2.expand(grid),
             (c2 - 1).clamp(min=0).expand(grid),
-            drafts_of(c, K, n).expand(grid),
+            (c2 - c).expand(grid),
+            (D2 - D).expand(grid),
+            D.expand(grid),
             m.expand(grid),
+            torch.ones(grid, dtype=torch.long, device=device),
         ]
         self.table = torch.cat(parts, dim=2)
         at = 1 + J + Kd
@@ -199,4 +203,4 @@ class After:
         at += 2 * Kd
         self.state = slice(at, at + 2)
         self.keep_content = at + 2
-        self.counts = slice(at + 3, at + 5)
+        self.moves = slice(at + 3, at + 8)

@@ -192,20 +192,20 @@ class _Loop:
         self.host = HostCounts(np.full(B, k), K, n, self.eng.static, device)
         self.ext = extend(order)
         self.tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], 1)
-        # the rows' counters, one tensor (a round sets both with one copy): the committed
-        # slots c and the drafts D the next pass verifies
-        self.cD = torch.zeros(2, B, dtype=torch.long, device=device)
-        self.cD[0] = k
-        self.c, self.D = self.cD
+        # the rows' counters, one (5, B) tensor that a round after the first moves on with
+        # one add: the committed slots c, the drafts D the next pass verifies, the drafts
+        # verified and accepted so far, and the pass (the same in every row)
+        self.state = torch.zeros(5, B, dtype=torch.long, device=device)
+        self.state[0] = k
+        self.c, self.D, self.step = self.state[0], self.state[1], self.state[4]
+        self.counts = self.state[2:4]  # drafted, accepted
         # the lean rounds' lookups (:mod:`~anyorder.sampling.lookups`): the orders' values,
         # the pass table's codes per count, what follows the ratio tests per count and m
         self.values = lookups(self.ext, K) if self.eng.static else None
         self.codes = count_codes(n, K, self.armd, device) if self.eng.static else None
         self.after = After(n, K, device)
-        self.counts = torch.zeros(2, B, dtype=torch.long, device=device)  # drafted, accepted
         self.p = torch.zeros(B, Kd, V, dtype=torch.float64, device=device)  # drafts' law
         self.drafts = torch.zeros(B, Kd, dtype=torch.long, device=device)
-        self.step = torch.zeros((), dtype=torch.long, device=device)  # the pass, on the device
         self.step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=device)
         self.logits = torch.zeros(B, n + 1, V, device=device) if keep_logits else None
         self.cols = torch.arange(Kd, device=device)
@@ -221,7 +221,7 @@ class _Loop:
 
     def static(self) -> list[Tensor]:
         """The tensors a round updates in place (a captured round keeps their storage)."""
-        kept = [self.cD, self.counts, self.p, self.drafts, self.step, self.tok]
+        kept = [self.state, self.p, self.drafts, self.tok]
         return kept + [self.step_of] + ([] if self.logits is None else [self.logits])
 
     def decode(self, on_step, on_round) -> int:
@@ -279,7 +279,7 @@ class _Loop:
         tok.scatter_(1, pos[:, :1], closing[:, None])
         J = logits.shape[1]
         slots = after[:, 1 : 1 + J]
-        self.step_of.scatter_(1, pos[:, 1 : 1 + J], self.step.expand(slots.shape))
+        self.step_of.scatter_(1, pos[:, 1 : 1 + J], self.step[:, None].expand(slots.shape))
         if self.logits is not None:
             V = logits.shape[-1]
             self.logits.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
@@ -290,16 +290,17 @@ class _Loop:
             decided = pos[:, 1 : 1 + min(J, K)]  # (B, K), padding n: at most K per pass
             info = dict(positions=verified, tokens=self.drafts.clone(), accepted=m,
                         position=pos[:, 0], token=closing, decided=decided)  # fmt: skip
-        if not first:  # (the first pass verifies no draft)
-            self.counts += after[:, at.counts].T  # a finished row's D and m are 0
-        # c' = c + m + 1 for a live row (none for a finished one); the next drafts (0 once
-        # a row is done)
-        self.cD.copy_(after[:, at.state].T)
+        # c' = c + m + 1 for a live row (none for a finished one), the next drafts (0 once
+        # a row is done), the counts (a finished row's D and m are 0), the next pass
+        if first:  # (eager) it verified no draft: D was 0, not D(c), and the counts stay
+            self.state[:2].copy_(after[:, at.state].T)
+            self.step.add_(1)
+        else:
+            self.state.add_(after[:, at.moves].T)
         # every entry up to the commit is kept: ARMD's content one short of it (the closing
         # token is written by the next pass)
         eng.forget(c, after[:, at.keep_content] if self.armd else None)
         self._next_drafts(q, after, pos)
-        self.step.add_(1)
         if info is not None:
             info["decided_tokens"] = tok.gather(1, info["decided"])
         return info
