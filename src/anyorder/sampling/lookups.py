@@ -23,7 +23,7 @@ Design choices:
   :func:`~anyorder.sampling.rounds.armd_table`).
 * **After the ratio tests** (:class:`After`): one row of numbers per ``(c, m)``, looked up
   by one index op; the positions among them come out of one gather of the order.
-* The tables cost ``(n + 1) x F x W`` (a pass table's size) and ``(n + 1) x K x (5K + 5)``
+* The tables cost ``(n + 1) x F x W`` (a pass table's size) and ``(n + 1) x K x (9K + 5)``
   int64 entries per decode (a few MB at ``n = 2048``, ``K = 8``), made once, on the device.
 """
 
@@ -166,7 +166,11 @@ class After:
       content kept);
     * :attr:`moves`: what a pass after the first adds to the rows' counters ``c``, ``D``,
       the drafts verified and accepted, the pass: ``c' - c``, ``D' - D``, ``D``, ``m``,
-      1 (``D = min(K - 1, n - 1 - c)``, as after the first pass).
+      1 (``D = min(K - 1, n - 1 - c)``, as after the first pass);
+    * :attr:`hide`: the cache slots of the chain ``c + j`` (``j < K``) and their ranks,
+      kept (``c + j``) below ``c'``, else ``BIG``; then ARMD's content slots ``c - 1 + j``,
+      kept below ``c' - 1``: after a pass after the first, the only slots past what a row
+      keeps that are not hidden yet (:meth:`~anyorder.sampling.rounds.Engine.hide`).
 
     A ``(c, m)`` no round meets (``m > D``) holds slots clamped into the order."""
 
@@ -179,6 +183,8 @@ class After:
         c2 = (c + m + (c < n)).clamp(max=n)
         D, D2 = drafts_of(c, K, n), drafts_of(c2, K, n)
         real = i < D2
+        j = torch.arange(K, device=device)
+        live = c < n
         grid = (n + 1, K, 1)
         parts = [
             (c + m).clamp(max=n).expand(grid),
@@ -194,6 +200,10 @@ class After:
             D.expand(grid),
             m.expand(grid),
             torch.ones(grid, dtype=torch.long, device=device),
+            (c + j).expand(n + 1, K, K),  # the chain's slots, then their ranks
+            torch.where(j < m + live, c + j, BIG),
+            (c - 1 + j).clamp(min=0).expand(n + 1, K, K),  # ARMD's content
+            torch.where((j <= m) & live, c - 1 + j, BIG),
         ]
         self.table = torch.cat(parts, dim=2)
         at = 1 + J + Kd
@@ -204,3 +214,5 @@ class After:
         self.state = slice(at, at + 2)
         self.keep_content = at + 2
         self.moves = slice(at + 3, at + 8)
+        at += 8
+        self.hide = [slice(at + i * K, at + (i + 1) * K) for i in range(4)]

@@ -299,7 +299,11 @@ class _Loop:
             self.state.add_(after[:, at.moves].T)
         # every entry up to the commit is kept: ARMD's content one short of it (the closing
         # token is written by the next pass)
-        eng.forget(c, after[:, at.keep_content] if self.armd else None)
+        if first:
+            eng.forget(c, after[:, at.keep_content] if self.armd else None)
+        else:  # only the chain's entries may be seen past the commit: hidden in one scatter
+            slots, ranks, cslots, cranks = (after[:, h] for h in at.hide)
+            eng.hide(slots, ranks, (cslots, cranks))
         self._next_drafts(q, after, pos)
         if info is not None:
             info["decided_tokens"] = tok.gather(1, info["decided"])
