@@ -23,7 +23,7 @@ Design choices:
   :func:`~anyorder.sampling.rounds.armd_table`).
 * **After the ratio tests** (:class:`After`): one row of numbers per ``(c, m)``, looked up
   by one index op; the positions among them come out of one gather of the order.
-* The tables cost ``(n + 1) x F x W`` (a pass table's size) and ``(n + 1) x K x (9K + 5)``
+* The tables cost ``(n + 1) x F x W`` (a pass table's size) and ``(n + 1) x K x (9K + 6)``
   int64 entries per decode (a few MB at ``n = 2048``, ``K = 8``), made once, on the device.
 """
 
@@ -170,7 +170,10 @@ class After:
     * :attr:`hide`: the cache slots of the chain ``c + j`` (``j < K``) and their ranks,
       kept (``c + j``) below ``c'``, else ``BIG``; then ARMD's content slots ``c - 1 + j``,
       kept below ``c' - 1``: after a pass after the first, the only slots past what a row
-      keeps that are not hidden yet (:meth:`~anyorder.sampling.rounds.Engine.hide`).
+      keeps that are not hidden yet (:meth:`~anyorder.sampling.rounds.Engine.hide`);
+    * :attr:`p_row`: the row of the drafts' laws (``K - 1`` rows, then one of zeros) the
+      closing token's residual takes off: ``m`` after a rejection (``m < D``), else the
+      zeros (``K - 1``).
 
     A ``(c, m)`` no round meets (``m > D``) holds slots clamped into the order."""
 
@@ -204,6 +207,7 @@ class After:
             torch.where(j < m + live, c + j, BIG),
             (c - 1 + j).clamp(min=0).expand(n + 1, K, K),  # ARMD's content
             torch.where((j <= m) & live, c - 1 + j, BIG),
+            torch.where(m < D, m, Kd).expand(grid),
         ]
         self.table = torch.cat(parts, dim=2)
         at = 1 + J + Kd
@@ -216,3 +220,4 @@ class After:
         self.moves = slice(at + 3, at + 8)
         at += 8
         self.hide = [slice(at + i * K, at + (i + 1) * K) for i in range(4)]
+        self.p_row = at + 4 * K

@@ -68,7 +68,14 @@ from anyorder.sampling.graphs import RoundRunner, capture_report, resolve_mode
 from anyorder.sampling.lookups import After, count_codes, lookups
 from anyorder.sampling.rounds import Engine, HostCounts, Round, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
-from anyorder.sampling.verify import AheadRandoms, LiveRandoms, accept, probabilities
+from anyorder.sampling.verify import (
+    AheadRandoms,
+    LiveRandoms,
+    accept,
+    close,
+    probabilities,
+    ratio_tests,
+)
 
 
 @dataclass
@@ -204,7 +211,12 @@ class _Loop:
         self.values = lookups(self.ext, K) if self.eng.static else None
         self.codes = count_codes(n, K, self.armd, device) if self.eng.static else None
         self.after = After(n, K, device)
-        self.p = torch.zeros(B, Kd, V, dtype=torch.float64, device=device)  # drafts' law
+        # the drafts' laws, then a row of zeros: the law a closing token's residual takes
+        # off when every draft was accepted (lookups.After.p_row); draft-major (Kd + 1, B,
+        # V), so that the laws are one contiguous block for the gather that writes them (a
+        # compiled round refuses a strided ``out=``)
+        self.p_rows = torch.zeros(Kd + 1, B, V, dtype=torch.float64, device=device)
+        self.p = self.p_rows[:Kd].transpose(0, 1)  # (B, Kd, V)
         self.drafts = torch.zeros(B, Kd, dtype=torch.long, device=device)
         self.step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=device)
         self.logits = torch.zeros(B, n + 1, V, device=device) if keep_logits else None
@@ -221,7 +233,7 @@ class _Loop:
 
     def static(self) -> list[Tensor]:
         """The tensors a round updates in place (a captured round keeps their storage)."""
-        kept = [self.state, self.p, self.drafts, self.tok]
+        kept = [self.state, self.p_rows, self.drafts, self.tok]
         return kept + [self.step_of] + ([] if self.logits is None else [self.logits])
 
     def decode(self, on_step, on_round) -> int:
@@ -271,10 +283,10 @@ class _Loop:
             logits = eng.run(ext, _round(ext, c, e, cc, D, K, n), tok, start, first, reach)
         # drafts: (B, K-1) the tokens the last pass drew for slots c..c+D-1 (0 past D)
         q = probabilities(logits, *self.ctl)  # (B, J, V)
-        m, closing = accept(q, self.p, self.drafts, D, self.rnd)
         # a finished row (c = n, D = 0) commits nothing: m <= D is 0, and its closing token
         # and its one "committed" column land in the padding slot n (position n)
-        after, at = self.after.table[c, m], self.after  # (B, Y): what follows, by (c, m)
+        m, closing, after = self._verify(q, first)
+        at = self.after
         pos = ext.gather(1, after[:, : at.positions])  # closing | committed | next drafts
         tok.scatter_(1, pos[:, :1], closing[:, None])
         J = logits.shape[1]
@@ -309,6 +321,20 @@ class _Loop:
             info["decided_tokens"] = tok.gather(1, info["decided"])
         return info
 
+    def _verify(self, q: Tensor, first: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """The ratio tests of the drafts and the closing token (:func:`~anyorder.sampling.
+        verify.accept`); the round's row of :class:`~anyorder.sampling.lookups.After` (B, Y).
+        After the first pass the row also says which row of ``p_rows`` the residual takes
+        off (``p_m`` after a rejection, zeros after none)."""
+        c, D, rnd = self.c, self.D, self.rnd
+        if first or not self.p.shape[1]:  # (the first pass verifies none: D is 0, not D(c))
+            m, closing = accept(q, self.p, self.drafts, D, rnd)
+            return m, closing, self.after.table[c, m]
+        m, q = ratio_tests(q, self.p, self.drafts, D, rnd)
+        after = self.after.table[c, m]  # (B, Y): what follows, by (c, m)
+        row = after[None, :, self.after.p_row, None].expand(1, -1, q.shape[-1])
+        return m, close(q, m, self.p_rows.gather(0, row)[0], rnd), after
+
     def _next_drafts(self, q: Tensor, after: Tensor, pos: Tensor) -> None:
         """The next round's drafts: this pass's outputs at slots ``c'..c'+D'-1`` (columns
         ``m + 1 + i``), drawn and written into the token buffer; their laws into ``p`` and
@@ -324,7 +350,8 @@ class _Loop:
         cols = after[:, at.cols]
         if J < 2 * self.K - 1:  # a narrower pass (the first, or the CPU's)
             cols = cols.clamp(max=J - 1)
-        torch.gather(q, 1, cols[..., None].expand(B, Kd, V), out=self.p)
+        index = cols.T[..., None].expand(Kd, B, V)  # draft-major, as p_rows
+        torch.gather(q.transpose(0, 1), 0, index, out=self.p_rows[:Kd])
         torch.mul(self.rnd.pick(self.p), after[:, at.real], out=self.drafts)
         self.tok.scatter_(1, pos[:, at.positions - Kd :], self.drafts)
 

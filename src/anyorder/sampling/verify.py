@@ -189,23 +189,42 @@ def accept(
         when every draft was accepted (the bonus).
     """
     rnd = randoms if isinstance(randoms, Randoms) else LiveRandoms(randoms)
+    m, q = ratio_tests(q, p, drafts, num_drafts, rnd)
+    Kd = drafts.shape[1]
+    if not Kd:
+        return m, rnd.pick(q[:, 0])
+    V = q.shape[-1]
+    p_m = p.gather(1, m.clamp(max=Kd - 1)[:, None, None].expand(-1, 1, V))[:, 0]
+    return m, close(q, m, p_m * (m < num_drafts)[:, None], rnd)  # (q - p)+, or q: bonus
+
+
+def ratio_tests(
+    q: Tensor, p: Tensor, drafts: Tensor, num_drafts: Tensor, rnd: Randoms
+) -> tuple[Tensor, Tensor]:
+    """The ratio tests of :func:`accept` (its arguments; ``rnd`` a :class:`Randoms`): ``m``
+    (B,), the accepted drafts per row, and ``q`` with at least ``Kd + 1`` columns."""
     B, Kd = drafts.shape
     if q.shape[1] <= Kd:  # near the end a pass has fewer columns than drafts (padding)
         q = torch.cat([q, q[:, -1:].expand(B, Kd + 1 - q.shape[1], -1)], dim=1)
     u = rnd.uniform((B, Kd), q)
-    V = q.shape[-1]
     if not Kd:
-        m = torch.zeros(B, dtype=torch.long, device=q.device)
-        return m, rnd.pick(q[:, 0])
+        return torch.zeros(B, dtype=torch.long, device=q.device), q
     py = p.gather(2, drafts[..., None])[..., 0]
     qy = q[:, :Kd].gather(2, drafts[..., None])[..., 0]
     # accept with probability min(1, q/p); a row's drafts past num_drafts are padding, and
     # the leading run of accepted ones stops at the first that is not accepted
     m = (u * py <= qy).cumprod(dim=1).sum(dim=1).minimum(num_drafts)  # bool: cumprod is long
-    q_m = q.gather(1, m[:, None, None].expand(B, 1, V))[:, 0]
-    p_m = p.gather(1, m.clamp(max=Kd - 1)[:, None, None].expand(B, 1, V))[:, 0]
-    residual = (q_m - p_m * (m < num_drafts)[:, None]).clamp(min=0)  # (q - p)+, or q: bonus
+    return m, q
+
+
+def close(q: Tensor, m: Tensor, p_m: Tensor, rnd: Randoms) -> Tensor:
+    """The token (B,) of slot ``m`` (B,) from the normalised ``(q_m - p_m)+``: ``p_m`` (B, V)
+    is the law of draft ``m`` after a rejection, zeros when every draft was accepted (then
+    the token follows ``q_m``, the bonus). ``q``, ``rnd``: as :func:`ratio_tests`'s."""
+    V = q.shape[-1]
+    q_m = q.gather(1, m[:, None, None].expand(-1, 1, V))[:, 0]
+    residual = (q_m - p_m).clamp(min=0)
     # a rejection has probability 0 where q <= p nowhere; rounding may still leave no mass.
     # Not normalised: a draw weighs its row as it is
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, q_m)
-    return m, rnd.pick(residual)
+    return rnd.pick(residual)
