@@ -21,8 +21,9 @@ Design choices:
   general builders (:func:`gpt_codes`, :func:`armd_codes`; the tests check the tables
   entry for entry against :func:`~anyorder.sampling.rounds.gpt_table` and
   :func:`~anyorder.sampling.rounds.armd_table`).
-* **After the ratio tests** (:class:`After`): one row of numbers per ``(c, m)``, looked up
-  by one index op; the positions among them come out of one gather of the order.
+* **After the ratio tests** (:class:`After`): one row of numbers per ``c`` and leading run
+  ``r`` of passed tests (the accepted drafts ``m = min(r, D)`` among them), looked up by
+  one index op; the positions among them come out of one gather of the order.
 * The tables cost ``(n + 1) x F x W`` (a pass table's size) and ``(n + 1) x K x (9K + 6)``
   int64 entries per decode (a few MB at ``n = 2048``, ``K = 8``), made once, on the device.
 """
@@ -151,9 +152,12 @@ def spec_armd_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> 
 
 
 class After:
-    """What a round does after its ratio tests, for every count ``c`` (0..n) and accepted
-    drafts ``m`` (0..K-1): :attr:`table` (n + 1, K, Y) int64, one row of numbers per
-    ``(c, m)``, looked up at the rows' ``(c, m)`` by one index op. Its columns:
+    """What a round does after its ratio tests, for every count ``c`` (0..n) and leading run
+    ``r`` (0..K-1) of passed tests: :attr:`table` (n + 1, K, Y) int64, one row of numbers
+    per ``(c, r)``, looked up at the rows' ``(c, r)`` by one index op. The accepted drafts
+    are ``m = min(r, D)``, ``D = min(K - 1, n - 1 - c)`` the drafts of a pass after the
+    first (the first pass verifies none: it looks up at ``r = m = 0``). Its columns (each
+    an attribute, a slice of them):
 
     * :attr:`positions` (a prefix, slots of the order, gathered at once): the closing slot
       ``c + m``; the ``2K - 1`` columns' slots, ``c + j`` where committed (``j <= m``),
@@ -166,58 +170,48 @@ class After:
       content kept);
     * :attr:`moves`: what a pass after the first adds to the rows' counters ``c``, ``D``,
       the drafts verified and accepted, the pass: ``c' - c``, ``D' - D``, ``D``, ``m``,
-      1 (``D = min(K - 1, n - 1 - c)``, as after the first pass);
+      1; :attr:`accepted`: ``m``;
     * :attr:`hide`: the cache slots of the chain ``c + j`` (``j < K``) and their ranks,
       kept (``c + j``) below ``c'``, else ``BIG``; then ARMD's content slots ``c - 1 + j``,
       kept below ``c' - 1``: after a pass after the first, the only slots past what a row
       keeps that are not hidden yet (:meth:`~anyorder.sampling.rounds.Engine.hide`);
     * :attr:`p_row`: the row of the drafts' laws (``K - 1`` rows, then one of zeros) the
       closing token's residual takes off: ``m`` after a rejection (``m < D``), else the
-      zeros (``K - 1``).
-
-    A ``(c, m)`` no round meets (``m > D``) holds slots clamped into the order."""
+      zeros (``K - 1``)."""
 
     def __init__(self, n: int, K: int, device: torch.device | str) -> None:
         J, Kd = 2 * K - 1, max(K - 1, 0)
         c = torch.arange(n + 1, device=device)[:, None, None]  # (n + 1, 1, 1)
-        m = torch.arange(K, device=device)[None, :, None]  # (1, K, 1)
-        jj = torch.arange(J, device=device)
-        i = torch.arange(Kd, device=device)
-        c2 = (c + m + (c < n)).clamp(max=n)
-        D, D2 = drafts_of(c, K, n), drafts_of(c2, K, n)
+        D = drafts_of(c, K, n)
+        m = torch.arange(K, device=device)[None, :, None].minimum(D)  # (n + 1, K, 1)
+        c2 = c + m + (c < n)
+        D2 = drafts_of(c2, K, n)
+        jj, i, j = (torch.arange(w, device=device) for w in (J, Kd, K))
         real = i < D2
-        j = torch.arange(K, device=device)
         live = c < n
-        grid = (n + 1, K, 1)
-        parts = [
-            (c + m).clamp(max=n).expand(grid),
-            torch.where(jj <= m, c + jj, n).clamp(max=n),
-            torch.where(real, c2 + i, n).clamp(max=n),
-            (m + 1 + i).clamp(max=J - 1).expand(n + 1, K, Kd),
-            real.long(),
-            c2.expand(grid),
-            D2.expand(grid),
-            (c2 - 1).clamp(min=0).expand(grid),
-            (c2 - c).expand(grid),
-            (D2 - D).expand(grid),
-            D.expand(grid),
-            m.expand(grid),
-            torch.ones(grid, dtype=torch.long, device=device),
-            (c + j).expand(n + 1, K, K),  # the chain's slots, then their ranks
-            torch.where(j < m + live, c + j, BIG),
-            (c - 1 + j).clamp(min=0).expand(n + 1, K, K),  # ARMD's content
-            torch.where((j <= m) & live, c - 1 + j, BIG),
-            torch.where(m < D, m, Kd).expand(grid),
+        content = c - 1 + j  # ARMD's content slots of the chain
+        parts = [  # (name, columns)
+            ("positions", [c + m, torch.where(jj <= m, c + jj, n), torch.where(real, c2 + i, n)]),
+            ("cols", [(m + 1 + i).clamp(max=J - 1)]),
+            ("real", [real.long()]),
+            ("state", [c2, D2]),
+            ("keep_content", [(c2 - 1).clamp(min=0)]),
+            ("moves", [c2 - c, D2 - D, D, m, torch.ones_like(m)]),
+            ("hide", [c + j, torch.where(j < m + live, c + j, BIG)]),  # the chain's slots, ranks
+            ("hide_content", [content.clamp(min=0), torch.where((j <= m) & live, content, BIG)]),
+            ("p_row", [torch.where(m < D, m, Kd)]),
         ]
-        self.table = torch.cat(parts, dim=2)
-        at = 1 + J + Kd
-        self.positions = at
-        self.cols = slice(at, at + Kd)
-        self.real = slice(at + Kd, at + 2 * Kd)
-        at += 2 * Kd
-        self.state = slice(at, at + 2)
-        self.keep_content = at + 2
-        self.moves = slice(at + 3, at + 8)
-        at += 8
-        self.hide = [slice(at + i * K, at + (i + 1) * K) for i in range(4)]
-        self.p_row = at + 4 * K
+        grid = (n + 1, K, -1)
+        columns, at = [], 0
+        for name, group in parts:
+            group = [t.expand(grid) for t in group]
+            width = sum(t.shape[2] for t in group)
+            setattr(self, name, slice(at, at + width))
+            columns += group
+            at += width
+        self.table = torch.cat(columns, dim=2)
+        # the single columns, as indices
+        self.keep_content, self.p_row = self.keep_content.start, self.p_row.start
+        self.accepted = self.moves.start + 3
+        # within the positions: the closing slot (0), the columns' slots, the next drafts'
+        self.committed, self.next_drafts = slice(1, 1 + J), slice(1 + J, 1 + J + Kd)

@@ -287,7 +287,7 @@ class _Loop:
         # and its one "committed" column land in the padding slot n (position n)
         m, closing, after = self._verify(q, first)
         at = self.after
-        pos = ext.gather(1, after[:, : at.positions])  # closing | committed | next drafts
+        pos = ext.gather(1, after[:, at.positions])  # closing | committed | next drafts
         tok.scatter_(1, pos[:, :1], closing[:, None])
         J = logits.shape[1]
         slots = after[:, 1 : 1 + J]
@@ -314,8 +314,8 @@ class _Loop:
         if first:
             eng.forget(c, after[:, at.keep_content] if self.armd else None)
         else:  # only the chain's entries may be seen past the commit: hidden in one scatter
-            slots, ranks, cslots, cranks = (after[:, h] for h in at.hide)
-            eng.hide(slots, ranks, (cslots, cranks))
+            hide, content = after[:, at.hide], after[:, at.hide_content]
+            eng.hide(hide[:, :K], hide[:, K:], (content[:, :K], content[:, K:]))
         self._next_drafts(q, after, pos)
         if info is not None:
             info["decided_tokens"] = tok.gather(1, info["decided"])
@@ -330,8 +330,9 @@ class _Loop:
         if first or not self.p.shape[1]:  # (the first pass verifies none: D is 0, not D(c))
             m, closing = accept(q, self.p, self.drafts, D, rnd)
             return m, closing, self.after.table[c, m]
-        m, q = ratio_tests(q, self.p, self.drafts, D, rnd)
-        after = self.after.table[c, m]  # (B, Y): what follows, by (c, m)
+        run, q = ratio_tests(q, self.p, self.drafts, None, rnd)  # m = min(run, D): looked up
+        after = self.after.table[c, run]  # (B, Y): what follows, by (c, run)
+        m = after[:, self.after.accepted]
         row = after[None, :, self.after.p_row, None].expand(1, -1, q.shape[-1])
         return m, close(q, m, self.p_rows.gather(0, row)[0], rnd), after
 
@@ -353,7 +354,7 @@ class _Loop:
         index = cols.T[..., None].expand(Kd, B, V)  # draft-major, as p_rows
         torch.gather(q.transpose(0, 1), 0, index, out=self.p_rows[:Kd])
         torch.mul(self.rnd.pick(self.p), after[:, at.real], out=self.drafts)
-        self.tok.scatter_(1, pos[:, at.positions - Kd :], self.drafts)
+        self.tok.scatter_(1, pos[:, at.next_drafts], self.drafts)
 
 
 ROUND_FIELDS = ("positions", "tokens", "accepted", "position", "token")

@@ -199,10 +199,12 @@ def accept(
 
 
 def ratio_tests(
-    q: Tensor, p: Tensor, drafts: Tensor, num_drafts: Tensor, rnd: Randoms
+    q: Tensor, p: Tensor, drafts: Tensor, num_drafts: Tensor | None, rnd: Randoms
 ) -> tuple[Tensor, Tensor]:
     """The ratio tests of :func:`accept` (its arguments; ``rnd`` a :class:`Randoms`): ``m``
-    (B,), the accepted drafts per row, and ``q`` with at least ``Kd + 1`` columns."""
+    (B,), the accepted drafts per row, and ``q`` with at least ``Kd + 1`` columns.
+    ``num_drafts`` None: ``m`` is the leading run of passed tests, padding included (the
+    caller takes its minimum with the drafts' count)."""
     B, Kd = drafts.shape
     if q.shape[1] <= Kd:  # near the end a pass has fewer columns than drafts (padding)
         q = torch.cat([q, q[:, -1:].expand(B, Kd + 1 - q.shape[1], -1)], dim=1)
@@ -213,8 +215,8 @@ def ratio_tests(
     qy = q[:, :Kd].gather(2, drafts[..., None])[..., 0]
     # accept with probability min(1, q/p); a row's drafts past num_drafts are padding, and
     # the leading run of accepted ones stops at the first that is not accepted
-    m = (u * py <= qy).cumprod(dim=1).sum(dim=1).minimum(num_drafts)  # bool: cumprod is long
-    return m, q
+    run = (u * py <= qy).cumprod(dim=1).sum(dim=1)  # bool: cumprod is long
+    return (run if num_drafts is None else run.minimum(num_drafts)), q
 
 
 def close(q: Tensor, m: Tensor, p_m: Tensor, rnd: Randoms) -> Tensor:
