@@ -25,7 +25,7 @@ Design choices:
   ``r`` of passed tests (the accepted drafts ``m = min(r, D)`` among them), looked up by
   one index op; the positions among them come out of one gather of the order.
 * The tables cost ``(n + 1) x F x W`` (a pass table's size) and ``(n + 1) x K x (9K + 6)``
-  int64 entries per decode (a few MB at ``n = 2048``, ``K = 8``), made once, on the device.
+  int64 entries per decode (about 13 MB at ``n = 2048``, ``K = 8``), made once, on the device.
 """
 
 from __future__ import annotations
@@ -213,5 +213,6 @@ class After:
         # the single columns, as indices
         self.keep_content, self.p_row = self.keep_content.start, self.p_row.start
         self.accepted = self.moves.start + 3
-        # within the positions: the closing slot (0), the columns' slots, the next drafts'
-        self.committed, self.next_drafts = slice(1, 1 + J), slice(1 + J, 1 + J + Kd)
+        # within the positions: the closing slot (0), the columns' slots (1 .. J), the next
+        # drafts'
+        self.next_drafts = slice(1 + J, 1 + J + Kd)

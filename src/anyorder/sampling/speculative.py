@@ -35,7 +35,9 @@ Design choices:
   masked at once: after the ratio tests every cache slot past a row's commit gets the rank
   ``BIG`` (seen by nobody). The tests show that later queries never see them.
 * **Nothing read back in the loop.** The rows' commit counts stay on the device and each
-  pass's table is built there (:mod:`anyorder.sampling.rounds`); the host keeps upper
+  pass's table is built there (:mod:`anyorder.sampling.rounds`; after the first pass, it
+  and the rest of a round's index bookkeeping are looked up by the counts in tables made
+  once per decode, :mod:`anyorder.sampling.lookups`: a few kernels); the host keeps upper
   bounds of the counts (:class:`~anyorder.sampling.rounds.HostCounts`, read two passes late
   from pinned memory on a GPU, once in eight passes or when the read may end the decode)
   for the cache slots a pass reads and the loop's end, which comes at most two passes
@@ -290,7 +292,7 @@ class _Loop:
         pos = ext.gather(1, after[:, at.positions])  # closing | committed | next drafts
         tok.scatter_(1, pos[:, :1], closing[:, None])
         J = logits.shape[1]
-        slots = after[:, 1 : 1 + J]
+        slots = after[:, 1 : 1 + J]  # the committed columns' slots (padding n), as wide as J
         self.step_of.scatter_(1, pos[:, 1 : 1 + J], self.step[:, None].expand(slots.shape))
         if self.logits is not None:
             V = logits.shape[-1]
@@ -303,17 +305,15 @@ class _Loop:
             info = dict(positions=verified, tokens=self.drafts.clone(), accepted=m,
                         position=pos[:, 0], token=closing, decided=decided)  # fmt: skip
         # c' = c + m + 1 for a live row (none for a finished one), the next drafts (0 once
-        # a row is done), the counts (a finished row's D and m are 0), the next pass
+        # a row is done), the counts (a finished row's D and m are 0), the next pass. Every
+        # cache entry up to the commit is kept: ARMD's content one short of it (the closing
+        # token is written by the next pass)
         if first:  # (eager) it verified no draft: D was 0, not D(c), and the counts stay
             self.state[:2].copy_(after[:, at.state].T)
             self.step.add_(1)
-        else:
-            self.state.add_(after[:, at.moves].T)
-        # every entry up to the commit is kept: ARMD's content one short of it (the closing
-        # token is written by the next pass)
-        if first:
             eng.forget(c, after[:, at.keep_content] if self.armd else None)
         else:  # only the chain's entries may be seen past the commit: hidden in one scatter
+            self.state.add_(after[:, at.moves].T)
             hide, content = after[:, at.hide], after[:, at.hide_content]
             eng.hide(hide[:, :K], hide[:, K:], (content[:, :K], content[:, K:]))
         self._next_drafts(q, after, pos)
