@@ -24,7 +24,7 @@ Design choices:
 * **After the ratio tests** (:class:`After`): one row of numbers per ``c`` and leading run
   ``r`` of passed tests (the accepted drafts ``m = min(r, D)`` among them), looked up by
   one index op; the positions among them come out of one gather of the order.
-* The tables cost ``(n + 1) x F x W`` (a pass table's size) and ``(n + 1) x K x (9K + 6)``
+* The tables cost ``(n + 1) x F x W`` (a pass table's size) and ``(n + 1) x K x (5K + 6)``
   int64 entries per decode (about 13 MB at ``n = 2048``, ``K = 8``), made once, on the device.
 """
 
@@ -171,10 +171,6 @@ class After:
     * :attr:`moves`: what a pass after the first adds to the rows' counters ``c``, ``D``,
       the drafts verified and accepted, the pass: ``c' - c``, ``D' - D``, ``D``, ``m``,
       1; :attr:`accepted`: ``m``;
-    * :attr:`hide`: the cache slots of the chain ``c + j`` (``j < K``) and their ranks,
-      kept (``c + j``) below ``c'``, else ``BIG``; then ARMD's content slots ``c - 1 + j``,
-      kept below ``c' - 1``: after a pass after the first, the only slots past what a row
-      keeps that are not hidden yet (:meth:`~anyorder.sampling.rounds.Engine.hide`);
     * :attr:`p_row`: the row of the drafts' laws (``K - 1`` rows, then one of zeros) the
       closing token's residual takes off: ``m`` after a rejection (``m < D``), else the
       zeros (``K - 1``)."""
@@ -186,10 +182,8 @@ class After:
         m = torch.arange(K, device=device)[None, :, None].minimum(D)  # (n + 1, K, 1)
         c2 = c + m + (c < n)
         D2 = drafts_of(c2, K, n)
-        jj, i, j = (torch.arange(w, device=device) for w in (J, Kd, K))
+        jj, i = torch.arange(J, device=device), torch.arange(Kd, device=device)
         real = i < D2
-        live = c < n
-        content = c - 1 + j  # ARMD's content slots of the chain
         parts = [  # (name, columns)
             ("positions", [c + m, torch.where(jj <= m, c + jj, n), torch.where(real, c2 + i, n)]),
             ("cols", [(m + 1 + i).clamp(max=J - 1)]),
@@ -197,8 +191,6 @@ class After:
             ("state", [c2, D2]),
             ("keep_content", [(c2 - 1).clamp(min=0)]),
             ("moves", [c2 - c, D2 - D, D, m, torch.ones_like(m)]),
-            ("hide", [c + j, torch.where(j < m + live, c + j, BIG)]),  # the chain's slots, ranks
-            ("hide_content", [content.clamp(min=0), torch.where((j <= m) & live, content, BIG)]),
             ("p_row", [torch.where(m < D, m, Kd)]),
         ]
         grid = (n + 1, K, -1)

@@ -417,19 +417,3 @@ class Engine:
             caches = [(cache.content, keep_content), (cache.query, keep)]
         for cache, limit in caches:
             cache.rank.masked_fill_(cache.slot_ids[None] >= limit[:, None], BIG)
-
-    def hide(
-        self, slots: Tensor, ranks: Tensor, content: tuple[Tensor, Tensor] | None = None
-    ) -> None:
-        """Set the ranks of the cache slots ``slots`` (B, S) to ``ranks`` (ARMD: of the query
-        stream; ``content``: the content's slots and ranks): :meth:`forget` in one scatter a
-        cache, for a caller that knows which slots past what a row keeps may be seen (the
-        chain of a speculative round: every other slot past the commit is hidden already)."""
-        caches = [(self.passes.cache, (slots, ranks))]
-        if self.armd:
-            caches = [
-                (self.passes.cache.content, content),
-                (self.passes.cache.query, (slots, ranks)),
-            ]
-        for cache, (where, rank) in caches:
-            cache.rank.scatter_(1, where, rank)

@@ -33,7 +33,9 @@ Design choices:
   slot (ARMD: content of slot ``t`` at content slot ``t``, its query row at query slot
   ``t``), so the entries after a rejection are overwritten by the next pass, and are
   masked at once: after the ratio tests every cache slot past a row's commit gets the rank
-  ``BIG`` (seen by nobody). The tests show that later queries never see them.
+  ``BIG`` (seen by nobody; a fixed-width pass after the first leaves that to the next
+  pass, which rewrites those ranks before it reads any). The tests show that later queries
+  never see them.
 * **Nothing read back in the loop.** The rows' commit counts stay on the device and each
   pass's table is built there (:mod:`anyorder.sampling.rounds`; after the first pass, it
   and the rest of a round's index bookkeeping are looked up by the counts in tables made
@@ -305,17 +307,19 @@ class _Loop:
             info = dict(positions=verified, tokens=self.drafts.clone(), accepted=m,
                         position=pos[:, 0], token=closing, decided=decided)  # fmt: skip
         # c' = c + m + 1 for a live row (none for a finished one), the next drafts (0 once
-        # a row is done), the counts (a finished row's D and m are 0), the next pass. Every
-        # cache entry up to the commit is kept: ARMD's content one short of it (the closing
-        # token is written by the next pass)
+        # a row is done), the counts (a finished row's D and m are 0), the next pass
         if first:  # (eager) it verified no draft: D was 0, not D(c), and the counts stay
             self.state[:2].copy_(after[:, at.state].T)
             self.step.add_(1)
-            eng.forget(c, after[:, at.keep_content] if self.armd else None)
-        else:  # only the chain's entries may be seen past the commit: hidden in one scatter
+        else:
             self.state.add_(after[:, at.moves].T)
-            hide, content = after[:, at.hide], after[:, at.hide_content]
-            eng.hide(hide[:, :K], hide[:, K:], (content[:, :K], content[:, K:]))
+        # every cache entry up to the commit is kept: ARMD's content one short of it (the
+        # closing token is written by the next pass). A fixed-width pass after the first
+        # leaves nothing to hide: past the commit only its chain's entries can be seen (c ..
+        # c + D; ARMD's content c - 1 .. c + D - 1), and the next pass, 2K - 1 columns from
+        # c' (content K from c' - 1), rewrites their ranks before it reads any
+        if first or not eng.static:
+            eng.forget(c, after[:, at.keep_content] if self.armd else None)
         self._next_drafts(q, after, pos)
         if info is not None:
             info["decided_tokens"] = tok.gather(1, info["decided"])
