@@ -25,7 +25,7 @@ Design choices:
   ``r`` of passed tests (the accepted drafts ``m = min(r, D)`` among them), looked up by
   one index op; the positions among them come out of one gather of the order.
 * The tables cost ``(n + 1) x F x W`` (a pass table's size) and ``(n + 1) x K x (5K + 6)``
-  int64 entries per decode (about 13 MB at ``n = 2048``, ``K = 8``), made once, on the device.
+  int64 entries per decode (under 10 MB at ``n = 2048``, ``K = 8``), made once, on the device.
 """
 
 from __future__ import annotations
