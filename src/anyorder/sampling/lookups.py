@@ -123,13 +123,68 @@ def drafts_of(c: Tensor, K: int, n: int) -> Tensor:
     return (n - 1 - c).clamp(0, K - 1)
 
 
-def count_codes(n: int, K: int, armd: bool, device: torch.device | str) -> Tensor:
-    """(n + 1, F * W) the codes of a pass after the first for every count ``c`` (row 0, a
-    count no such pass sees, repeats row 1)."""
-    c = torch.arange(n + 1, device=device).clamp(min=1)
+def tail_start(n: int, K: int) -> int:
+    """``c1``, the last count of the steady run (:func:`by_count`): ``n - 2K``, or 0 when
+    the decode is too short to have one (then every count keeps its own row)."""
+    return n - 2 * K if n - 2 * K >= 2 else 0
+
+
+def by_count(rows_of, n: int, c1: int, device: torch.device | str) -> Tensor:
+    """(n - c1 + 1, 2, ...) the rows ``rows_of(c)`` of every count ``c`` (0..n), kept in
+    rows independent of ``n``: row 0 holds the steady counts ``c <= c1``, whose every entry
+    is a constant or ``c`` plus a constant, as a base (its value at ``c = 0``) and a 0/1
+    mask, the row of ``c`` being ``base + c * mask``; row ``t >= 1`` holds count ``c1 + t``
+    as it is (mask 0). Looked up by :func:`at_counts`."""
+    if c1 == 0:  # a short decode: every count its own row
+        rows = rows_of(torch.arange(n + 1, device=device))
+        return torch.stack([rows, torch.zeros_like(rows)], 1)
+    rows = rows_of(torch.arange(c1 - 1, n + 1, device=device))  # c1 - 1, c1, then the tail
+    mask = rows[1] - rows[0]
+    steady = torch.stack([rows[1] - c1 * mask, mask])[None]
+    return torch.cat([steady, torch.stack([rows[2:], torch.zeros_like(rows[2:])], 1)])
+
+
+def at_counts(rows: Tensor, c: Tensor) -> Tensor:
+    """The rows (B, ...) of the counts ``c`` (B,) from the (B, 2, ...) base and mask that a
+    :func:`by_count` table gave at their index (:meth:`Counts.index`): one kernel."""
+    return torch.addcmul(rows[:, 0], c.view(-1, *[1] * (rows.dim() - 2)), rows[:, 1])
+
+
+def count_codes(c: Tensor, K: int, n: int, armd: bool) -> Tensor:
+    """(len(c), F * W) the codes of a pass after the first at the counts ``c`` (a count 0,
+    which no such pass sees, as 1)."""
+    c = c.clamp(min=1)
     D = drafts_of(c, K, n)
     codes = armd_codes(c, D, c < n, K, n) if armd else gpt_codes(c, D, K, n)
     return codes.flatten(1)
+
+
+class Counts:
+    """The tables a round after the first looks up by its rows' counts ``c``, in rows
+    independent of ``n`` (:func:`by_count`): :attr:`codes` (the pass table's codes, for
+    ``c >= 1``) and :attr:`after` (:class:`After`). :meth:`index` finds the rows' entries
+    (one kernel, shared by both)."""
+
+    def __init__(self, n: int, K: int, armd: bool, codes: bool, device) -> None:
+        c1 = tail_start(n, K)
+        self.bounds = torch.arange(c1, n + 1, device=device)  # count c's row: #{b < c}
+        self.codes = (
+            by_count(lambda c: count_codes(c, K, n, armd), n, c1, device) if codes else None
+        )
+        self.after = After(n, K, c1, device)
+
+    def index(self, c: Tensor) -> Tensor:
+        """The rows' indices into the tables: ``max(c - c1, 0)``, in one kernel."""
+        return torch.bucketize(c, self.bounds)
+
+    def codes_at(self, i: Tensor, c: Tensor) -> Tensor:
+        """(B, F * W) the codes of the pass table at the rows' counts ``c``, index ``i``."""
+        return at_counts(self.codes.index_select(0, i), c)
+
+    def after_at(self, i: Tensor, c: Tensor, r: Tensor) -> Tensor:
+        """(B, Y) the rows of :class:`After` at the rows' counts ``c`` (index ``i``), runs
+        ``r``."""
+        return at_counts(self.after.table[i, r], c)
 
 
 def table(values: Tensor, codes: Tensor) -> Tensor:
@@ -153,11 +208,12 @@ def spec_armd_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> 
 
 class After:
     """What a round does after its ratio tests, for every count ``c`` (0..n) and leading run
-    ``r`` (0..K-1) of passed tests: :attr:`table` (n + 1, K, Y) int64, one row of numbers
-    per ``(c, r)``, looked up at the rows' ``(c, r)`` by one index op. The accepted drafts
-    are ``m = min(r, D)``, ``D = min(K - 1, n - 1 - c)`` the drafts of a pass after the
-    first (the first pass verifies none: it looks up at ``r = m = 0``). Its columns (each
-    an attribute, a slice of them):
+    ``r`` (0..K-1) of passed tests: one row of numbers per ``(c, r)`` (:meth:`rows`), kept
+    by :func:`by_count` in :attr:`table` (n - c1 + 1, K, 2, Y) int64 and looked up at the
+    rows' ``(c, r)`` by one index op and one add (:meth:`Counts.after_at`). The accepted
+    drafts are ``m = min(r, D)``, ``D = min(K - 1, n - 1 - c)`` the drafts of a pass after
+    the first (the first pass verifies none: it looks up at ``r = m = 0``). Its columns
+    (each an attribute, a slice of them):
 
     * :attr:`positions` (a prefix, slots of the order, gathered at once): the closing slot
       ``c + m``; the ``2K - 1`` columns' slots, ``c + j`` where committed (``j <= m``),
@@ -175,11 +231,27 @@ class After:
       closing token's residual takes off: ``m`` after a rejection (``m < D``), else the
       zeros (``K - 1``)."""
 
-    def __init__(self, n: int, K: int, device: torch.device | str) -> None:
+    def __init__(self, n: int, K: int, c1: int, device: torch.device | str) -> None:
+        self.n, self.K = n, K
+        # (n - c1 + 1, K, 2, Y): a count's base and mask rows (by_count) at each run
+        self.table = by_count(self.rows, n, c1, device).transpose(1, 2).contiguous()
+        for name, columns in self.layout.items():
+            setattr(self, name, columns)
+        # the single columns, as indices
+        self.keep_content, self.p_row = self.keep_content.start, self.p_row.start
+        self.accepted = self.moves.start + 3
+        # within the positions: the closing slot (0), the columns' slots (1 .. J), the next
+        # drafts'
         J, Kd = 2 * K - 1, max(K - 1, 0)
-        c = torch.arange(n + 1, device=device)[:, None, None]  # (n + 1, 1, 1)
+        self.next_drafts = slice(1 + J, 1 + J + Kd)
+
+    def rows(self, c: Tensor) -> Tensor:
+        """(len(c), K, Y) the rows of the counts ``c`` at every run; names the columns."""
+        n, K, device = self.n, self.K, c.device
+        J, Kd = 2 * K - 1, max(K - 1, 0)
+        c = c[:, None, None]
         D = drafts_of(c, K, n)
-        m = torch.arange(K, device=device)[None, :, None].minimum(D)  # (n + 1, K, 1)
+        m = torch.arange(K, device=device)[None, :, None].minimum(D)  # (len(c), K, 1)
         c2 = c + m + (c < n)
         D2 = drafts_of(c2, K, n)
         jj, i = torch.arange(J, device=device), torch.arange(Kd, device=device)
@@ -193,18 +265,12 @@ class After:
             ("moves", [c2 - c, D2 - D, D, m, torch.ones_like(m)]),
             ("p_row", [torch.where(m < D, m, Kd)]),
         ]
-        grid = (n + 1, K, -1)
-        columns, at = [], 0
+        grid = (len(c), K, -1)
+        columns, at, self.layout = [], 0, {}
         for name, group in parts:
             group = [t.expand(grid) for t in group]
             width = sum(t.shape[2] for t in group)
-            setattr(self, name, slice(at, at + width))
+            self.layout[name] = slice(at, at + width)
             columns += group
             at += width
-        self.table = torch.cat(columns, dim=2)
-        # the single columns, as indices
-        self.keep_content, self.p_row = self.keep_content.start, self.p_row.start
-        self.accepted = self.moves.start + 3
-        # within the positions: the closing slot (0), the columns' slots (1 .. J), the next
-        # drafts'
-        self.next_drafts = slice(1 + J, 1 + J + Kd)
+        return torch.cat(columns, dim=2)

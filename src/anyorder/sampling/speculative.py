@@ -69,7 +69,7 @@ from anyorder.models.armd import ARMD
 from anyorder.models.base import AnyOrderLM
 from anyorder.sampling.draws import SampleResult, check_controls, current_top_p_rule
 from anyorder.sampling.graphs import RoundRunner, capture_report, resolve_mode
-from anyorder.sampling.lookups import After, count_codes, lookups
+from anyorder.sampling.lookups import Counts, lookups
 from anyorder.sampling.rounds import Engine, HostCounts, Round, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.verify import (
@@ -212,9 +212,10 @@ class _Loop:
         self.counts = self.state[2:4]  # drafted, accepted
         # the lean rounds' lookups (:mod:`~anyorder.sampling.lookups`): the orders' values,
         # the pass table's codes per count, what follows the ratio tests per count and m
+        # (tables of O(K^3) entries, whatever n)
         self.values = lookups(self.ext, K) if self.eng.static else None
-        self.codes = count_codes(n, K, self.armd, device) if self.eng.static else None
-        self.after = After(n, K, device)
+        self.looks = Counts(n, K, self.armd, bool(self.eng.static), device)
+        self.after = self.looks.after
         # the drafts' laws, then a row of zeros: the law a closing token's residual takes
         # off when every draft was accepted (lookups.After.p_row); draft-major (Kd + 1, B,
         # V), so that the laws are one contiguous block for the gather that writes them (a
@@ -275,8 +276,9 @@ class _Loop:
         )  # fmt: skip
         self.rnd.begin()
         start = k if first else 0  # the catch-up's prompt columns are not asked for
+        at_c = self.looks.index(c)  # the rows' counts' index into the lookup tables
         if eng.static and not first:  # the fixed widths: the table looked up by the counts
-            codes = self.codes.index_select(0, c)
+            codes = self.looks.codes_at(at_c, c)
             table = self.values.gather(1, codes).view(len(c), -1, 2 * K - 1 + K * self.armd)
             logits = eng.run(ext, None, tok, start, first, reach, table=table)
         else:
@@ -289,7 +291,7 @@ class _Loop:
         q = probabilities(logits, *self.ctl)  # (B, J, V)
         # a finished row (c = n, D = 0) commits nothing: m <= D is 0, and its closing token
         # and its one "committed" column land in the padding slot n (position n)
-        m, closing, after = self._verify(q, first)
+        m, closing, after = self._verify(q, first, at_c)
         at = self.after
         pos = ext.gather(1, after[:, at.positions])  # closing | committed | next drafts
         tok.scatter_(1, pos[:, :1], closing[:, None])
@@ -325,17 +327,18 @@ class _Loop:
             info["decided_tokens"] = tok.gather(1, info["decided"])
         return info
 
-    def _verify(self, q: Tensor, first: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def _verify(self, q: Tensor, first: bool, at_c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The ratio tests of the drafts and the closing token (:func:`~anyorder.sampling.
         verify.accept`); the round's row of :class:`~anyorder.sampling.lookups.After` (B, Y).
         After the first pass the row also says which row of ``p_rows`` the residual takes
-        off (``p_m`` after a rejection, zeros after none)."""
-        c, D, rnd = self.c, self.D, self.rnd
+        off (``p_m`` after a rejection, zeros after none). ``at_c``: the counts' index
+        (:meth:`~anyorder.sampling.lookups.Counts.index`)."""
+        c, D, rnd, looks = self.c, self.D, self.rnd, self.looks
         if first or not self.p.shape[1]:  # (the first pass verifies none: D is 0, not D(c))
             m, closing = accept(q, self.p, self.drafts, D, rnd)
-            return m, closing, self.after.table[c, m]
+            return m, closing, looks.after_at(at_c, c, m)
         run, q = ratio_tests(q, self.p, self.drafts, None, rnd)  # m = min(run, D): looked up
-        after = self.after.table[c, run]  # (B, Y): what follows, by (c, run)
+        after = looks.after_at(at_c, c, run)  # (B, Y): what follows, by (c, run)
         m = after[:, self.after.accepted]
         row = after[None, :, self.after.p_row, None].expand(1, -1, q.shape[-1])
         return m, close(q, m, self.p_rows.gather(0, row)[0], rnd), after
