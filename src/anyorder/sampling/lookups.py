@@ -7,8 +7,8 @@ table), then of ``c`` and the accepted drafts ``m`` (the slots committed, the ne
 slots and columns, the new counters), and of the row's order. On a GPU each small op on a
 (B,) or (B, K) index tensor is a kernel launch, a few microseconds of a replayed round, so
 the round computes none of them: the decode computes them once for every ``c`` (and ``m``),
-and a round looks up its rows' entries with one index op, and the order's part of them with
-one gather of a per-row table of values.
+and a round looks up its rows' entries with one index op (and an add), and the order's part
+of them with one gather of a per-row table of values.
 
 Design choices:
 
@@ -24,8 +24,15 @@ Design choices:
 * **After the ratio tests** (:class:`After`): one row of numbers per ``c`` and leading run
   ``r`` of passed tests (the accepted drafts ``m = min(r, D)`` among them), looked up by
   one index op; the positions among them come out of one gather of the order.
-* The tables cost ``(n + 1) x F x W`` (a pass table's size) and ``(n + 1) x K x (5K + 6)``
-  int64 entries per decode (under 10 MB at ``n = 2048``, ``K = 8``), made once, on the device.
+* **Rows independent of n** (:func:`by_count`): below the last ``2K`` counts every entry
+  of both tables is a constant or ``c`` plus a constant, so those counts share one stored
+  row, a base and a 0/1 mask (the row of ``c`` is ``base + c * mask``), and only the last
+  ``2K`` counts keep a row each. The round finds its rows' index with one kernel
+  (:meth:`Counts.index`) and adds ``c * mask`` with one more per table.
+* The tables cost ``(2K + 1) x 2 x F x W`` (a pass table's size) and ``(2K + 1) x K x 2 x
+  (5K + 6)`` int64 entries per decode, whatever ``n``: under 1 MB at ``K = 16``, 46 MB at
+  ``K = 64`` (a row per count took 460 MB at ``n = 32768``, ``K = 16``), made once, on the
+  device.
 """
 
 from __future__ import annotations
