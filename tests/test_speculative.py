@@ -305,6 +305,29 @@ def test_the_gpu_paths_lean_tables_are_the_general_ones(n, K, rows, seed) -> Non
     assert torch.equal(spec_armd_table(ext, c, D, c < n, K), want)
 
 
+@pytest.mark.parametrize("armd", [False, True])
+def test_the_lookup_tables_do_not_grow_with_n(armd) -> None:
+    """lookups.Counts (what a round after the first looks up by its counts) takes the same
+    bytes at n = 64 and n = 4096 (K = 16: under 1 MB, where a row per count took 57 MB at
+    n = 4096), and its rows at every count equal the formulas' (count_codes, After.rows),
+    in the steady counts and the last 2K alike."""
+    from anyorder.sampling.lookups import Counts, count_codes
+
+    def size(looks):
+        return sum(t.nbytes for t in (looks.bounds, looks.codes, looks.after.table))
+
+    assert size(Counts(64, 16, armd, True, "cpu")) == size(Counts(4096, 16, armd, True, "cpu"))
+    assert size(Counts(4096, 16, armd, True, "cpu")) < 2**20
+    for n, K in ((4096, 8), (37, 5), (9, 4), (5, 1)):
+        looks = Counts(n, K, armd, True, "cpu")
+        c = torch.arange(1, n + 1)
+        at = looks.index(c)
+        assert torch.equal(looks.codes_at(at, c), count_codes(c, K, n, armd))
+        rows = looks.after.rows(c)
+        for r in range(K):
+            assert torch.equal(looks.after_at(at, c, torch.full_like(c, r)), rows[:, r])
+
+
 def test_counts_that_break_their_invariants_are_refused() -> None:
     """Every decode's counts are checked as they are made: more passes than tokens, or more
     accepted than drafted, is a sampler bug and raises."""
