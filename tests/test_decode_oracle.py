@@ -53,10 +53,13 @@ KINDS = ["gpt", "aogpt", "aogpt", "armd", "armd", "armd", "aogpt-ref", "sigmagpt
 PATHS = ["cpu", "gpu-plan", "bucketed", "emulate"]
 SEQ = 140  # the models' context: room for the slow profile's sizes
 RAN: Counter[str] = Counter()
-ATOL = 2.5e-5
+ATOL, RTOL = 2.5e-5, 1e-5
 """Two fp32 round-offs, the decoder's and the oracle's own: over 372 drawn modern-trunk
 requests (600-example runs), each lay up to 1.1e-5 from the same computation in fp64
 (logits up to 4.4: q/k/v biases, SwiGLU, untied heads), so they can differ by twice that.
+The round-off grows with the logits: a 3000-example run drew one (Llama-3 RoPE, logits up
+to 6.2) where the oracle lay 1.8e-5 from fp64 and the decoder 1.0e-5, 2.8e-5 apart at a
+logit of 2.29; hence the relative part, 1e-5 of the logit.
 A wrong cache, position or mask moves a logit by 0.1 to 10."""
 
 
@@ -286,7 +289,7 @@ def _check_path(req: dict, path: str) -> None:
         want = slot_oracle(model, out.tokens, out.order, out.step_of)
     decided = out.step_of.gather(1, out.order) >= 0  # (B, n) over slots
     got = out.logits[decided]
-    torch.testing.assert_close(got, want[decided], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, want[decided], atol=ATOL, rtol=RTOL)
 
 
 def _rows_alike(out, k: int) -> bool:
@@ -359,8 +362,23 @@ def test_compiled_passes_equal_the_oracle_on_modern_trunks(req: dict) -> None:
 TRUNK_FAST = int(os.environ.get("ANYORDER_ORACLE_EXAMPLES", "25"))
 
 
+_LARGE_LOGITS = dict(
+    kind="aogpt", n_layer=3, l2s=0, n=23, batch=4, mode="lemma1", prompt="template",
+    shared=False, k=0, order="l2r", steps=26, counts="shared", schedule="cosine",
+    template="cb a[MASK:6]abac[MASK:6]aab [MASK:2]c  [MASK:2]", seed=128, prepack=True,
+    trunk=(("bias", True), ("head_dim", None), ("intermediate_size", None), ("mlp", "swiglu"),
+           ("n_head", 2), ("n_kv_head", 2), ("norm_eps", 1e-06), ("pos_emb", "rope"),
+           ("qk_norm", False), ("qkv_bias", None), ("rope_bos_shift", True),
+           ("rope_factor", 8.0), ("rope_high_freq_factor", 4.0), ("rope_low_freq_factor", 1.0),
+           ("rope_original_max_pos", 64), ("rope_scaling_type", "llama3"),
+           ("tie_embeddings", True)),
+)  # fmt: skip
+"""The request whose logits lay 2.8e-5 from the oracle's (see :data:`RTOL`)."""
+
+
 @settings(max_examples=TRUNK_FAST, derandomize=True, **_common)
 @given(req=trunk_requests(n_max=40))
+@example(req=_LARGE_LOGITS)
 def test_every_decoding_path_equals_the_oracle_on_modern_trunks(req: dict) -> None:
     """The same oracle on grouped-query attention, explicit head and MLP widths, q/k/v
     biases, RoPE scaling (issue 33): the caches are sized by the key/value heads."""
@@ -457,7 +475,7 @@ def _check_eos(req: dict) -> None:
             assert all(int(out.tokens[b, p]) == eos for p in after)
         generated = int((out.step_of >= 0).sum(dim=1).max())
         assert generated <= out.forward_passes <= n - k + 1  # + a shared prompt's prefill
-        torch.testing.assert_close(out.logits[slots >= 0], ref[slots >= 0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.logits[slots >= 0], ref[slots >= 0], atol=ATOL, rtol=RTOL)
         assert bool((out.logits[slots == -2] == 0).all())
 
 
