@@ -70,6 +70,7 @@ from anyorder.models.base import AnyOrderLM
 from anyorder.sampling.draws import SampleResult, check_controls, current_top_p_rule
 from anyorder.sampling.graphs import RoundRunner, capture_report, resolve_mode
 from anyorder.sampling.lookups import Counts, lookups
+from anyorder.sampling.lookups import table as lookups_table
 from anyorder.sampling.rounds import Engine, HostCounts, Round, extend
 from anyorder.sampling.samplers import _decoder_only, _prepare
 from anyorder.sampling.verify import (
@@ -279,7 +280,7 @@ class _Loop:
         at_c = self.looks.index(c)  # the rows' counts' index into the lookup tables
         if eng.static and not first:  # the fixed widths: the table looked up by the counts
             codes = self.looks.codes_at(at_c, c)
-            table = self.values.gather(1, codes).view(len(c), -1, 2 * K - 1 + K * self.armd)
+            table = lookups_table(self.values, codes.view(len(c), -1, 2 * K - 1 + K * self.armd))
             logits = eng.run(ext, None, tok, start, first, reach, table=table)
         else:
             if first:
