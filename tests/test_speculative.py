@@ -446,3 +446,20 @@ def test_gpu_path_pads_and_buckets_into_at_most_eight_shapes(kind, prompt, monke
         torch.testing.assert_close(out.logits[:, k:], ref[:, k:], atol=2e-5, rtol=0)
         assert len(out.extra["attention_shapes"]) <= 8
         _check_counts(out, n, k, static=True)
+
+
+def test_more_than_max_draft_tokens_a_pass_is_refused() -> None:
+    """A K past :data:`MAX_DRAFT` that the slots left do not clip is refused before any
+    table is made (the round's lookup tables grow as K**3: K = 1000 would ask ~160 GB)."""
+    from anyorder.sampling.speculative import MAX_DRAFT
+
+    model = tiny_model("aogpt", seq_len=2 * MAX_DRAFT + 8)
+    with pytest.raises(SamplingError) as e:
+        speculative_sample(model, 2 * MAX_DRAFT, 1000)
+    assert str(e.value) == (
+        f"--speculative K={2 * MAX_DRAFT} drafts more than {MAX_DRAFT} tokens a pass (a "
+        f"round's lookup tables grow as K**3, and few drafts pass their tests); use K <= "
+        f"{MAX_DRAFT}"
+    )
+    out = speculative_sample(model, 2 * MAX_DRAFT, MAX_DRAFT)
+    assert out.tokens.shape == (1, 2 * MAX_DRAFT)

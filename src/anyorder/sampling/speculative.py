@@ -82,6 +82,10 @@ from anyorder.sampling.verify import (
     ratio_tests,
 )
 
+MAX_DRAFT = 64
+"""The most tokens a speculative pass may commit (past the slots left, K is the slots left):
+the lookup tables of :mod:`anyorder.sampling.lookups` take about 46 MB at K = 64."""
+
 
 @dataclass
 class SpeculativeStats:
@@ -179,6 +183,11 @@ def speculative_sample(
         raise SamplingError(f"--speculative K={draft} must be an integer >= 1 (tokens per pass)")
     tokens, _, order, k = _prepare(model, n, batch, prompt, known, order, generator)
     draft = min(draft, max(n - k, 1))  # a pass never commits more than the slots left
+    if draft > MAX_DRAFT:
+        raise SamplingError(
+            f"--speculative K={draft} drafts more than {MAX_DRAFT} tokens a pass (a round's "
+            f"lookup tables grow as K**3, and few drafts pass their tests); use K <= {MAX_DRAFT}"
+        )
     ctl = (temperature, top_k, top_p, current_top_p_rule())  # the rule read here, once
     mode = resolve_mode(graphs, tokens.device)
     return _run(
