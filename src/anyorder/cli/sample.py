@@ -158,7 +158,7 @@ def _add_decoding(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="any-order speculative sampling (aogpt/armd): each pass checks the drafts of the "
         "last one against the one-token-per-pass conditionals and drafts the next; up to K "
-        "tokens per pass, the same law as one token per pass (exact)",
+        "tokens per pass (K <= 64), the same law as one token per pass (exact)",
     )
     p.add_argument(
         "--verbose",
