@@ -238,6 +238,42 @@ def measure(fn: Callable[[], int]) -> dict:
     )
 
 
+def _counter() -> Counter | None:
+    """The counting mode in force (unpaused), or None."""
+    modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+    counter = next((m for m in modes if isinstance(m, Counter)), None)
+    return None if counter is None or counter.paused else counter
+
+
+@contextlib.contextmanager
+def cuda_attention_layout():
+    """Return SDPA's output laid out as CUDA's kernels write it: flash, memory-efficient and
+    cuDNN attention fill a (B, T, H, D) buffer and return it as its (B, H, T, D) transpose
+    (``aten/src/ATen/native/transformers/cuda/attention.cu``: ``output.transpose(1, 2)``),
+    so merging the heads (``y.transpose(1, 2).reshape(B, T, H * D)``) is a view there; the
+    CPU's kernels return (B, H, T, D) contiguous, and the merge of a pass of several slots
+    would count a copy CUDA never runs. The relayout is not counted; the values are the
+    same."""
+    real = F.scaled_dot_product_attention
+
+    def laid_out(q, k, v, *args, **kwargs):
+        y = real(q, k, v, *args, **kwargs)
+        counter = None if torch.compiler.is_compiling() else _counter()
+        if counter is None or y.dim() != 4:
+            return y
+        counter.paused = True
+        try:
+            return y.transpose(1, 2).contiguous().transpose(1, 2)
+        finally:
+            counter.paused = False
+
+    F.scaled_dot_product_attention = laid_out
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
 @contextlib.contextmanager
 def fused_norms():
     """Count ``F.rms_norm`` as the one kernel CUDA runs for it (``aten._fused_rms_norm``,
@@ -249,9 +285,8 @@ def fused_norms():
     def one(x, normalized_shape, weight=None, eps=None):
         if torch.compiler.is_compiling():  # a compiled pass makes its own kernels (and
             return real(x, normalized_shape, weight, eps)  # dynamo cannot trace the below)
-        modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
-        counter = next((m for m in modes if isinstance(m, Counter)), None)
-        if counter is None or counter.paused:
+        counter = _counter()
+        if counter is None:
             return real(x, normalized_shape, weight, eps)
         counter.paused = True
         try:
@@ -272,7 +307,8 @@ def gpu_path():
     """Decode as on a GPU: never pack, bucket the key levels (both live in the plan; before
     the sampling package, the packing threshold was in ``anyorder.sample``), no prepacked
     weights, draws and confidence scores in the GPU's chunks, the norms counted as CUDA's
-    fused kernels (:func:`fused_norms`)."""
+    fused kernels (:func:`fused_norms`), attention's output in CUDA's layout
+    (:func:`cuda_attention_layout`)."""
     try:
         import anyorder.sampling.plan as where
     except ImportError:
@@ -296,7 +332,8 @@ def gpu_path():
     except ImportError:
         use_prepacked = None
     try:
-        with use_prepacked(False) if use_prepacked else contextlib.nullcontext(), fused_norms():
+        prepacked = use_prepacked(False) if use_prepacked else contextlib.nullcontext()
+        with prepacked, fused_norms(), cuda_attention_layout():
             yield
     finally:
         where._PACK_BELOW, where.BUCKET_ON_CPU = saved

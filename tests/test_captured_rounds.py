@@ -381,3 +381,37 @@ def test_the_gpu_count_chunks_scores_and_draws_as_a_gpu_does() -> None:
     assert draws.draw_limit(torch.device("cpu")) == draws.DRAW_ELEMENTS
     assert gpu == one < cpu
     assert torch.equal(cpu_score, gpu_score)
+
+
+def test_the_gpu_count_merges_attention_heads_as_a_view_as_cuda_does() -> None:
+    """``launch_overhead.py``'s GPU path returns SDPA's output in CUDA's layout (flash,
+    memory-efficient and cuDNN attention write (B, T, H, D) and return its transpose), so
+    merging the heads of several slots under a mask (a speculative or ARMD pass) is a
+    view, not the copy the CPU's (B, H, T, D) output needs: one kernel fewer a layer, the
+    same numbers."""
+    import sys
+    from pathlib import Path
+
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from launch_overhead import Counter, cuda_attention_layout
+
+    attn = tiny_model("armd", seq_len=16, vocab_size=11).blocks[0].attn
+    g = torch.Generator().manual_seed(0)
+    H, D = attn.n_head, attn.head_dim
+    q, k, v = (torch.randn(2, H, 5, D, generator=g) for _ in range(3))
+    mask = (torch.rand(2, 1, 5, 5, generator=g) < 0.5) | torch.eye(5, dtype=torch.bool)
+    plain, laid_out = Counter(), Counter()
+    with torch.no_grad():
+        with plain:
+            a = attn.attend(q, k, v, mask, empty=False)
+        with cuda_attention_layout():
+            with Counter():
+                y = F.scaled_dot_product_attention(q, k, v)
+            with laid_out:
+                b = attn.attend(q, k, v, mask, empty=False)
+    assert y.shape == q.shape and y.transpose(1, 2).is_contiguous()
+    assert F.scaled_dot_product_attention(q, k, v).is_contiguous()  # restored
+    assert torch.equal(a, b)
+    assert plain.launches - laid_out.launches == 1

@@ -97,7 +97,7 @@ class Attention(nn.Module):
             k = self._rotate(self._heads(k, Hkv, self.k_norm), pos)
             return q, k, self._heads(v, Hkv)
         # queries and keys at the same positions: their heads side by side, (B, H + Hkv, T,
-        # D), rotated at once: the same numbers, half the rotation's kernels (four, and two
+        # D), rotated at once: the same numbers, half the rotation's kernels (three, and two
         # casts under autocast). Normed, the heads are joined first (one copy): worth it
         # where launches bound the pass (decoding), not in training (a copy of q and k, and
         # the gains' gradients summed in another order)

@@ -83,15 +83,17 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def rotate(x: Tensor, tables: Rotary) -> Tensor:
-    """:func:`apply_rope` with :func:`rotary` tables: the same numbers (``a + (-b)`` is
-    ``a - b`` exactly in floating point), fewer kernels and no angles recomputed per layer.
+    """:func:`apply_rope` with :func:`rotary` tables in three kernels (a product, the halves
+    swapped, a fused multiply-add), no angles recomputed per layer: the same numbers to
+    within an ulp (``a + (-b)`` is ``a - b`` exactly; the multiply-add rounds once where
+    :func:`apply_rope` rounds twice).
     A bf16 or fp16 ``x`` against fp32 tables (autocast) is not cast first: the products
     promote it to fp32 in their own kernels (exactly, as the cast would), one launch fewer
     (not under an autocast of another dtype: its ``cat`` refuses the input's)."""
     cos, sin = tables
     xf = x if _promoted(x, cos) else x.float()
     x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat([x2, x1], dim=-1) * sin).type_as(x)
+    return torch.addcmul(xf * cos, torch.cat([x2, x1], dim=-1), sin).type_as(x)
 
 
 def _promoted(x: Tensor, cos: Tensor) -> bool:
