@@ -134,6 +134,32 @@ def _huge_export_config(folder: Path) -> None:
     _edit_json(folder / "exp" / "config.json", lambda c: {**c, "n_layer": 4096, "d_model": 4096})
 
 
+def _tasks(yaml_text: str):
+    """A setup writing a task folder ``tasks/`` of one YAML file (``evil.yaml``), a module
+    beside it that leaves a mark if it is ever imported, and the fixture's perplexity data."""
+
+    def setup(folder: Path) -> None:
+        (folder / "tasks").mkdir()
+        (folder / "tasks" / "evil.yaml").write_text(yaml_text)
+        (folder / "tasks" / "hook.py").write_text("open('pwned', 'w').close()\ndocs = None\n")
+        shutil.copy(REPO / "tests" / "fixtures" / "lm_eval" / "ppl.jsonl", folder / "tasks")
+
+    return setup
+
+
+_TEMPLATE_TASK = """\
+task: evil
+dataset_path: json
+dataset_kwargs: {data_files: {test: tasks/ppl.jsonl}}
+output_type: loglikelihood_rolling
+test_split: test
+doc_to_text: ""
+doc_to_target: "{{ cycler.__init__.__globals__.os.getcwd() }}"
+metric_list: [{metric: bits_per_byte, aggregation: bits_per_byte, higher_is_better: false}]
+"""
+LM_EVAL_TASKS = ["eval", "run", "--suite", "lm-eval", "--tasks", "evil", "--include-path", "tasks"]
+
+
 _HELD: list = []  # run-folder locks held by this process for the rows' lifetime
 
 
@@ -524,6 +550,22 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
         ["eval", "run", "--suite", "lm-eval", "--tasks", "wikitext", "--model-args", "order=up"],
         {},
         None,
+    ),
+    "eval-lm-eval-task-code": (
+        LM_EVAL_TASKS,
+        {},
+        _tasks("task: evil\nprocess_docs: !function hook.docs\n"),
+    ),
+    "eval-lm-eval-task-metric": (
+        LM_EVAL_TASKS,
+        {},
+        _tasks("task: evil\nmetric_list: [{metric: ./hook.py}]\n"),
+    ),
+    # a fresh interpreter: the harness's data loading draws no progress bars on stderr
+    "eval-lm-eval-task-template": (
+        [*LM_EVAL_TASKS, "--limit", "1", "--device", "cpu"],
+        {"HF_DATASETS_OFFLINE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"},
+        _tasks(_TEMPLATE_TASK),
     ),
     "out-dir-is-file": ([*TRAIN, "train.out_dir=cfg.yaml"], {}, None),
     "out-dir-unwritable": ([*TRAIN, "train.out_dir=/proc/anyorder-run"], {}, None),

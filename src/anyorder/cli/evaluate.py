@@ -102,9 +102,19 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     q.add_argument("--temperature", default="1.0", help="comma-separated temperatures")
     q.add_argument("--top-p", type=float, default=None, help="nucleus sampling")
     q.add_argument("--order", choices=("random", "l2r"), default="random", help="sample order")
-    h = p.add_argument_group("lm-eval")
+    _add_harness_flags(p.add_argument_group("lm-eval"))
+
+
+def _add_harness_flags(h) -> None:
+    """The ``lm-eval`` suite's flags of ``anyorder eval``."""
     h.add_argument("--tasks", default=None, help="lm-eval: comma-separated task names")
     h.add_argument("--include-path", default=None, help="lm-eval: a folder of task YAML files")
+    h.add_argument(
+        "--trust-task-code",
+        action="store_true",
+        help="lm-eval: let the --include-path YAML run code (!function tags, metrics from HF "
+        "evaluate, templates outside Jinja's sandbox); without it such a folder is refused",
+    )
     h.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
     h.add_argument("--num-fewshot", type=int, default=None, help="lm-eval: examples per prompt")
     h.add_argument(
@@ -451,6 +461,7 @@ def _eval_harness(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         apply_chat_template=args.apply_chat_template,
         device=args.device,
+        trust_task_code=args.trust_task_code,
     )
     print(make_table(results))
     if args.out:

@@ -23,6 +23,7 @@ def run_harness(
     device: str = "cpu",
     log_samples: bool = False,
     apply_chat_template: bool = False,
+    trust_task_code: bool = False,
 ) -> dict[str, Any]:
     """Evaluate ``pretrained`` on the harness's ``tasks``; returns its results dict.
 
@@ -38,11 +39,15 @@ def run_harness(
         log_samples: keep every request and response under ``results["samples"]``.
         apply_chat_template: render each prompt with the model's chat template
             (:meth:`AnyorderLM.apply_chat_template`), as the harness's own flag.
+        trust_task_code: let the YAML under ``include_path`` run code (``!function`` tags,
+            metrics from HF evaluate, templates outside Jinja's sandbox); without it such a
+            folder is refused (:mod:`anyorder.harness.trust`).
     """
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     from anyorder.errors import ConfigError
+    from anyorder.harness.trust import check_task_folder, sandboxed_templates
 
     # the model's arguments first: they cost nothing to check, the task index seconds
     clash = sorted(set(model_args or {}) & {"pretrained", "batch_size", "device"})
@@ -51,6 +56,8 @@ def run_harness(
             f"model_args {clash[0]}: run_harness takes it as its own argument; leave it out "
             "of model_args"
         )
+    if include_path is not None:  # read, not run: before the model loads
+        check_task_folder(include_path, trust=trust_task_code)
     args = dict(model_args or {}, batch_size=batch_size, device=device)
     lm = AnyorderLM(pretrained, **args)
     manager = TaskManager(include_path=include_path)
@@ -60,17 +67,19 @@ def run_harness(
             f"--tasks {missing[0]}: not a task the harness knows; list them with "
             "python -m anyorder.harness ls tasks (add --include-path DIR for your own YAML)"
         )
-    return simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=log_samples,
-        apply_chat_template=apply_chat_template,
-        device=device,
-        batch_size=batch_size,
-    )
+    sandbox = sandboxed_templates(include_path, trust=trust_task_code or include_path is None)
+    with sandbox:
+        return simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            log_samples=log_samples,
+            apply_chat_template=apply_chat_template,
+            device=device,
+            batch_size=batch_size,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
