@@ -226,3 +226,32 @@ def run_two_ranks(script: Path, overrides: str, store: Path, timeout: float = 30
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-5000:]
     return outputs
+
+
+def parquet_declaring(path: Path, declared: int) -> Path:
+    """A parquet file of a few kilobytes (one ``text`` column of 3 rows) whose footer
+    declares ``declared`` bytes of it uncompressed: the column chunk's and the row group's
+    sizes, zigzag varints in the footer's Thrift, are rewritten (the footer grows, and its
+    length after it is rewritten too). Only the footer says so; the pages are as written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def varint(value: int) -> bytes:  # Thrift compact: a zigzag i64, 7 bits a byte
+        value, out = value << 1, bytearray()
+        while value >= 0x80:
+            out.append(value & 0x7F | 0x80)
+            value >>= 7
+        return bytes(out + bytes([value]))
+
+    pq.write_table(pa.table({"text": ["x" * 1000] * 3}), path, compression="zstd")
+    data = path.read_bytes()
+    n = int.from_bytes(data[-8:-4], "little")
+    footer = data[-8 - n : -8]
+    real = pq.ParquetFile(path).metadata.row_group(0).column(0).total_uncompressed_size
+    field = b"\x16"  # the next field (delta 1), of type i64
+    assert field + varint(real) in footer
+    footer = footer.replace(field + varint(real), field + varint(declared))
+    path.write_bytes(data[: -8 - n] + footer + len(footer).to_bytes(4, "little") + b"PAR1")
+    meta = pq.ParquetFile(path).metadata.row_group(0)
+    assert meta.column(0).total_uncompressed_size == meta.total_byte_size == declared
+    return path

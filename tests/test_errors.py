@@ -32,7 +32,7 @@ import pytest
 
 from cli_zygote import Zygote
 
-from conftest import REPO
+from conftest import REPO, parquet_declaring
 
 ERRORS_MD = REPO / "docs" / "errors.md"
 CONFIG = """\
@@ -456,6 +456,11 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "data-empty-file": ([*TRAIN, "data.source=corpus/empty.txt", *FRESH], {}, None),
     "data-empty-folder": ([*TRAIN, "data.source=emptydir", *FRESH], {}, None),
     "data-unreadable": ([*TRAIN, "data.source=corpus/bad.parquet", *FRESH], {}, None),
+    "data-parquet-too-large": (
+        [*TRAIN, "data.source=corpus/claims.parquet", *FRESH],
+        {},
+        lambda folder: parquet_declaring(folder / "corpus" / "claims.parquet", 10**15),
+    ),
     "data-too-small": ([*TRAIN, "data.source=corpus/tiny.txt", *FRESH], {}, None),
     "tokenizer-vocab-resume": ([*TRAIN, "data.tokenizer=tok300"], {}, None),
     "tokenizer-vocab-init-from": (

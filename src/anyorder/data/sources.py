@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from anyorder.data.files import bounded_lines, special_kind
+from anyorder.data.files import bounded_lines, check_parquet_text, special_kind
 from anyorder.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -310,6 +310,7 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
             f"{path} has no column {text_field!r} (it has: {', '.join(pf.schema_arrow.names)}); "
             "set data.text_field to the column that holds the text"
         )
+    check_parquet_text(pf.metadata, text_field, path, whole=False)
     for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
         for value in batch.column(0).to_pylist():
             yield _text_of({text_field: value}, text_field, str(path))
@@ -335,6 +336,19 @@ def _read_file(path: Path, text_field: str, pieces: bool = False) -> Iterator[st
         raise _not_text(path) from None
     except Exception as e:  # OSError, a corrupt parquet file, ...
         raise DataError(f"cannot read {path} ({_first_line(e)}); fix or remove the file") from None
+
+
+def _check_parquet_files(files: list[Path], text_field: str) -> None:
+    """:func:`check_parquet_text` on each file's footer (one that cannot be read is left to
+    ``datasets`` to name)."""
+    import pyarrow.parquet as pq
+
+    for path in files:
+        try:
+            metadata = pq.ParquetFile(path).metadata
+        except Exception:
+            continue
+        check_parquet_text(metadata, text_field, path, whole=False)
 
 
 def _import_datasets() -> Any:
@@ -364,6 +378,8 @@ def _hf_documents(rest: str, text_field: str, streaming: bool, split: str) -> It
                 "at a time, so keep one kind per folder"
             )
         builder = {".jsonl": "json", ".parquet": "parquet", ".txt": "text"}[suffixes.pop()]
+        if builder == "parquet":  # read by datasets a row group at a time
+            _check_parquet_files(files, text_field)
         # Streaming reads the files in place instead of copying them into the datasets cache.
         args: tuple[Any, ...] = (builder,)
         kwargs: dict[str, Any] = dict(data_files={split: [str(f) for f in files]}, streaming=True)

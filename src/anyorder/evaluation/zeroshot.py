@@ -61,7 +61,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from anyorder.data.files import bounded_lines
+from anyorder.data.files import bounded_lines, check_parquet_text
 from anyorder.data.untrusted import open_regular
 from anyorder.errors import DataError
 from anyorder.evaluation.detokenize import (  # noqa: F401 (re-exported: the protocol's detokenizers)
@@ -241,6 +241,7 @@ def _local_rows(folder: Path, field: str) -> list[str]:
                 elif path.suffix == ".parquet":
                     import pyarrow.parquet as pq
 
+                    check_parquet_text(pq.ParquetFile(f).metadata, field, path, whole=True)
                     rows += [str(v) for v in pq.read_table(f, columns=[field]).column(field)]
                 else:
                     rows += _json_rows(io.TextIOWrapper(f, encoding="utf-8"), field, path)
