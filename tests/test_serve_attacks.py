@@ -439,7 +439,8 @@ def test_bad_bodies_get_400(server) -> None:
             b'{"text": "\xff\xfe"}',
             "the body is not UTF-8 (byte 0xff at offset 10); send the JSON body in UTF-8",
         ),
-        (b"\xef\xbb\xbf{}", "the body is not JSON (Unexpected UTF-8 BOM"),
+        # one byte-order mark is dropped (test_a_utf8_bom_is_dropped), a second is text
+        (b"\xef\xbb\xbf\xef\xbb\xbf{}", "the body is not JSON (Unexpected UTF-8 BOM"),
         (b'{"temperature": NaN}', "NaN is not a JSON number; send a finite number"),
         (b'{"temperature": -Infinity}', "-Infinity is not a JSON number; send a finite number"),
         (b'{"steps": 1e999, "mode": "lemma1"}', "field 'steps' must be a whole number"),
@@ -496,6 +497,19 @@ def test_compressed_or_not_utf8_bodies_are_named(server) -> None:
                 typed(b'{"length": 8}', "application/json; charset=iso-8859-1")):  # fmt: skip
         assert ask(server, raw, timeout=60)[0] == 200
     info_within_a_second(server)
+
+
+def test_a_utf8_bom_is_dropped(server) -> None:
+    """A body that starts with a UTF-8 byte-order mark (Windows' tools write one) was "the
+    body is not JSON (Unexpected UTF-8 BOM ...)": RFC 8259 lets a parser ignore it, and one
+    is dropped."""
+    from anyorder.serve.guard import body_text
+
+    assert body_text(b"\xef\xbb\xbf{}", "application/json") == "{}"
+    assert body_text("\ufeff\ufeff{}".encode(), None) == "\ufeff{}"  # one only
+    assert body_text('{"a": "\ufeff"}'.encode(), None) == '{"a": "\ufeff"}'  # not inside
+    status, _, answer = ask(server, post(b"\xef\xbb\xbf" + b'{"length": 8}'), timeout=60)
+    assert status == 200 and answer.startswith(b'event: start\ndata: {"n": 8,'), answer[:200]
 
 
 def test_huge_numbers_are_refused_in_one_short_line(server) -> None:

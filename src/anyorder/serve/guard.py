@@ -156,7 +156,9 @@ def body_refusal(headers: Any) -> Refusal | None:
 
 def body_text(raw: bytes, content_type: str | None) -> str:
     """The body as text: JSON is UTF-8 (RFC 8259), and a NUL byte is in no JSON text but in
-    every UTF-16 or UTF-32 one of ASCII characters (so one without a BOM is named too).
+    every UTF-16 or UTF-32 one of ASCII characters (so one without a BOM is named too). One
+    leading UTF-8 byte-order mark (U+FEFF, as Windows tools write) is dropped: RFC 8259
+    lets a parser ignore it, and ``json.loads`` called it "not JSON".
 
     Raises:
         SamplingError: naming the first byte that is not UTF-8 JSON, and a charset other
@@ -169,7 +171,7 @@ def body_text(raw: bytes, content_type: str | None) -> str:
     except UnicodeDecodeError as e:
         at = e.start if nul < 0 else min(nul, e.start)
     if at < 0:
-        return text
+        return text.removeprefix("\ufeff")
     what = f"byte 0x{raw[at]:02x} at offset {at}"
     if raw[at] == 0:
         what = f"a NUL byte at offset {at}, as UTF-16 and UTF-32 text hold"
