@@ -160,6 +160,17 @@ metric_list: [{metric: bits_per_byte, aggregation: bits_per_byte, higher_is_bett
 LM_EVAL_TASKS = ["eval", "run", "--suite", "lm-eval", "--tasks", "evil", "--include-path", "tasks"]
 
 
+def _sparse(name: str):
+    """A setup writing ``name``: a sparse file of 1 TiB (no disk; only ``stat`` may see it)."""
+
+    def setup(folder: Path) -> None:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        with open(folder / name, "wb") as f:
+            f.truncate(1 << 40)
+
+    return setup
+
+
 _HELD: list = []  # run-folder locks held by this process for the rows' lifetime
 
 
@@ -456,6 +467,21 @@ ROWS: dict[str, tuple[list[str], dict[str, str], object]] = {
     "data-empty-file": ([*TRAIN, "data.source=corpus/empty.txt", *FRESH], {}, None),
     "data-empty-folder": ([*TRAIN, "data.source=emptydir", *FRESH], {}, None),
     "data-unreadable": ([*TRAIN, "data.source=corpus/bad.parquet", *FRESH], {}, None),
+    "data-txt-too-large-bpe": (
+        [*TRAIN, "data.source=corpus/huge", "data.tokenizer=bpe:300", *FRESH],
+        {},
+        _sparse("corpus/huge/huge.txt"),
+    ),
+    "data-hf-txt-too-large": (
+        [*TRAIN, "data.source=hf:corpus/huge", *FRESH],
+        {},
+        _sparse("corpus/huge/huge.txt"),
+    ),
+    "eval-data-dir-too-large": (
+        ["eval", "run", "--suite", "zero-shot", "--datasets", "lambada", "--data-dir", "dd"],
+        {},
+        _sparse("dd/lambada/huge.txt"),
+    ),
     "data-parquet-too-large": (
         [*TRAIN, "data.source=corpus/claims.parquet", *FRESH],
         {},

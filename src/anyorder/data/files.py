@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,17 +65,18 @@ def bounded_lines(f: TextIO, path: Path | str) -> Iterator[tuple[int, str]]:
         yield lineno, line
 
 
-PARQUET_MEMORY_SHARE = 4
-"""A parquet file's text is read only while the uncompressed size its own metadata declares
-is at most 1/4 of the memory available now (:func:`check_parquet_text`): pyarrow's buffers,
-the Python strings made from them and the tokens made from those each take as much again.
-The file's size on disk says nothing of it: 10 GB of one repeated character compress to
-kilobytes."""
+MEMORY_SHARE = 4
+"""Text read whole is read only while it is at most 1/4 of the memory available now: a
+parquet column by the uncompressed size its own footer declares (:func:`check_parquet_text`;
+its size on disk says nothing of it, 10 GB of one repeated character compress to
+kilobytes), a text file by its size (:func:`check_whole_read`). The bytes, the Python string
+made from them (up to 4 bytes a character) and the tokens made from that each take as much
+again."""
 
 
 def check_parquet_text(metadata, column: str, path: Path | str, *, whole: bool) -> None:
     """Refuse a parquet file whose text column declares more uncompressed bytes than the
-    memory available now can hold (see :data:`PARQUET_MEMORY_SHARE`), before a page of it is
+    memory available now can hold (see :data:`MEMORY_SHARE`), before a page of it is
     read. ``metadata``: ``pyarrow.parquet.ParquetFile(path).metadata`` (its footer only).
     ``whole``: the file is read whole (a zero-shot test set), so its row groups add up;
     otherwise it is read a row group at a time (a data source), so the largest counts. A
@@ -96,7 +98,7 @@ def check_parquet_text(metadata, column: str, path: Path | str, *, whole: bool) 
         i, (size, disk) = max(enumerate(sizes), key=lambda s: s[1][0])
         what = f"row group {i} of " if len(sizes) > 1 else ""
     avail = available_memory()
-    if size > avail // PARQUET_MEMORY_SHARE:
+    if size > avail // MEMORY_SHARE:
         fix = "split it into smaller files" if whole else (
             "write it in smaller row groups, e.g. pyarrow.parquet.write_table(table, path, "
             "row_group_size=10000), or split it into smaller files"
@@ -104,5 +106,41 @@ def check_parquet_text(metadata, column: str, path: Path | str, *, whole: bool) 
         raise DataError(
             f"{path}: {what}column {column!r} declares {format_bytes(size)} of text "
             f"uncompressed ({format_bytes(disk)} on disk), more than a quarter of the "
+            f"{format_bytes(avail)} of memory available now; {fix}"
+        )
+
+
+def check_parquet_files(files: list[Path], column: str) -> None:
+    """:func:`check_parquet_text` on each file's footer, a row group at a time (``datasets``
+    reads them so; a file whose footer cannot be read is left to it to name)."""
+    import pyarrow.parquet as pq
+
+    for path in files:
+        try:
+            metadata = pq.ParquetFile(path).metadata
+        except Exception:
+            continue
+        check_parquet_text(metadata, column, path, whole=False)
+
+
+WHOLE_READ_FREE = 1 << 22
+"""A file of at most this many bytes (4 MiB) is read whole unasked: it fits wherever this
+runs, and a corpus of a million small files asks the memory nothing (34 us a question)."""
+
+
+def check_whole_read(path: Path | str, how: str, fix: str, size: int | None = None) -> None:
+    """Refuse a file (or a folder's files, ``size`` bytes together) that is read whole
+    (``how``) and is larger than :data:`MEMORY_SHARE` of the memory available now, from
+    ``os.stat`` alone: the fix in one line, not the kernel's out-of-memory kill. One of at
+    most :data:`WHOLE_READ_FREE` bytes passes unasked."""
+    from anyorder.memory import available_memory, format_bytes
+
+    size = os.stat(path).st_size if size is None else size
+    if size <= WHOLE_READ_FREE:
+        return
+    avail = available_memory()
+    if size > avail // MEMORY_SHARE:
+        raise DataError(
+            f"{path} is {format_bytes(size)}, {how}: more than a quarter of the "
             f"{format_bytes(avail)} of memory available now; {fix}"
         )

@@ -37,7 +37,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from anyorder.data.files import bounded_lines, check_parquet_text, special_kind
+from anyorder.data.files import (
+    bounded_lines,
+    check_parquet_files,
+    check_parquet_text,
+    check_whole_read,
+    special_kind,
+)
 from anyorder.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -322,6 +328,11 @@ def _read_file(path: Path, text_field: str, pieces: bool = False) -> Iterator[st
         if suffix == ".txt" and pieces and path.stat().st_size > LONG_TEXT_BYTES:
             yield LongText(path)
         elif suffix == ".txt":
+            check_whole_read(
+                path, "read whole as one document (a bpe:VOCAB tokenizer learns from whole "
+                "documents)", "split it into smaller .txt files, or use a tokenizer trained "
+                "already (data.tokenizer=bytes, gpt2 or a tokenizer folder)",
+            )  # fmt: skip
             # Text mode (universal newlines) matches the datasets text builder exactly.
             with open(path, encoding="utf-8") as f:
                 yield _checked(f.read(), path)
@@ -336,19 +347,6 @@ def _read_file(path: Path, text_field: str, pieces: bool = False) -> Iterator[st
         raise _not_text(path) from None
     except Exception as e:  # OSError, a corrupt parquet file, ...
         raise DataError(f"cannot read {path} ({_first_line(e)}); fix or remove the file") from None
-
-
-def _check_parquet_files(files: list[Path], text_field: str) -> None:
-    """:func:`check_parquet_text` on each file's footer (one that cannot be read is left to
-    ``datasets`` to name)."""
-    import pyarrow.parquet as pq
-
-    for path in files:
-        try:
-            metadata = pq.ParquetFile(path).metadata
-        except Exception:
-            continue
-        check_parquet_text(metadata, text_field, path, whole=False)
 
 
 def _import_datasets() -> Any:
@@ -379,11 +377,17 @@ def _hf_documents(rest: str, text_field: str, streaming: bool, split: str) -> It
             )
         builder = {".jsonl": "json", ".parquet": "parquet", ".txt": "text"}[suffixes.pop()]
         if builder == "parquet":  # read by datasets a row group at a time
-            _check_parquet_files(files, text_field)
+            check_parquet_files(files, text_field)
         # Streaming reads the files in place instead of copying them into the datasets cache.
         args: tuple[Any, ...] = (builder,)
         kwargs: dict[str, Any] = dict(data_files={split: [str(f) for f in files]}, streaming=True)
-        if builder == "text":
+        if builder == "text":  # each file one document, read whole by datasets
+            for f in files:
+                check_whole_read(
+                    f, "and datasets reads each .txt file of an hf: folder whole",
+                    f"give the folder without hf: (data.source={rest}), where a large .txt "
+                    "file is read in pieces, or split the file",
+                )  # fmt: skip
             kwargs.update(sample_by="document", encoding_errors="replace")
             text_field = "text"  # the text builder always names its column "text"
     else:

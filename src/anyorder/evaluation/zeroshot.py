@@ -61,7 +61,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from anyorder.data.files import bounded_lines, check_parquet_text
+from anyorder.data.files import bounded_lines, check_parquet_text, check_whole_read
 from anyorder.data.untrusted import open_regular
 from anyorder.errors import DataError
 from anyorder.evaluation.detokenize import (  # noqa: F401 (re-exported: the protocol's detokenizers)
@@ -228,6 +228,12 @@ def _local_rows(folder: Path, field: str) -> list[str]:
         raise DataError(
             f"{folder} holds no .txt, .jsonl or .parquet file; put the test split there"
         )
+    # the set is held whole (and a .txt file read whole): sized before a byte is read
+    sizes = [p.stat().st_size for p in files if p.is_file() and p.suffix != ".parquet"]
+    check_whole_read(
+        folder, f"the test examples of its {len(sizes)} .txt/.jsonl/.json file(s), held whole",
+        "evaluate a smaller part of the set", size=sum(sizes),
+    )  # fmt: skip
     rows: list[str] = []
     for path in files:
         f = open_regular(path)  # never a named pipe (it would block for ever) or a device
