@@ -113,6 +113,19 @@ def test_the_fixture_tasks_and_the_harness_own_includes_pass(tmp_path) -> None:
     check_task_folder(str(folder))
 
 
+def test_yaml_nested_past_the_stack_is_skipped_as_the_harness_skips_it(
+    tmp_path, monkeypatch
+) -> None:
+    """Python's own YAML reader (where libyaml is absent) recurses once per level."""
+    import yaml
+
+    from anyorder.harness.trust import check_task_folder
+
+    monkeypatch.setattr(yaml, "__with_libyaml__", False)
+    folder = _folder(tmp_path, "task: x\na: " + "[" * 5000 + "]" * 5000 + "\n")
+    check_task_folder(str(folder))
+
+
 @pytest.fixture(scope="module")
 def export(tmp_path_factory) -> Path:
     from anyorder.checkpoint.exporting import save_pretrained

@@ -101,7 +101,7 @@ def check_task_folder(include_path: str, trust: bool = False) -> None:
         try:
             with open(real, "rb") as f:
                 cfg = yaml.load(f, Loader=_loader(found))  # noqa: S506 (a safe loader)
-        except (OSError, yaml.YAMLError):
+        except (OSError, yaml.YAMLError, RecursionError):  # nested past Python's stack
             continue  # the harness skips a file it cannot read as YAML all the same
         if found:
             tag, value = found[0]
