@@ -176,42 +176,46 @@ def _requests(n_max: int):
         prompt=st.sampled_from(["none", "prefix", "scattered", "per-row"]),
         seed=st.integers(0, 2**16),
         path=st.sampled_from(PATHS),
+        direct=st.booleans(),
     )
 
 
 @settings(max_examples=40, derandomize=True, **_DIFF)
 @given(**_requests(24))
 def test_accepted_tokens_use_the_uncached_logits_of_the_final_order(
-    kind, n, batch, K, prompt, seed, path
+    kind, n, batch, K, prompt, seed, path, direct
 ):
     """Every generated slot was drawn from (or verified against) the logits the uncached
     forward gives at that slot of the final order, whatever was drafted and rejected; on
-    the CPU's path, the GPU's (static widths and key levels) and the GPU's captured."""
-    _check_against_oracle(kind, n, batch, K, prompt, seed, path)
+    the CPU's path, the GPU's (static widths and key levels) and the GPU's captured, its
+    lookup tables a row per count or shared (``direct``)."""
+    _check_against_oracle(kind, n, batch, K, prompt, seed, path, direct=direct)
 
 
 @pytest.mark.slow
 @settings(max_examples=_SLOW, **_DIFF)
 @given(**_requests(60))
-def test_accepted_tokens_use_the_uncached_logits_many(kind, n, batch, K, prompt, seed, path):
-    _check_against_oracle(kind, n, batch, K, prompt, seed, path)
+def test_accepted_tokens_use_the_uncached_logits_many(
+    kind, n, batch, K, prompt, seed, path, direct
+):
+    _check_against_oracle(kind, n, batch, K, prompt, seed, path, direct=direct)
 
 
 @settings(max_examples=int(os.environ.get("ANYORDER_SPEC_EXAMPLES", "12")), derandomize=True,
           **_DIFF)  # fmt: skip
 @given(**_requests(24), trunk=st.sampled_from(sorted(FAMILY_TRUNKS)))
 def test_accepted_tokens_use_the_uncached_logits_on_family_trunks(
-    kind, n, batch, K, prompt, seed, path, trunk
+    kind, n, batch, K, prompt, seed, path, direct, trunk
 ):
     """The same on the trunks of Llama 3, Qwen2, Qwen3 and Mistral (issue 33): grouped-query
     attention with caches of the key/value heads, explicit widths, biases, RoPE scaling."""
     if kind.endswith("-ref"):
         kind = kind[: -len("-ref")].replace("sigmagpt", "aogpt")
-    _check_against_oracle(kind, n, batch, K, prompt, seed, path, FAMILY_TRUNKS[trunk])
+    _check_against_oracle(kind, n, batch, K, prompt, seed, path, FAMILY_TRUNKS[trunk], direct)
 
 
-def _check_against_oracle(kind, n, batch, K, prompt, seed, path, trunk=None) -> None:
-    from anyorder.sampling import rounds
+def _check_against_oracle(kind, n, batch, K, prompt, seed, path, trunk=None, direct=True):
+    from anyorder.sampling import lookups, rounds
 
     shape = dict(vocab_size=5, seq_len=64, d_model=32, **(trunk or {}))
     model = _moved(_variant(kind, **shape), seed % 5)
@@ -228,13 +232,15 @@ def _check_against_oracle(kind, n, batch, K, prompt, seed, path, trunk=None) -> 
     k = int(known[0].sum())
     static = path != "cpu"
     saved, rounds.STATIC_ON_CPU = rounds.STATIC_ON_CPU, path == "static"
+    budget = lookups.DIRECT_BYTES
+    lookups.DIRECT_BYTES = budget if direct else 0
     try:
         out = speculative_sample(
             model, n, K, batch=batch, prompt=tokens, known=known, generator=g,
             keep_logits=True, graphs="emulate" if path == "captured" else False,
         )  # fmt: skip
     finally:
-        rounds.STATIC_ON_CPU = saved
+        rounds.STATIC_ON_CPU, lookups.DIRECT_BYTES = saved, budget
     assert torch.equal(out.tokens[known], tokens[known])
     with torch.no_grad():
         oracle = model(out.tokens, out.order)
@@ -268,6 +274,41 @@ def test_rejected_drafts_are_never_seen(kind: str) -> None:
     ref = model(out.tokens, out.order)
     torch.testing.assert_close(out.logits, ref, atol=2e-5, rtol=0)
     _check_counts(out, 14, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("path", PATHS)
+def test_the_hooks_report_token_0_at_the_padding(kind, path, monkeypatch) -> None:
+    """A pass's padding slot holds whatever padding drew there (no kernel zeroes it); the
+    hooks report its tokens as 0: the steps' padding positions, the verified drafts' past
+    ``D`` and a finished row's closing token, and the real ones as decoded."""
+    from anyorder.sampling import rounds
+
+    monkeypatch.setattr(rounds, "STATIC_ON_CPU", path == "static")
+    n, B = 14, 4
+    model = _moved(tiny_model(kind, vocab_size=5), 3)
+    g = torch.Generator().manual_seed(1)
+    known = torch.zeros(B, n, dtype=torch.bool)
+    for b in range(B):  # rows accept different runs, and finish at different passes
+        known[b, torch.randperm(n, generator=g)[:5]] = True
+    steps, rounds_seen = [], []
+    out = speculative_sample(
+        model, n, 4, batch=B, prompt=torch.randint(1, 5, (B, n), generator=g), known=known,
+        generator=g, graphs="emulate" if path == "captured" else False,
+        on_step=lambda p, t, i: steps.append((p.clone(), t.clone())),
+        on_round=lambda r: rounds_seen.append({k: v.clone() for k, v in r.items()}),
+    )  # fmt: skip
+    padded = closed = 0
+    for p, t in steps:
+        assert (t[p == n] == 0).all()
+        real = p < n
+        assert torch.equal(t[real], out.tokens.gather(1, p.clamp(max=n - 1))[real])
+        padded += int((p == n).sum())
+    for r in rounds_seen:
+        assert (r["tokens"][r["positions"] == n] == 0).all()
+        assert (r["token"][r["position"] == n] == 0).all()
+        closed += int((r["position"] == n).sum())
+    assert padded > 0 and closed > 0
 
 
 def test_speculative_errors() -> None:
@@ -306,26 +347,36 @@ def test_the_gpu_paths_lean_tables_are_the_general_ones(n, K, rows, seed) -> Non
 
 
 @pytest.mark.parametrize("armd", [False, True])
-def test_the_lookup_tables_do_not_grow_with_n(armd) -> None:
-    """lookups.Counts (what a round after the first looks up by its counts) takes the same
-    bytes at n = 64 and n = 4096 (K = 16: under 1 MB, where a row per count took 57 MB at
-    n = 4096), and its rows at every count equal the formulas' (count_codes, After.rows),
-    in the steady counts and the last 2K alike."""
+def test_the_lookup_tables_do_not_grow_with_n(armd, monkeypatch) -> None:
+    """lookups.Counts (what a round after the first looks up by its counts) keeps a row per
+    count while that takes at most lookups.DIRECT_BYTES, and past it takes the same bytes
+    at any n (K = 16: under 1 MB at n = 4096 and 32,768, where a row per count takes 43 and
+    347 MB; lookups.direct_bytes says how much). Its rows at every count equal the
+    formulas' (count_codes, After.rows), in the steady counts and the last 2K alike, either
+    way."""
+    from anyorder.sampling import lookups
     from anyorder.sampling.lookups import Counts, count_codes
 
     def size(looks):
-        return sum(t.nbytes for t in (looks.bounds, looks.codes, looks.after.table))
+        tables = (looks.bounds, looks.codes, looks.after.table)
+        return sum(t.nbytes for t in tables if t is not None)
 
-    assert size(Counts(64, 16, armd, True, "cpu")) == size(Counts(4096, 16, armd, True, "cpu"))
-    assert size(Counts(4096, 16, armd, True, "cpu")) < 2**20
-    for n, K in ((4096, 8), (37, 5), (9, 4), (5, 1)):
-        looks = Counts(n, K, armd, True, "cpu")
-        c = torch.arange(1, n + 1)
-        at = looks.index(c)
-        assert torch.equal(looks.codes_at(at, c), count_codes(c, K, n, armd))
-        rows = looks.after.rows(c)
-        for r in range(K):
-            assert torch.equal(looks.after_at(at, c, torch.full_like(c, r)), rows[:, r])
+    small, big = Counts(64, 16, armd, True, "cpu"), Counts(32768, 16, armd, True, "cpu")
+    assert small.direct and not big.direct and not Counts(4096, 16, armd, True, "cpu").direct
+    assert size(small) == lookups.direct_bytes(64, 16, armd, True)
+    assert size(small) <= lookups.DIRECT_BYTES
+    assert size(big) == size(Counts(4096, 16, armd, True, "cpu")) < 2**20
+    for budget in (1 << 40, 0):  # a row per count always, never
+        monkeypatch.setattr(lookups, "DIRECT_BYTES", budget)
+        for n, K in ((4096, 8), (37, 5), (9, 4), (5, 1)):
+            looks = Counts(n, K, armd, True, "cpu")
+            assert looks.direct == (budget > 0)
+            c = torch.arange(1, n + 1)
+            at = looks.index(c)
+            assert torch.equal(looks.codes_at(at, c), count_codes(c, K, n, armd))
+            rows = looks.after.rows(c)
+            for r in range(K):
+                assert torch.equal(looks.after_at(at, c, torch.full_like(c, r)), rows[:, r])
 
 
 def test_counts_that_break_their_invariants_are_refused() -> None:

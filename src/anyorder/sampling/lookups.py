@@ -30,9 +30,12 @@ Design choices:
   ``2K`` counts keep a row each. The round finds its rows' index with one kernel
   (:meth:`Counts.index`) and adds ``c * mask`` with one more per table.
 * The tables cost ``(2K + 1) x 2 x F x W`` (a pass table's size) and ``(2K + 1) x K x 2 x
-  (5K + 6)`` int64 entries per decode, whatever ``n``: under 1 MB at ``K = 16``, 46 MB at
+  (4K + 7)`` int64 entries per decode, whatever ``n``: under 1 MB at ``K = 16``, 38 MB at
   ``K = 64`` (a row per count took 460 MB at ``n = 32768``, ``K = 16``), made once, on the
   device.
+* **A row per count where that is small** (:data:`DIRECT_BYTES`; ``n = 1024``, ``K = 4``
+  takes 1.1 MB, 1.5 MB for ARMD): the round then looks its rows up by the counts
+  themselves, three kernels fewer (the index search and the two adds); the same entries.
 """
 
 from __future__ import annotations
@@ -130,18 +133,33 @@ def drafts_of(c: Tensor, K: int, n: int) -> Tensor:
     return (n - 1 - c).clamp(0, K - 1)
 
 
+DIRECT_BYTES = 16 << 20
+"""The most bytes a decode's lookup tables take as a row per count (:class:`Counts`); past
+it, the counts below the last ``2K`` share one row (:func:`by_count`)."""
+
+
+def direct_bytes(n: int, K: int, armd: bool, codes: bool) -> int:
+    """The bytes of a decode's tables kept as a row per count (0..n), int64: the pass
+    table's codes (``F x W``) and :class:`After`'s ``K`` rows of ``4K + 7``."""
+    fw = 8 * (3 * K - 1) if armd else 6 * (2 * K - 1)
+    return 8 * (n + 1) * ((fw if codes else 0) + K * (4 * K + 7))
+
+
 def tail_start(n: int, K: int) -> int:
     """``c1``, the last count of the steady run (:func:`by_count`): ``n - 2K``, or 0 when
     the decode is too short to have one (then every count keeps its own row)."""
     return n - 2 * K if n - 2 * K >= 2 else 0
 
 
-def by_count(rows_of, n: int, c1: int, device: torch.device | str) -> Tensor:
+def by_count(rows_of, n: int, c1: int | None, device: torch.device | str) -> Tensor:
     """(n - c1 + 1, 2, ...) the rows ``rows_of(c)`` of every count ``c`` (0..n), kept in
     rows independent of ``n``: row 0 holds the steady counts ``c <= c1``, whose every entry
     is a constant or ``c`` plus a constant, as a base (its value at ``c = 0``) and a 0/1
     mask, the row of ``c`` being ``base + c * mask``; row ``t >= 1`` holds count ``c1 + t``
-    as it is (mask 0). Looked up by :func:`at_counts`."""
+    as it is (mask 0). ``c1`` None: (n + 1, 1, ...), every count's row as it is. Looked up
+    by :func:`at_counts`."""
+    if c1 is None:
+        return rows_of(torch.arange(n + 1, device=device))[:, None]
     if c1 == 0:  # a short decode: every count its own row
         rows = rows_of(torch.arange(n + 1, device=device))
         return torch.stack([rows, torch.zeros_like(rows)], 1)
@@ -153,7 +171,10 @@ def by_count(rows_of, n: int, c1: int, device: torch.device | str) -> Tensor:
 
 def at_counts(rows: Tensor, c: Tensor) -> Tensor:
     """The rows (B, ...) of the counts ``c`` (B,) from the (B, 2, ...) base and mask that a
-    :func:`by_count` table gave at their index (:meth:`Counts.index`): one kernel."""
+    :func:`by_count` table gave at their index (:meth:`Counts.index`): one kernel (none
+    from a (B, 1, ...) row per count)."""
+    if rows.shape[1] == 1:
+        return rows[:, 0]
     return torch.addcmul(rows[:, 0], c.view(-1, *[1] * (rows.dim() - 2)), rows[:, 1])
 
 
@@ -167,22 +188,26 @@ def count_codes(c: Tensor, K: int, n: int, armd: bool) -> Tensor:
 
 
 class Counts:
-    """The tables a round after the first looks up by its rows' counts ``c``, in rows
-    independent of ``n`` (:func:`by_count`): :attr:`codes` (the pass table's codes, for
-    ``c >= 1``) and :attr:`after` (:class:`After`). :meth:`index` finds the rows' entries
-    (one kernel, shared by both)."""
+    """The tables a round after the first looks up by its rows' counts ``c``: :attr:`codes`
+    (the pass table's codes, for ``c >= 1``) and :attr:`after` (:class:`After`), a row per
+    count within :data:`DIRECT_BYTES` (:attr:`direct`), else in rows independent of ``n``
+    (:func:`by_count`). :meth:`index` finds the rows' entries (one kernel, shared by both;
+    none for a row per count)."""
 
     def __init__(self, n: int, K: int, armd: bool, codes: bool, device) -> None:
-        c1 = tail_start(n, K)
-        self.bounds = torch.arange(c1, n + 1, device=device)  # count c's row: #{b < c}
+        self.direct = direct_bytes(n, K, armd, codes) <= DIRECT_BYTES
+        c1 = None if self.direct else tail_start(n, K)
+        # count c's row: #{b < c} (a row per count: c itself)
+        self.bounds = None if self.direct else torch.arange(c1, n + 1, device=device)
         self.codes = (
             by_count(lambda c: count_codes(c, K, n, armd), n, c1, device) if codes else None
         )
         self.after = After(n, K, c1, device)
 
     def index(self, c: Tensor) -> Tensor:
-        """The rows' indices into the tables: ``max(c - c1, 0)``, in one kernel."""
-        return torch.bucketize(c, self.bounds)
+        """The rows' indices into the tables: ``max(c - c1, 0)``, in one kernel (``c``
+        itself for a row per count)."""
+        return c if self.direct else torch.bucketize(c, self.bounds)
 
     def codes_at(self, i: Tensor, c: Tensor) -> Tensor:
         """(B, F * W) the codes of the pass table at the rows' counts ``c``, index ``i``."""
@@ -216,8 +241,9 @@ def spec_armd_table(ext: Tensor, c: Tensor, D: Tensor, live: Tensor, K: int) -> 
 class After:
     """What a round does after its ratio tests, for every count ``c`` (0..n) and leading run
     ``r`` (0..K-1) of passed tests: one row of numbers per ``(c, r)`` (:meth:`rows`), kept
-    by :func:`by_count` in :attr:`table` (n - c1 + 1, K, 2, Y) int64 and looked up at the
-    rows' ``(c, r)`` by one index op and one add (:meth:`Counts.after_at`). The accepted
+    by :func:`by_count` in :attr:`table` (n - c1 + 1, K, 2, Y) int64 (a row per count: (n +
+    1, K, 1, Y)) and looked up at the rows' ``(c, r)`` by one index op and one add (none
+    for a row per count; :meth:`Counts.after_at`). The accepted
     drafts are ``m = min(r, D)``, ``D = min(K - 1, n - 1 - c)`` the drafts of a pass after
     the first (the first pass verifies none: it looks up at ``r = m = 0``). Its columns
     (each an attribute, a slice of them):
@@ -228,7 +254,7 @@ class After:
       ``n``), where ``c' = c + m + 1`` (a finished row: ``c``) and ``D' = min(K - 1,
       n - 1 - c')``;
     * :attr:`cols`: the pass's columns the next drafts are drawn from (``m + 1 + i``, at
-      most ``2K - 2``); :attr:`real`: which next drafts are real (1) or padding (0);
+      most ``2K - 2``);
     * :attr:`state`: ``c'``, ``D'``; :attr:`keep_content`: ``max(c' - 1, 0)`` (ARMD's
       content kept);
     * :attr:`moves`: what a pass after the first adds to the rows' counters ``c``, ``D``,
@@ -238,9 +264,10 @@ class After:
       closing token's residual takes off: ``m`` after a rejection (``m < D``), else the
       zeros (``K - 1``)."""
 
-    def __init__(self, n: int, K: int, c1: int, device: torch.device | str) -> None:
+    def __init__(self, n: int, K: int, c1: int | None, device: torch.device | str) -> None:
         self.n, self.K = n, K
-        # (n - c1 + 1, K, 2, Y): a count's base and mask rows (by_count) at each run
+        # (n - c1 + 1, K, 2, Y): a count's base and mask rows (by_count) at each run (or
+        # its row alone: (n + 1, K, 1, Y))
         self.table = by_count(self.rows, n, c1, device).transpose(1, 2).contiguous()
         for name, columns in self.layout.items():
             setattr(self, name, columns)
@@ -266,7 +293,6 @@ class After:
         parts = [  # (name, columns)
             ("positions", [c + m, torch.where(jj <= m, c + jj, n), torch.where(real, c2 + i, n)]),
             ("cols", [(m + 1 + i).clamp(max=J - 1)]),
-            ("real", [real.long()]),
             ("state", [c2, D2]),
             ("keep_content", [(c2 - 1).clamp(min=0)]),
             ("moves", [c2 - c, D2 - D, D, m, torch.ones_like(m)]),

@@ -154,10 +154,11 @@ def speculative_sample(
         batch, order, prompt, known, temperature, top_k, top_p, generator, keep_logits:
             as :func:`~anyorder.sampling.samplers.sequential_sample`.
         on_step: called after each pass with the committed positions and tokens (B, Q)
-            (padding: position ``n``) and the pass index (:data:`~anyorder.sampling.draws.
-            StepHook`).
+            (padding: position ``n``, token 0) and the pass index (:data:`~anyorder.
+            sampling.draws.StepHook`).
         on_round: called after each pass with a dict of (B, ...) device tensors: the
-            ``positions`` and ``tokens`` of the verified drafts (padding: position ``n``),
+            ``positions`` and ``tokens`` of the verified drafts (padding: position ``n``,
+            token 0; a finished row's closing position and token too),
             how many of them were ``accepted``, and the ``position`` and ``token`` that
             closed the round (a replacement after a rejection, else the bonus).
         graphs: capture each round after the first as a CUDA graph (one per key level) and
@@ -297,7 +298,7 @@ class _Loop:
             else:
                 e, cc = c, (c - 1).clamp(min=0) if self.armd else c
             logits = eng.run(ext, _round(ext, c, e, cc, D, K, n), tok, start, first, reach)
-        # drafts: (B, K-1) the tokens the last pass drew for slots c..c+D-1 (0 past D)
+        # drafts: (B, K-1) the tokens the last pass drew for slots c..c+D-1 (any past D)
         q = probabilities(logits, *self.ctl)  # (B, J, V)
         # a finished row (c = n, D = 0) commits nothing: m <= D is 0, and its closing token
         # and its one "committed" column land in the padding slot n (position n)
@@ -316,8 +317,10 @@ class _Loop:
             dslot = (c[:, None] + self.cols).clamp(max=n)
             verified = ext.gather(1, torch.where(self.cols < D[:, None], dslot, n))
             decided = pos[:, 1 : 1 + min(J, K)]  # (B, K), padding n: at most K per pass
-            info = dict(positions=verified, tokens=self.drafts.clone(), accepted=m,
-                        position=pos[:, 0], token=closing, decided=decided)  # fmt: skip
+            # tokens 0 at the padding (position n: what padding drew there)
+            drafts = self.drafts * (self.cols < D[:, None])
+            info = dict(positions=verified, tokens=drafts, accepted=m, position=pos[:, 0],
+                        token=closing * (pos[:, 0] < n), decided=decided)  # fmt: skip
         # c' = c + m + 1 for a live row (none for a finished one), the next drafts (0 once
         # a row is done), the counts (a finished row's D and m are 0), the next pass
         if first:  # (eager) it verified no draft: D was 0, not D(c), and the counts stay
@@ -334,7 +337,8 @@ class _Loop:
             eng.forget(c, after[:, at.keep_content] if self.armd else None)
         self._next_drafts(q, after, pos)
         if info is not None:
-            info["decided_tokens"] = tok.gather(1, info["decided"])
+            decided = info["decided"]
+            info["decided_tokens"] = tok.gather(1, decided) * (decided < n)
         return info
 
     def _verify(self, q: Tensor, first: bool, at_c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -356,9 +360,10 @@ class _Loop:
     def _next_drafts(self, q: Tensor, after: Tensor, pos: Tensor) -> None:
         """The next round's drafts: this pass's outputs at slots ``c'..c'+D'-1`` (columns
         ``m + 1 + i``), drawn and written into the token buffer; their laws into ``p`` and
-        themselves into ``drafts`` (0 past ``D'``: the next pass verifies them as they
-        are). A finished row has ``D' = 0``: no draft is real; the padding drafts land in
-        the padding column ``n`` (read by padding entries only). ``after``, ``pos``: the
+        themselves into ``drafts``. Past ``D'`` a draft is padding, drawn all the same (no
+        kernel spent zeroing it): the next pass's accepted count stops at ``D'`` whatever
+        its tests say, and it lands in the padding column ``n``, read by padding entries
+        only. A finished row has ``D' = 0``: no draft is real. ``after``, ``pos``: the
         round's row of :class:`~anyorder.sampling.lookups.After` and its positions."""
         B, J, V = q.shape
         Kd = self.p.shape[1]
@@ -370,7 +375,7 @@ class _Loop:
             cols = cols.clamp(max=J - 1)
         index = cols.T[..., None].expand(Kd, B, V)  # draft-major, as p_rows
         torch.gather(q.transpose(0, 1), 0, index, out=self.p_rows[:Kd])
-        torch.mul(self.rnd.pick(self.p), after[:, at.real], out=self.drafts)
+        self.rnd.pick(self.p, out=self.drafts)
         self.tok.scatter_(1, pos[:, at.next_drafts], self.drafts)
 
 

@@ -84,9 +84,9 @@ class Randoms:
     def uniform(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def pick(self, probs: Tensor) -> Tensor:
+    def pick(self, probs: Tensor, out: Tensor | None = None) -> Tensor:
         """One token per row of ``probs`` (..., V) (unnormalised rows are weighed as they
-        are); every row is drawn."""
+        are); every row is drawn (into ``out`` where given)."""
         raise NotImplementedError
 
 
@@ -99,8 +99,9 @@ class LiveRandoms(Randoms):
     def uniform(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
         return uniform(shape, like, self.generator)
 
-    def pick(self, probs: Tensor) -> Tensor:
-        return draw(probs, None, self.generator)
+    def pick(self, probs: Tensor, out: Tensor | None = None) -> Tensor:
+        y = draw(probs, None, self.generator)
+        return y if out is None else out.copy_(y)
 
 
 class AheadRandoms(Randoms):
@@ -160,9 +161,9 @@ class AheadRandoms(Randoms):
     def uniform(self, shape: tuple[int, ...], like: Tensor) -> Tensor:
         return self._take("uniform", shape).view(shape)
 
-    def pick(self, probs: Tensor) -> Tensor:
+    def pick(self, probs: Tensor, out: Tensor | None = None) -> Tensor:
         e = self._take("pick", tuple(probs.shape))
-        return (probs / e.view(probs.shape)).argmax(dim=-1)  # the exponential race
+        return torch.argmax(probs / e.view(probs.shape), dim=-1, out=out)  # exponential race
 
 
 def accept(
