@@ -80,15 +80,22 @@ def _most(score: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def _reorder(order: Tensor, start: Tensor, chosen: Tensor) -> Tensor:
-    """The order with the ``chosen`` positions (B, k; -1 padding) at slots ``start..`` (B,)
-    of each row, the other undecided positions after them in their old order."""
+    """The order with the ``chosen`` positions (B, k; padding ``n``) at slots ``start..``
+    (B,) of each row, the other undecided positions after them in their old order.
+
+    A sort by keys, the keys made by scatter (a kernel each on a GPU, where comparing every
+    slot with every chosen position took five): slot ``s`` keeps ``s`` below ``start`` and
+    moves to ``s + k`` from it on, unless its position is the ``r``-th chosen one (never
+    below ``start``: those are decided), whose key is ``start + r``. The keys are
+    distinct."""
     B, n = order.shape
     k = chosen.shape[1]
     slot = arange(n, order.device)[None]
-    hit = order[:, :, None] == chosen[:, None, :]  # (B, n, k): positions are unique
-    rank = torch.where(hit.any(dim=2), hit.long().argmax(dim=2), const(k, order.device))
     first = start[:, None]
-    key = torch.where(slot < first, slot, torch.where(rank < k, first + rank, first + k + slot))
+    kept = torch.where(slot < first, slot, arange(n, order.device, start=k)[None])
+    ranked = order.new_full((B, n + 1), n + k)  # by position; column n: the padding's
+    ranked.scatter_(1, chosen, first + arange(k, order.device)[None])
+    key = torch.minimum(ranked.gather(1, order), kept)
     return order.gather(1, key.argsort(dim=1))
 
 
@@ -118,7 +125,7 @@ def _columns(order: Tensor, c: Tensor, chain: Tensor, targets: Tensor, J: int) -
     in_chain = order.gather(1, (c[:, None] + j).clamp(max=n - 1))
     t = j - chain[:, None]
     query = targets.gather(1, t.clamp(0, max(Q - 1, 0))) if Q else torch.full_like(t, -1)
-    query = torch.where((t >= 0) & (t < Q), query, const(-1, order.device))
+    query = torch.where(t < Q, query, const(-1, order.device))  # t < 0: the chain's
     return torch.where(j < chain[:, None], in_chain, query)
 
 
@@ -405,12 +412,11 @@ class _Decode:
         exact conditional. Returns its logits (B, 1, V) and its column (B,)."""
         best = _confidence(raw, self.ctl[0], colpos >= 0).argmax(dim=1)
         pick = colpos.gather(1, best[:, None])
-        pick = torch.where(live[:, None], pick, const(-1, c.device))
+        pick = torch.where(live[:, None], pick, const(self.n, c.device))  # padding: n
         self.order.copy_(_reorder(self.order, c, pick))
         used = raw.gather(1, best[:, None, None].expand(-1, 1, raw.shape[-1]))
         token = self.rnd.pick(probabilities(used[:, 0], *self.ctl)) * live
-        at = torch.where(live[:, None], pick, const(self.n, c.device))
-        self.tok.scatter_(1, at, token[:, None])
+        self.tok.scatter_(1, pick, token[:, None])
         return used, best
 
     def _choose(self, raw, colpos, candidate, c, m, K: int, live) -> Tensor:
@@ -423,9 +429,9 @@ class _Decode:
         c_next = c + (m + 1) * live
         room = (n - c_next).clamp(0, K)
         valid = (arange(Kmax, device)[None] < room[:, None]) & torch.isfinite(vals)
-        chosen = torch.where(valid & live[:, None], colpos.gather(1, cols), const(-1, device))
-        self.order.copy_(_reorder(self.order, c_next, chosen))
-        many = (chosen >= 0).sum(dim=1)
+        chosen = torch.where(valid & live[:, None], colpos.gather(1, cols), const(n, device))
+        self.order.copy_(_reorder(self.order, c_next, chosen))  # (padding n)
+        many = (chosen < n).sum(dim=1)
         Kd = max(K - 1, 0)
         if Kd == 0:
             return (many - 1).clamp(min=0)
@@ -437,8 +443,8 @@ class _Decode:
             stand_in = law.new_zeros(B, Kd - law.shape[1], V)  # a point mass at token 0
             stand_in[..., 0] = 1.0
             law = torch.cat([law, stand_in], dim=1)
-            pos = torch.cat([pos, pos.new_full((B, Kd - pos.shape[1]), -1)], dim=1)
-        real = (pos >= 0) & (arange(Kd, device)[None] < many[:, None] - 1)
+            pos = torch.cat([pos, pos.new_full((B, Kd - pos.shape[1]), n)], dim=1)
+        real = (pos < n) & (arange(Kd, device)[None] < many[:, None] - 1)
         y = self.rnd.pick(law) * real
         pos = torch.where(real, pos, const(n, device))
         self.tok.scatter_(1, pos, torch.where(real, y, self.tok.gather(1, pos)))
