@@ -209,7 +209,10 @@ class _Decode:
         self.model, self.n, self.k, self.ctl, self.generator = model, n, k, ctl, generator
         self.subset = subset
         self.device = device = tokens.device
-        self.order = order.clone()
+        # the order as extend() gives it (slot n the padding's), kept so: a pass reads it
+        # as it is; ``order`` is a view of it
+        self.ext = extend(order)
+        self.order = self.ext[:, :n]
         self.tok = torch.cat([tokens, tokens.new_zeros(B, 1), tokens.new_full((B, 1), -1)], 1)
         self.step_of = torch.full((B, n + 1), -1, dtype=torch.long, device=device)
         V = model.cfg.vocab_size
@@ -219,17 +222,21 @@ class _Decode:
         self.mode = mode
         self.live = LiveRandoms(generator)
         self.rnd: Randoms = self.live
-        self.step = torch.zeros((), dtype=torch.long, device=device)  # the pass, on the device
-        self.c = torch.full((B,), k, dtype=torch.long, device=device)
-        self.e, self.cc, self.D = (torch.zeros_like(self.c) for _ in range(3))
+        # the rows' counters, one (9, B) tensor, so that a pass moves them on in a few ops:
+        # the committed slots c, the kept entries e (ARMD: query stream) and cc (ARMD:
+        # content), the drafts D the next pass verifies, the pass (the same in every row),
+        # and the speculative statistics (live passes, drafted, accepted, made)
+        self.state = torch.zeros(9, B, dtype=torch.long, device=device)
+        self.state[0] = k
+        self.c, self.e, self.cc, self.D, self.step = self.state[:5]
+        self.counts = self.state[5:]
         self.p = torch.zeros(0, device=device)  # the drafts' laws (speculative)
-        self.counts = torch.zeros(4, B, dtype=torch.long, device=device)
         self.runners: dict[tuple, RoundRunner] = {}
 
     def static(self) -> list[Tensor]:
         """The tensors a pass updates in place (a captured pass keeps their storage)."""
-        kept = [self.c, self.e, self.cc, self.D, self.p, self.counts, self.step, self.tok]
-        return kept + [self.order, self.step_of] + ([] if self.logits is None else [self.logits])
+        kept = [self.state, self.p, self.tok, self.ext, self.step_of]
+        return kept + ([] if self.logits is None else [self.logits])
 
     def _draws(self, tail: list[tuple[str, tuple[int, ...]]]) -> AheadRandoms | None:
         """The randoms of a steady pass drawn ahead: the scored subset's, then ``tail``
@@ -256,22 +263,22 @@ class _Decode:
         if info is not None:  # the hook gets its own copies (a replay rewrites these)
             self.on_step(info["pos"].clone(), info["tok"].clone(), passes)
 
-    def _record(self, ext: Tensor, slots: Tensor, logits: Tensor) -> dict | None:
+    def _record(self, slots: Tensor, logits: Tensor) -> dict | None:
         """Note the step and logits of the committed ``slots`` (B, J; padding n) of the
-        order ``ext`` (:func:`~anyorder.sampling.rounds.extend`'s); the hook's tensors."""
-        pos = ext.gather(1, slots)
-        self.step_of.scatter_(1, pos, self.step.expand(pos.shape))
+        order; the hook's tensors. The caller moves the step on."""
+        pos = self.ext.gather(1, slots)
+        self.step_of.scatter_(1, pos, self.step[:, None].expand(pos.shape))
         if self.logits is not None:
             V = logits.shape[-1]
             self.logits.scatter_(1, slots[..., None].expand(-1, -1, V), logits.float())
-        self.step.add_(1)
         if self.on_step is None:
             return None
         return dict(pos=pos, tok=self.tok.gather(1, pos))
 
     def _result(self, passes: int) -> SampleResult:
         n = self.n
-        out = SampleResult(self.tok[:, :n].clone(), self.order, passes, self.step_of[:, :n])
+        order = self.order.clone()
+        out = SampleResult(self.tok[:, :n].clone(), order, passes, self.step_of[:, :n])
         out.logits = None if self.logits is None else self.logits[:, :n]
         return out
 
@@ -285,6 +292,9 @@ class _Decode:
                      static=static)  # fmt: skip
         V = self.model.cfg.vocab_size
         most = min(per_pass, self.subset or n)  # a steady pass's count (fewer: the last)
+        # what a pass that commits ``most`` from c = e + most adds to c, e, cc, D, the step
+        moves = torch.tensor([[most], [most], [0], [0], [1]], device=self.device)
+        self.most, self.moves = most, moves
         self.ahead = self._draws([("pick", (B, most, V))])
         c, e, passes = k, 0, 0  # the host's copies (every row alike)
         while c < n:
@@ -306,7 +316,7 @@ class _Decode:
         trim = not eng.static or first  # the first pass has its own widths
         targets = _targets(self.order, c, self.subset, self.rnd, trim)
         r = Round(e, e, c - 1, c, targets)
-        logits = eng.run(extend(self.order), r, self.tok, start, first, reach=reach)
+        logits = eng.run(self.ext, r, self.tok, start, first, reach=reach)
         logits = logits[:, : targets.shape[1]]  # (B, Q, V) the queries (GPU: padded)
         score = _confidence(logits, self.ctl[0], targets >= 0)
         cols = _most(score, kk)[1]  # (B, kk): fewer candidates than kk never happens
@@ -316,10 +326,14 @@ class _Decode:
         new = self.rnd.pick(probabilities(picked, *self.ctl))
         self.tok.scatter_(1, chosen, new)
         slots = c[:, None] + arange(kk, self.device)
-        info = self._record(extend(self.order), slots, picked)
+        info = self._record(slots, picked)
         eng.forget(c, c)
-        e.copy_(c)
-        c.add_(kk)
+        if start == kk == self.most:  # c - e = kk: one add moves c, e and the step
+            self.state[:5].add_(self.moves)
+        else:
+            e.copy_(c)
+            c.add_(kk)
+            self.step.add_(1)
         return info
 
     def speculative(self, K: int) -> SampleResult:
@@ -363,23 +377,21 @@ class _Decode:
         trim = not eng.static or passes == 0  # the first pass has its own widths
         targets = _targets(self.order, first, self.subset, self.rnd, trim)
         r = Round(e, cc, top, qtop, targets)
-        ext = extend(self.order)  # this pass's order (the first pass reorders it)
-        raw = eng.run(ext, r, self.tok, start, not passes, reach)
+        raw = eng.run(self.ext, r, self.tok, start, not passes, reach)
         chain = (D + 1) * live if head else torch.zeros_like(c)
         colpos = _columns(self.order, c, chain, targets, raw.shape[1])
         if head:
-            m, used = self._verify(ext, raw, c, D, live), raw
+            m, used = self._verify(raw, c, D, live), raw
         else:  # the first pass: the most confident position is committed at once
             used, best = self._first(raw, colpos, c, live)
             m = torch.zeros_like(c)
-            ext = extend(self.order)
         jj = arange(used.shape[1], self.device)
         done = (jj[None] <= m[:, None]) & live[:, None]
-        info = self._record(ext, torch.where(done, c[:, None] + jj, const(n, self.device)), used)
+        info = self._record(torch.where(done, c[:, None] + jj, const(n, self.device)), used)
         jr = arange(raw.shape[1], self.device)[None]
         decided = (jr <= m[:, None]) & (jr < chain[:, None]) if head else jr == best[:, None]
         D_next = self._choose(raw, colpos, (colpos >= 0) & ~decided, c, m, K, live)
-        made = (m + 1) * live  # tokens committed by each row
+        made = m + live  # tokens committed by each row (m is 0 in a finished one)
         c_next = c + made
         if head:
             e_next = c_next
@@ -387,17 +399,21 @@ class _Decode:
         else:
             e_next = cc_next = c
         eng.forget(e_next, cc_next)
-        drafted = D * live if head else torch.zeros_like(c)
-        self.counts += torch.stack([live.long(), drafted, m, made])
-        e.copy_(e_next)
-        cc.copy_(cc_next)
-        c.copy_(c_next)
-        D.copy_(D_next)
+        # the step and the statistics; a finished row has D = 0 (it chose no draft), as has
+        # every row before the first pass
+        self.state[4:].add_(torch.stack([const(1, self.device).expand_as(c), live, D, m, made]))
+        if head:  # c, e, cc, D in one op (each a new tensor)
+            torch.stack([c_next, e_next, cc_next, D_next], out=self.state[:4])
+        else:  # (eager) e and cc take the old c
+            e.copy_(c)
+            cc.copy_(c)
+            c.copy_(c_next)
+            D.copy_(D_next)
         return info
 
-    def _verify(self, ext: Tensor, raw: Tensor, c: Tensor, D: Tensor, live: Tensor) -> Tensor:
+    def _verify(self, raw: Tensor, c: Tensor, D: Tensor, live: Tensor) -> Tensor:
         """The ratio tests of the drafts at slots c..c+D-1; the closing token written."""
-        n = self.n
+        n, ext = self.n, self.ext
         cols = arange(self.p.shape[1], self.device)
         drafts = self.tok.gather(1, ext.gather(1, (c[:, None] + cols).clamp(max=n)))
         chain = raw[:, : self.p.shape[1] + 1]  # the verified slots and the closing one
