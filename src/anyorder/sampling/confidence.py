@@ -378,7 +378,7 @@ class _Decode:
         targets = _targets(self.order, first, self.subset, self.rnd, trim)
         r = Round(e, cc, top, qtop, targets)
         raw = eng.run(self.ext, r, self.tok, start, not passes, reach)
-        chain = (D + 1) * live if head else torch.zeros_like(c)
+        chain = D + live if head else torch.zeros_like(c)  # (D is 0 in a finished row)
         colpos = _columns(self.order, c, chain, targets, raw.shape[1])
         if head:
             m, used = self._verify(raw, c, D, live), raw
@@ -390,9 +390,9 @@ class _Decode:
         info = self._record(torch.where(done, c[:, None] + jj, const(n, self.device)), used)
         jr = arange(raw.shape[1], self.device)[None]
         decided = (jr <= m[:, None]) & (jr < chain[:, None]) if head else jr == best[:, None]
-        D_next = self._choose(raw, colpos, (colpos >= 0) & ~decided, c, m, K, live)
         made = m + live  # tokens committed by each row (m is 0 in a finished one)
         c_next = c + made
+        D_next = self._choose(raw, colpos, (colpos >= 0) & ~decided, c_next, K)
         if head:
             e_next = c_next
             cc_next = (c_next - 1).clamp(min=0) if self.armd else c_next
@@ -435,19 +435,19 @@ class _Decode:
         self.tok.scatter_(1, pick, token[:, None])
         return used, best
 
-    def _choose(self, raw, colpos, candidate, c, m, K: int, live) -> Tensor:
+    def _choose(self, raw, colpos, candidate, c_next, K: int) -> Tensor:
         """The next slots: the ``K`` most confident candidates (fewer near the end) go to
-        slots ``c'..`` (``c' = c + m + 1``); all but the last are drafted (their laws into
-        ``p``). Returns the drafts' counts."""
-        B, device, n = len(c), self.device, self.n
+        slots ``c'..`` (``c_next``: ``c + m + 1``, a finished row's ``n``); all but the last
+        are drafted (their laws into ``p``). Returns the drafts' counts."""
+        B, device, n = len(c_next), self.device, self.n
         Kmax = min(K, raw.shape[1])
         vals, cols = _most(_confidence(raw, self.ctl[0], candidate), Kmax)
-        c_next = c + (m + 1) * live
-        room = (n - c_next).clamp(0, K)
-        valid = (arange(Kmax, device)[None] < room[:, None]) & torch.isfinite(vals)
-        chosen = torch.where(valid & live[:, None], colpos.gather(1, cols), const(n, device))
+        # slots left (none in a finished row), a candidate each (confidences: -inf off the
+        # candidates, else probabilities): a prefix of the columns, ``many`` long
+        valid = (c_next[:, None] + arange(Kmax, device)[None] < n) & (vals > float("-inf"))
+        chosen = torch.where(valid, colpos.gather(1, cols), const(n, device))
         self.order.copy_(_reorder(self.order, c_next, chosen))  # (padding n)
-        many = (chosen < n).sum(dim=1)
+        many = valid.sum(dim=1)
         Kd = max(K - 1, 0)
         if Kd == 0:
             return (many - 1).clamp(min=0)
@@ -460,7 +460,7 @@ class _Decode:
             stand_in[..., 0] = 1.0
             law = torch.cat([law, stand_in], dim=1)
             pos = torch.cat([pos, pos.new_full((B, Kd - pos.shape[1]), n)], dim=1)
-        real = (pos < n) & (arange(Kd, device)[None] < many[:, None] - 1)
+        real = arange(Kd, device)[None] < many[:, None] - 1  # the chosen but the last
         y = self.rnd.pick(law) * real
         pos = torch.where(real, pos, const(n, device))
         self.tok.scatter_(1, pos, torch.where(real, y, self.tok.gather(1, pos)))
