@@ -120,6 +120,32 @@ def test_speculative_confidence_is_exact_for_the_order_chosen(kind, K):
         assert stats.passes.sum() < stats.tokens.sum()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 40), batch=st.integers(1, 4), k=st.integers(0, 6), seed=st.integers(0, 2**16)
+)
+def test_reorder_moves_the_chosen_to_the_start_the_rest_in_order(n, batch, k, seed) -> None:
+    """``_reorder`` (keys by a scatter of the chosen ranks) gives the order of its
+    definition: the slots below ``start`` kept, the chosen positions (padding ``n``) at
+    ``start..`` in their order, the other undecided positions after them in their old
+    order."""
+    from anyorder.sampling.confidence import _reorder
+
+    g = torch.Generator().manual_seed(seed)
+    order = torch.stack([torch.randperm(n, generator=g) for _ in range(batch)])
+    start = torch.randint(0, n + 1, (batch,), generator=g)
+    chosen = torch.full((batch, k), n)
+    want = []
+    for b in range(batch):
+        s = int(start[b])
+        left = order[b, s:].tolist()
+        many = int(torch.randint(0, min(k, len(left)) + 1, (), generator=g))
+        pick = [left[i] for i in torch.randperm(len(left), generator=g)[:many].tolist()]
+        chosen[b, :many] = torch.tensor(pick, dtype=torch.long)
+        want.append(order[b, :s].tolist() + pick + [p for p in left if p not in pick])
+    assert _reorder(order, start, chosen).tolist() == want
+
+
 def test_confidence_errors():
     with pytest.raises(SamplingError, match="gpt cannot score positions out of order"):
         confidence_sample(tiny_model("gpt"), 8)
