@@ -376,9 +376,11 @@ class _Decode:
         first = torch.where(live, top + 1, const(n, self.device))
         trim = not eng.static or passes == 0  # the first pass has its own widths
         targets = _targets(self.order, first, self.subset, self.rnd, trim)
-        r = Round(e, cc, top, qtop, targets)
+        # the verified chain, slots c..c+D (D is 0 in a finished row); from the third pass on
+        # e = c, so it is also the Round's chain (top - e + 1, or 0 in a finished row)
+        chain = D + live if head else torch.zeros_like(c)
+        r = Round(e, cc, top, qtop, targets, chain if passes > 1 else None)
         raw = eng.run(self.ext, r, self.tok, start, not passes, reach)
-        chain = D + live if head else torch.zeros_like(c)  # (D is 0 in a finished row)
         colpos = _columns(self.order, c, chain, targets, raw.shape[1])
         if head:
             m, used = self._verify(raw, c, D, live), raw

@@ -63,12 +63,15 @@ class Round:
     chain_end: Tensor  # the chain is slots e..chain_end (none: e - 1)
     qtop: Tensor  # queries see slots < qtop
     targets: Tensor  # (B, Q) positions the queries predict, a prefix of each row (-1)
-    chain: Tensor = field(init=False)  # (B,) chain entries per row
+    # (B,) chain entries per row, ``max(chain_end - e + 1, 0)``: given by a caller that
+    # knows it (three kernels fewer), else computed
+    chain: Tensor | None = None
     queries: Tensor = field(init=False)  # (B,) queries per row
 
     def __post_init__(self) -> None:
         # computed once, here (``cached_property`` takes a lock that torch.compile refuses)
-        self.chain = (self.chain_end - self.e + 1).clamp(min=0)
+        if self.chain is None:
+            self.chain = (self.chain_end - self.e + 1).clamp(min=0)
         self.queries = (self.targets >= 0).sum(dim=1)
 
 
