@@ -145,10 +145,10 @@ def direct_bytes(n: int, K: int, armd: bool, codes: bool) -> int:
     return 8 * (n + 1) * ((fw if codes else 0) + K * (4 * K + 7))
 
 
-def tail_start(n: int, K: int) -> int:
-    """``c1``, the last count of the steady run (:func:`by_count`): ``n - 2K``, or 0 when
+def tail_start(n: int, K: int) -> int | None:
+    """``c1``, the last count of the steady run (:func:`by_count`): ``n - 2K``, or None when
     the decode is too short to have one (then every count keeps its own row)."""
-    return n - 2 * K if n - 2 * K >= 2 else 0
+    return n - 2 * K if n - 2 * K >= 2 else None
 
 
 def by_count(rows_of, n: int, c1: int | None, device: torch.device | str) -> Tensor:
@@ -160,9 +160,6 @@ def by_count(rows_of, n: int, c1: int | None, device: torch.device | str) -> Ten
     by :func:`at_counts`."""
     if c1 is None:
         return rows_of(torch.arange(n + 1, device=device))[:, None]
-    if c1 == 0:  # a short decode: every count its own row
-        rows = rows_of(torch.arange(n + 1, device=device))
-        return torch.stack([rows, torch.zeros_like(rows)], 1)
     rows = rows_of(torch.arange(c1 - 1, n + 1, device=device))  # c1 - 1, c1, then the tail
     mask = rows[1] - rows[0]
     steady = torch.stack([rows[1] - c1 * mask, mask])[None]
@@ -195,8 +192,9 @@ class Counts:
     none for a row per count)."""
 
     def __init__(self, n: int, K: int, armd: bool, codes: bool, device) -> None:
-        self.direct = direct_bytes(n, K, armd, codes) <= DIRECT_BYTES
-        c1 = None if self.direct else tail_start(n, K)
+        c1 = tail_start(n, K)
+        self.direct = c1 is None or direct_bytes(n, K, armd, codes) <= DIRECT_BYTES
+        c1 = None if self.direct else c1
         # count c's row: #{b < c} (a row per count: c itself)
         self.bounds = None if self.direct else torch.arange(c1, n + 1, device=device)
         self.codes = (

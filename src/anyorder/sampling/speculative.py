@@ -315,14 +315,15 @@ class _Loop:
         info = None
         if self.hooks:
             dslot = (c[:, None] + self.cols).clamp(max=n)
-            verified = ext.gather(1, torch.where(self.cols < D[:, None], dslot, n))
+            real = self.cols < D[:, None]  # the verified drafts
+            verified = ext.gather(1, torch.where(real, dslot, n))
             decided = pos[:, 1 : 1 + min(J, K)]  # (B, K), padding n: at most K per pass
             # tokens 0 at the padding (position n: what padding drew there)
-            drafts = self.drafts * (self.cols < D[:, None])
+            drafts = self.drafts * real
             info = dict(positions=verified, tokens=drafts, accepted=m, position=pos[:, 0],
                         token=closing * (pos[:, 0] < n), decided=decided)  # fmt: skip
-        # c' = c + m + 1 for a live row (none for a finished one), the next drafts (0 once
-        # a row is done), the counts (a finished row's D and m are 0), the next pass
+        # c' = c + m + 1 for a live row (none for a finished one), the next drafts (none
+        # real once a row is done), the counts (a finished row's D and m are 0), the pass
         if first:  # (eager) it verified no draft: D was 0, not D(c), and the counts stay
             self.state[:2].copy_(after[:, at.state].T)
             self.step.add_(1)
